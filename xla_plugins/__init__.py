@@ -1,0 +1,24 @@
+"""Chip types as PJRT backends.
+
+Every chip type h2jax trains on is a PJRT backend registered with JAX under a name.
+Real accelerators come from their vendors' plugins (see :mod:`xla_plugins.vendors`);
+on a machine without accelerators, :mod:`xla_plugins.emulated` registers *emulated*
+chip types: separate CPU PJRT clients that share the host's CPU cores.
+"""
+
+from xla_plugins.emulated import (
+    EmulatedBackendError,
+    backend_name,
+    emulated_backends,
+    register_emulated_chips,
+)
+from xla_plugins.vendors import VENDOR_PLATFORMS, platform_of
+
+__all__ = [
+    "EmulatedBackendError",
+    "VENDOR_PLATFORMS",
+    "backend_name",
+    "emulated_backends",
+    "platform_of",
+    "register_emulated_chips",
+]
