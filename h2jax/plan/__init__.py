@@ -1,0 +1,51 @@
+"""h2jax.plan: the pure half of h2jax — plans, schedules, placement and their checks.
+
+This package never imports jax (only the standard library, numpy and pyyaml), so a
+plan can be written, validated and simulated on a laptop with no accelerator, and every
+function here is tested exhaustively in milliseconds. The runtime imports it, never the
+reverse.
+"""
+
+from h2jax.plan._plan import (
+    SCHEDULES,
+    Plan,
+    PlanError,
+    StageSpec,
+    assign_devices,
+    check_plan,
+    even_layers,
+)
+from h2jax.plan._schedule import (
+    Event,
+    GPipe,
+    Grid,
+    OneFOneB,
+    Schedule,
+    Task,
+    bubble_fraction,
+    check_execution,
+    get_schedule,
+    grid_events,
+    stage_tasks,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Event",
+    "GPipe",
+    "Grid",
+    "OneFOneB",
+    "Plan",
+    "PlanError",
+    "Schedule",
+    "StageSpec",
+    "Task",
+    "assign_devices",
+    "bubble_fraction",
+    "check_execution",
+    "check_plan",
+    "even_layers",
+    "get_schedule",
+    "grid_events",
+    "stage_tasks",
+]

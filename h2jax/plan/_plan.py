@@ -1,0 +1,516 @@
+"""The Plan: the serialisable contract between the planner and the runtime.
+
+A Plan says, for every pipeline stage, which chip type runs it, its mesh shape
+(data x tensor), which layers it holds and whether it recomputes activations; plus the
+schedule and batch sizes. The planner writes one, the runtime executes it, a person can
+read and edit it as YAML. Everything here is plain Python: validation happens before any
+device is touched, and every error names the dotted key, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import yaml
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+
+_STAGE_KEYS = ("chip", "layers", "data", "tensor", "recompute")
+_STAGE_REQUIRED = ("chip", "layers")
+_PLAN_KEYS = ("model", "global_batch", "num_microbatches", "schedule", "stages")
+_PLAN_REQUIRED = ("global_batch", "num_microbatches", "stages")
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; `key` is the dotted path of the offending field."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # ValueError would re-create the error from its one formatted arg.
+        return (type(self), (self.key, self.message))
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage: a contiguous layer range on a (data x tensor) mesh of one chip type.
+
+    `layers` is half-open [start, end) in model layer indices. `data` and `tensor` are
+    mesh axis sizes in devices. `recompute` trades one extra forward per microbatch for
+    keeping only the stage input in memory.
+    """
+
+    chip: str
+    layers: tuple[int, int]
+    data: int = 1
+    tensor: int = 1
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept a list (as read from YAML) but store a tuple so specs stay hashable.
+        if isinstance(self.layers, list):
+            object.__setattr__(self, "layers", tuple(self.layers))
+
+    @property
+    def num_devices(self) -> int:
+        """Devices this stage occupies: data * tensor."""
+        return self.data * self.tensor
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The complete decision for one training run (see DESIGN.md, "The Plan").
+
+    `global_batch` is in sequences per optimizer step; it is split into
+    `num_microbatches` equal microbatches that flow through the pipeline. More
+    microbatches shrink the pipeline bubble (~(num_stages-1)/num_microbatches of a step)
+    but make each microbatch smaller, and so each kernel less efficient.
+    """
+
+    stages: tuple[StageSpec, ...]
+    global_batch: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stages, list):
+            object.__setattr__(self, "stages", tuple(self.stages))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per microbatch (global_batch // num_microbatches)."""
+        return self.global_batch // self.num_microbatches
+
+    # -- serialisation ---------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of YAML-able values; `layers` becomes a 2-element list."""
+        return {
+            "model": self.model,
+            "global_batch": self.global_batch,
+            "num_microbatches": self.num_microbatches,
+            "schedule": self.schedule,
+            "stages": [
+                {
+                    "chip": s.chip,
+                    "data": s.data,
+                    "tensor": s.tensor,
+                    "layers": [s.layers[0], s.layers[1]],
+                    "recompute": s.recompute,
+                }
+                for s in self.stages
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, *, key_prefix: str = "plan") -> Plan:
+        """Build a Plan from plain data, checking every field's type strictly.
+
+        Unknown keys, missing required keys and wrong types (a bool is not an int)
+        raise PlanError naming the dotted key, e.g. `plan.stages[0].layers`. Values
+        are checked against a model and a cluster by `check_plan`, not here.
+        """
+        _check_keys(d, key_prefix, _PLAN_KEYS, _PLAN_REQUIRED)
+        stages_raw = d["stages"]
+        if not isinstance(stages_raw, (list, tuple)):
+            raise PlanError(
+                f"{key_prefix}.stages",
+                f"expected a list of stages, got {type(stages_raw).__name__} {stages_raw!r}",
+            )
+        stages = tuple(
+            _stage_from_dict(s, f"{key_prefix}.stages[{i}]") for i, s in enumerate(stages_raw)
+        )
+        model = d.get("model")
+        if model is not None and not isinstance(model, str):
+            raise PlanError(
+                f"{key_prefix}.model",
+                f"expected a string or null, got {type(model).__name__} {model!r}",
+            )
+        schedule = d.get("schedule", "1f1b")
+        if not isinstance(schedule, str):
+            raise PlanError(
+                f"{key_prefix}.schedule",
+                f"expected a string (one of {', '.join(SCHEDULES)}), "
+                f"got {type(schedule).__name__} {schedule!r}",
+            )
+        return cls(
+            stages=stages,
+            global_batch=_as_int(d["global_batch"], f"{key_prefix}.global_batch"),
+            num_microbatches=_as_int(d["num_microbatches"], f"{key_prefix}.num_microbatches"),
+            schedule=schedule,
+            model=model,
+        )
+
+    def to_yaml(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as commented, hand-editable YAML (one flow mapping per stage)."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_yaml_str())
+
+    def to_yaml_str(self) -> str:
+        """The text `to_yaml` writes."""
+        total_layers = sum(s.num_layers for s in self.stages)
+        total_devices = sum(s.num_devices for s in self.stages)
+        lines = [
+            "# h2jax plan: written by `h2jax plan`, read by `h2jax train`; editable by hand.",
+            f"# {self.num_stages} stages, {total_layers} layers, {total_devices} devices.",
+            "# stages[i].layers is half-open [start, end); data x tensor = devices of the stage.",
+            _commented(f"model: {_scalar(self.model)}", "model config this plan was made for"),
+            _commented(f"global_batch: {_scalar(self.global_batch)}", "sequences per optimizer step"),
+        ]
+        mb = (
+            f"microbatch = {self.global_batch // self.num_microbatches} sequences"
+            if isinstance(self.num_microbatches, int) and self.num_microbatches > 0
+            else "microbatches per step"
+        )
+        lines.append(_commented(f"num_microbatches: {_scalar(self.num_microbatches)}", mb))
+        lines.append(
+            _commented(f"schedule: {_scalar(self.schedule)}", " | ".join(SCHEDULES))
+        )
+        lines.append(_commented("stages:", "ordered: stage 0 = embedding side"))
+        for stage in self.to_dict()["stages"]:
+            lines.append(f"  - {_scalar(stage)}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], *, key_prefix: str = "plan") -> Plan:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+        return cls.from_dict(data, key_prefix=key_prefix)
+
+
+def _scalar(value: Any) -> str:
+    """One value as single-line YAML flow text (quoted only where YAML needs it)."""
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=math.inf)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
+
+def _commented(text: str, comment: str) -> str:
+    return f"{text:<25} # {comment}"
+
+
+def _check_keys(d: Any, key: str, allowed: Sequence[str], required: Sequence[str]) -> None:
+    if not isinstance(d, Mapping):
+        raise PlanError(key, f"expected a mapping, got {type(d).__name__} {d!r}")
+    for k in d:
+        if k not in allowed:
+            raise PlanError(f"{key}.{k}", f"unknown key; expected one of {', '.join(allowed)}")
+    for k in required:
+        if k not in d:
+            raise PlanError(f"{key}.{k}", "required key is missing")
+
+
+def _as_int(value: Any, key: str) -> int:
+    # bool is a subclass of int; `data: true` is a typo, not a mesh size.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise PlanError(key, f"expected an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _stage_from_dict(d: Any, key: str) -> StageSpec:
+    _check_keys(d, key, _STAGE_KEYS, _STAGE_REQUIRED)
+    chip = d["chip"]
+    if not isinstance(chip, str):
+        raise PlanError(f"{key}.chip", f"expected a string, got {type(chip).__name__} {chip!r}")
+    layers = d["layers"]
+    if not isinstance(layers, (list, tuple)) or len(layers) != 2:
+        raise PlanError(
+            f"{key}.layers",
+            f"expected [start, end] (2 ints, end exclusive), got {layers!r}",
+        )
+    start = _as_int(layers[0], f"{key}.layers[0]")
+    end = _as_int(layers[1], f"{key}.layers[1]")
+    recompute = d.get("recompute", False)
+    if not isinstance(recompute, (bool, np.bool_)):
+        raise PlanError(
+            f"{key}.recompute",
+            f"expected a bool, got {type(recompute).__name__} {recompute!r}",
+        )
+    return StageSpec(
+        chip=chip,
+        layers=(start, end),
+        data=_as_int(d.get("data", 1), f"{key}.data"),
+        tensor=_as_int(d.get("tensor", 1), f"{key}.tensor"),
+        recompute=bool(recompute),
+    )
+
+
+# -- validation --------------------------------------------------------------------------
+
+
+def _ranges(plan: Plan) -> str:
+    return ", ".join(f"[{s.layers[0]}, {s.layers[1]})" for s in plan.stages)
+
+
+def check_plan(
+    plan: Plan,
+    *,
+    num_layers: int,
+    chip_devices: Mapping[str, int] | None = None,
+    devices_per_node: Mapping[str, int] | None = None,
+    divisible_by_tensor: Mapping[str, int] | None = None,
+    key_prefix: str = "plan",
+) -> None:
+    """Raise PlanError for the first reason `plan` cannot run; return None if it can.
+
+    `num_layers` is the model's block count. `chip_devices` maps chip type to devices in
+    the cluster; `devices_per_node` maps chip type to devices per node (a stage lives
+    inside one node in single-process mode). `divisible_by_tensor` maps a named model
+    size (e.g. "model.n_heads") to its value; every stage's tensor degree must divide it,
+    or the tensor axis cannot shard that dim evenly.
+    """
+    p = key_prefix
+    if plan.num_stages < 1:
+        raise PlanError(f"{p}.stages", f"the plan has {plan.num_stages} stages; expected at least 1")
+    for i, s in enumerate(plan.stages):
+        for axis, size in (("data", s.data), ("tensor", s.tensor)):
+            if size < 1:
+                raise PlanError(f"{p}.stages[{i}].{axis}", f"{axis}={size}; expected >= 1")
+
+    # layers: [0, num_layers) covered exactly once, contiguous, in stage order
+    expected_start = 0
+    for i, s in enumerate(plan.stages):
+        start, end = s.layers
+        where = f"stages must cover [0, {num_layers}) contiguously in order; got {_ranges(plan)}"
+        if start >= end:
+            raise PlanError(
+                f"{p}.stages[{i}].layers",
+                f"layers [{start}, {end}) hold no layer; each stage needs at least one; {where}",
+            )
+        if start != expected_start:
+            after = "the model starts at layer 0" if i == 0 else f"stage {i - 1} ends at layer {expected_start}"
+            raise PlanError(
+                f"{p}.stages[{i}].layers",
+                f"stage {i} starts at layer {start}, expected {expected_start} ({after}); {where}",
+            )
+        expected_start = end
+    if expected_start != num_layers:
+        raise PlanError(
+            f"{p}.stages",
+            f"stages end at layer {expected_start}, the model has num_layers={num_layers}; "
+            f"stages must cover [0, {num_layers}) contiguously in order; got {_ranges(plan)}",
+        )
+
+    if plan.global_batch < 1:
+        raise PlanError(f"{p}.global_batch", f"global_batch={plan.global_batch}; expected >= 1")
+    if plan.num_microbatches < 1:
+        raise PlanError(
+            f"{p}.num_microbatches", f"num_microbatches={plan.num_microbatches}; expected >= 1"
+        )
+    if plan.global_batch % plan.num_microbatches:
+        raise PlanError(
+            f"{p}.num_microbatches",
+            f"num_microbatches={plan.num_microbatches} does not divide "
+            f"global_batch={plan.global_batch}",
+        )
+    mb = plan.microbatch_size
+    for i, s in enumerate(plan.stages):
+        if mb % s.data:
+            raise PlanError(
+                f"{p}.stages[{i}].data",
+                f"data={s.data} does not divide microbatch_size={mb} "
+                f"(global_batch={plan.global_batch} / num_microbatches={plan.num_microbatches})",
+            )
+    for name, size in (divisible_by_tensor or {}).items():
+        for i, s in enumerate(plan.stages):
+            if size % s.tensor:
+                raise PlanError(
+                    f"{p}.stages[{i}].tensor", f"tensor={s.tensor} does not divide {name}={size}"
+                )
+
+    for inventory in (chip_devices, devices_per_node):
+        if inventory is None:
+            continue
+        for i, s in enumerate(plan.stages):
+            if s.chip not in inventory:
+                raise PlanError(
+                    f"{p}.stages[{i}].chip",
+                    f"chip {s.chip!r} is not in the cluster; known chips: "
+                    f"{', '.join(sorted(inventory)) or '(none)'}",
+                )
+    if chip_devices is not None:
+        for chip, idxs in _stages_by_chip(plan).items():
+            need = [plan.stages[i].num_devices for i in idxs]
+            if sum(need) > chip_devices[chip]:
+                raise PlanError(
+                    f"{p}.stages",
+                    f"stages on chip {chip} need {_sum_text(need)} devices, the cluster has "
+                    f"{chip_devices[chip]} ({_stage_shapes(plan, idxs)})",
+                )
+    if devices_per_node is not None:
+        for i, s in enumerate(plan.stages):
+            if s.num_devices > devices_per_node[s.chip]:
+                raise PlanError(
+                    f"{p}.stages[{i}]",
+                    f"stage {i} needs data*tensor = {s.data}*{s.tensor} = {s.num_devices} "
+                    f"devices of chip {s.chip}, a node has {devices_per_node[s.chip]} "
+                    "(a stage lives inside one node)",
+                )
+
+    if plan.schedule not in SCHEDULES:
+        raise PlanError(
+            f"{p}.schedule", f"schedule={plan.schedule!r} is not one of {', '.join(SCHEDULES)}"
+        )
+
+
+def _stages_by_chip(plan: Plan) -> dict[str, list[int]]:
+    by_chip: dict[str, list[int]] = {}
+    for i, s in enumerate(plan.stages):
+        by_chip.setdefault(s.chip, []).append(i)
+    return by_chip
+
+
+def _sum_text(need: Sequence[int]) -> str:
+    return f"{'+'.join(map(str, need))} = {sum(need)}" if len(need) > 1 else str(sum(need))
+
+
+def _stage_shapes(plan: Plan, idxs: Sequence[int]) -> str:
+    return ", ".join(
+        f"stage {i}: {plan.stages[i].data}x{plan.stages[i].tensor}" for i in idxs
+    )
+
+
+# -- placement ---------------------------------------------------------------------------
+
+
+def assign_devices(
+    plan: Plan,
+    *,
+    nodes: Mapping[str, int],
+    devices_per_node: Mapping[str, int],
+    key_prefix: str = "plan",
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Place every stage on one node of its chip type.
+
+    Returns, per stage, `(node_index, device_indices)`: the node's index among the
+    nodes of that chip type, and the device indices within that node. Stages spread
+    over distinct nodes first (programs on one node run one after another in
+    single-process mode, so consecutive stages of one chip type on separate nodes can
+    overlap); when that does not fit, stages are packed first-fit in stage order, and as
+    a last resort an exhaustive search is tried. Raises PlanError when nothing fits.
+    """
+    p = key_prefix
+    result: list[tuple[int, tuple[int, ...]] | None] = [None] * plan.num_stages
+    for chip, idxs in _stages_by_chip(plan).items():
+        for i in idxs:
+            if chip not in nodes or chip not in devices_per_node:
+                known = sorted(set(nodes) & set(devices_per_node))
+                raise PlanError(
+                    f"{p}.stages[{i}].chip",
+                    f"chip {chip!r} is not in the cluster; known chips: {', '.join(known) or '(none)'}",
+                )
+        n_nodes, per_node = nodes[chip], devices_per_node[chip]
+        need = [plan.stages[i].num_devices for i in idxs]
+        for i, n in zip(idxs, need):
+            if n > per_node:
+                raise PlanError(
+                    f"{p}.stages[{i}]",
+                    f"stage {i} needs {plan.stages[i].data}*{plan.stages[i].tensor} = {n} devices "
+                    f"of chip {chip}, a node has {per_node} (a stage never spans nodes)",
+                )
+        if sum(need) > n_nodes * per_node:
+            raise PlanError(
+                f"{p}.stages",
+                f"stages on chip {chip} need {_sum_text(need)} devices, the cluster has "
+                f"{n_nodes} nodes x {per_node} = {n_nodes * per_node} "
+                f"({_stage_shapes(plan, idxs)})",
+            )
+        placement = (
+            _place_greedy(need, n_nodes, per_node, spread=True)
+            or _place_greedy(need, n_nodes, per_node, spread=False)
+            or _place_search(need, n_nodes, per_node)
+        )
+        if placement is None:
+            raise PlanError(
+                f"{p}.stages",
+                f"stages on chip {chip} need {'+'.join(map(str, need))} devices, which do not fit "
+                f"on {n_nodes} nodes of {per_node} devices without a stage spanning nodes",
+            )
+        used = [0] * n_nodes
+        for i, n, node in zip(idxs, need, placement):
+            result[i] = (node, tuple(range(used[node], used[node] + n)))
+            used[node] += n
+    return tuple(r for r in result if r is not None)
+
+
+def _place_greedy(need: Sequence[int], n_nodes: int, per_node: int, *, spread: bool) -> list[int] | None:
+    """Node per stage, first-fit in stage order; with `spread`, an empty node when one fits."""
+    free = [per_node] * n_nodes
+    placement = []
+    for n in need:
+        fits = [k for k in range(n_nodes) if free[k] >= n]
+        if spread:
+            # an empty node if one fits, else the first node with room
+            fits = [k for k in fits if free[k] == per_node] or fits
+        if not fits:
+            return None
+        free[fits[0]] -= n
+        placement.append(fits[0])
+    return placement
+
+
+def _place_search(need: Sequence[int], n_nodes: int, per_node: int, max_steps: int = 100_000) -> list[int] | None:
+    """Exact bin packing by depth-first search; empty nodes are interchangeable."""
+    free = [per_node] * n_nodes
+    placement: list[int] = []
+    steps = 0
+
+    def visit(j: int) -> bool:
+        nonlocal steps
+        if j == len(need):
+            return True
+        steps += 1
+        if steps > max_steps:
+            return False
+        tried_empty = False
+        for k in range(n_nodes):
+            if free[k] < need[j] or (free[k] == per_node and tried_empty):
+                continue
+            tried_empty = tried_empty or free[k] == per_node
+            free[k] -= need[j]
+            placement.append(k)
+            if visit(j + 1):
+                return True
+            placement.pop()
+            free[k] += need[j]
+        return False
+
+    return placement if visit(0) else None
+
+
+def even_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Split [0, num_layers) into num_stages contiguous half-open ranges, sizes within 1.
+
+    The first `num_layers % num_stages` stages get the extra layer.
+    """
+    if num_stages < 1 or num_layers < num_stages:
+        raise ValueError(
+            f"cannot split num_layers={num_layers} into num_stages={num_stages} "
+            "non-empty stages; expected 1 <= num_stages <= num_layers"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for i in range(num_stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
