@@ -1,0 +1,29 @@
+"""Tokenizers, corpora, token datasets and deterministic per-(step, microbatch) batching.
+
+Pure numpy; no JAX import.
+"""
+
+from h2jax.data._batching import get_global_batch, get_microbatch
+from h2jax.data._corpus import default_corpus_text, load_text
+from h2jax.data._dataset import TokenDataset, load_dataset
+from h2jax.data._tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    token_dtype_for,
+)
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "TokenDataset",
+    "Tokenizer",
+    "default_corpus_text",
+    "get_global_batch",
+    "get_microbatch",
+    "load_dataset",
+    "load_text",
+    "load_tokenizer",
+    "token_dtype_for",
+]

@@ -1,0 +1,83 @@
+"""Deterministic, resumable batching: a batch is a pure function of (seed, step, microbatch_idx).
+
+No iterator state exists, so resuming at step ``s`` needs only ``s``; and since every
+microbatch is drawn from its own generator seeded with ``[seed, step, microbatch_idx]``,
+the global batch of a step is the concatenation of its microbatches. Changing
+``num_microbatches`` at a fixed microbatch size keeps microbatches ``0..n-1`` of every
+step identical; a stage of the pipeline can draw microbatch ``i`` without drawing the others.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from h2jax.data._dataset import TokenDataset
+
+
+def get_microbatch(
+    dataset: TokenDataset,
+    *,
+    seed: int,
+    step: int,
+    microbatch_idx: int,
+    microbatch_size: int,
+    seq_len: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One microbatch: ``(tokens, targets)``, both int32 of shape [microbatch_size, seq_len].
+
+    Each row is a window of ``seq_len + 1`` consecutive tokens whose start is drawn
+    uniformly from the ``len(dataset) - seq_len`` valid starts by
+    ``np.random.default_rng([seed, step, microbatch_idx])``; ``targets`` is ``tokens``
+    shifted left by one (the next token at every position).
+    """
+    if microbatch_size < 1 or seq_len < 1:
+        raise ValueError(
+            f"microbatch_size and seq_len must be >= 1, got {microbatch_size} and {seq_len}"
+        )
+    if min(seed, step, microbatch_idx) < 0:
+        raise ValueError(
+            f"seed, step and microbatch_idx must be >= 0, got {seed}, {step}, {microbatch_idx}"
+        )
+    num_starts = len(dataset) - seq_len
+    if num_starts < 1:
+        raise ValueError(
+            f"dataset has {len(dataset)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+            f"use a larger corpus or a smaller model.seq_len"
+        )
+    rng = np.random.default_rng([seed, step, microbatch_idx])
+    starts = rng.integers(0, num_starts, size=microbatch_size)
+    # Gather only the needed windows: works on a memmap without reading the whole file.
+    windows = np.stack([np.asarray(dataset.tokens[s : s + seq_len + 1]) for s in starts])
+    windows = windows.astype(np.int32)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def get_global_batch(
+    dataset: TokenDataset,
+    *,
+    seed: int,
+    step: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    seq_len: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """All microbatches of one step: ``(tokens, targets)``, int32 of shape
+    [num_microbatches, microbatch_size, seq_len].
+
+    Exactly ``get_microbatch(..., microbatch_idx=i)`` stacked for ``i`` in
+    ``range(num_microbatches)``; global batch = num_microbatches x microbatch_size sequences.
+    """
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    pairs = [
+        get_microbatch(
+            dataset,
+            seed=seed,
+            step=step,
+            microbatch_idx=i,
+            microbatch_size=microbatch_size,
+            seq_len=seq_len,
+        )
+        for i in range(num_microbatches)
+    ]
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])

@@ -1,0 +1,99 @@
+"""Token datasets: one flat 1-D array of token ids, in memory or memory-mapped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from h2jax.data._corpus import default_corpus_text, load_text
+from h2jax.data._tokenizer import Tokenizer, load_tokenizer
+
+_TOKEN_FILE_DTYPES = ("uint16", "uint32")
+
+
+@dataclass(frozen=True)
+class TokenDataset:
+    """A 1-D array of token ids (shape [num_tokens]) and the vocabulary it indexes."""
+
+    tokens: np.ndarray
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 1:
+            raise ValueError(f"TokenDataset.tokens must be 1-D, got shape {self.tokens.shape}")
+
+    @classmethod
+    def from_text(cls, text: str, tokenizer: Tokenizer) -> TokenDataset:
+        """Tokenize ``text`` whole with ``tokenizer``."""
+        return cls(tokens=tokenizer.encode(text), vocab_size=int(tokenizer.vocab_size))
+
+    @classmethod
+    def from_file(
+        cls, path: str | Path, *, dtype: str = "uint16", vocab_size: int | None = None
+    ) -> TokenDataset:
+        """Memory-map a nanoGPT-layout token file: raw little-endian ids, no header.
+
+        ``dtype`` is ``"uint16"`` (2 bytes/token) or ``"uint32"`` (4 bytes/token).
+        ``vocab_size`` defaults to max id + 1 (one pass over the file); pass the
+        tokenizer's vocabulary size when you know it. Ids must be below ``vocab_size``.
+        """
+        if dtype not in _TOKEN_FILE_DTYPES:
+            raise ValueError(
+                f"data.token_dtype={dtype!r} is not valid: expected one of {_TOKEN_FILE_DTYPES}"
+            )
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"data.token_file: {str(path)!r} does not exist")
+        np_dtype = np.dtype(dtype).newbyteorder("<")
+        num_bytes = path.stat().st_size
+        if num_bytes < np_dtype.itemsize or num_bytes % np_dtype.itemsize:
+            raise ValueError(
+                f"data.token_file {str(path)!r} has {num_bytes} bytes, which is not a positive "
+                f"multiple of {np_dtype.itemsize} bytes per {dtype} token; check data.token_dtype"
+            )
+        tokens = np.memmap(path, dtype=np_dtype, mode="r")
+        max_id = int(tokens.max())
+        if vocab_size is None:
+            vocab_size = max_id + 1
+        elif max_id >= vocab_size:
+            raise ValueError(
+                f"data.token_file {str(path)!r} holds token id {max_id}, but the tokenizer's "
+                f"vocab_size is {vocab_size}; check data.tokenizer and data.token_dtype"
+            )
+        return cls(tokens=tokens, vocab_size=vocab_size)
+
+    def split(self, val_fraction: float) -> tuple[TokenDataset, TokenDataset]:
+        """Contiguous (train, val) split: the last ``val_fraction`` of tokens is validation."""
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        num_val = int(round(len(self) * val_fraction))
+        cut = len(self) - num_val
+        return (
+            TokenDataset(tokens=self.tokens[:cut], vocab_size=self.vocab_size),
+            TokenDataset(tokens=self.tokens[cut:], vocab_size=self.vocab_size),
+        )
+
+    def __len__(self) -> int:
+        """Number of tokens."""
+        return int(self.tokens.shape[0])
+
+
+def load_dataset(
+    *, corpus: str, token_file: str | None, tokenizer: str, token_dtype: str
+) -> TokenDataset:
+    """Build the dataset the ``data.*`` config keys describe.
+
+    ``token_file`` (a pre-tokenized flat binary of ``token_dtype``) wins when given;
+    its vocabulary size is ``tokenizer``'s.
+    Otherwise ``corpus`` is ``"pydoc"`` (the built-in stdlib corpus) or a path to a
+    UTF-8 text file, tokenized with ``tokenizer`` (see ``load_tokenizer``).
+    """
+    if token_file:
+        # The tokenizer that wrote the file knows the true vocabulary size; from_file
+        # checks every id is below it, so a mismatched tokenizer fails loudly here.
+        vocab_size = load_tokenizer(tokenizer).vocab_size
+        return TokenDataset.from_file(token_file, dtype=token_dtype, vocab_size=vocab_size)
+    text = default_corpus_text() if corpus == "pydoc" else load_text(corpus)
+    return TokenDataset.from_text(text, load_tokenizer(tokenizer))
