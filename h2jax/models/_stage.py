@@ -1,0 +1,90 @@
+"""Cutting a stageable model into pipeline stages, and reading its tensor-parallel layout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from flax import nnx
+
+
+def check_stageable(model: object) -> None:
+    """Raise TypeError unless `model` has the stageable form h2jax trains.
+
+    The form: an `nnx.Module` with `.embed` (callable, tokens -> h), `.blocks` (a sequence
+    of callables, h -> h) and `.head` (callable, (h, targets) -> scalar loss).
+    """
+    name = type(model).__name__
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"{name} is not a flax.nnx.Module; h2jax trains NNX modules in the stageable form"
+        )
+    missing = [attr for attr in ("embed", "blocks", "head") if not hasattr(model, attr)]
+    if missing:
+        raise TypeError(
+            f"{name} is not stageable: it lacks {', '.join(missing)}. A stageable model has "
+            ".embed(tokens) -> h, .blocks (a sequence of block(h) -> h) and "
+            ".head(h, targets) -> scalar loss"
+        )
+    for attr in ("embed", "head"):
+        if not callable(getattr(model, attr)):
+            kind = type(getattr(model, attr)).__name__
+            raise TypeError(f"{name}.{attr} is not callable ({kind})")
+    blocks = model.blocks
+    if not isinstance(blocks, Sequence | nnx.List) or isinstance(blocks, str):
+        raise TypeError(
+            f"{name}.blocks must be a sequence of blocks (e.g. nnx.List), "
+            f"got {type(blocks).__name__}"
+        )
+    if len(blocks) == 0:
+        raise TypeError(f"{name}.blocks is empty; a stage needs at least one block to hold")
+    for i, block in enumerate(blocks):
+        if not callable(block):
+            raise TypeError(f"{name}.blocks[{i}] is not callable ({type(block).__name__})")
+
+
+class StageModule(nnx.Module):
+    """The part of a stageable model that one pipeline stage runs.
+
+    Holds the model's own submodules, not copies: `embed` if `first`, the blocks in
+    `layers = (start, stop)` (half-open, indices into `model.blocks`) as an nnx.List, and
+    `head` if `last`. Absent parts are None. Splitting one model into stages whose layer
+    ranges tile [0, n_layers) therefore partitions its parameters: each one lives in
+    exactly one stage.
+    """
+
+    def __init__(self, model: nnx.Module, *, layers: tuple[int, int], first: bool, last: bool):
+        check_stageable(model)
+        start, stop = layers
+        n_layers = len(model.blocks)
+        if not 0 <= start <= stop <= n_layers:
+            raise ValueError(f"layers={layers} is not a range within [0, {n_layers}] blocks")
+        if start == stop and not (first or last):
+            raise ValueError(f"layers={layers} is empty and the stage holds neither embed nor head")
+        self.first, self.last, self.layers = first, last, (start, stop)
+        self.embed = model.embed if first else None
+        self.blocks = nnx.List([model.blocks[i] for i in range(start, stop)])
+        self.head = model.head if last else None
+
+    def __call__(self, x: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+        """tokens (first) or h -> h, or the scalar loss (last; needs `targets`)."""
+        h = self.embed(x) if self.first else x
+        for block in self.blocks:
+            h = block(h)
+        if not self.last:
+            return h
+        if targets is None:
+            raise ValueError("the last stage computes the loss and needs targets")
+        return self.head(h, targets)
+
+
+def partition_specs(module: nnx.Module) -> nnx.State:
+    """PartitionSpecs of every nnx.Param of `module`, read from its NNX sharding metadata.
+
+    The result matches `nnx.split(module, nnx.Param)[1]` leaf for leaf (same State tree,
+    each leaf a `jax.sharding.PartitionSpec`), so
+    `jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(m))` is a sharding
+    tree for `jax.device_put(state, ...)`. A Param without metadata gets P() (replicated).
+    """
+    _, params = nnx.split(module, nnx.Param)
+    return nnx.get_partition_spec(params)
