@@ -1,0 +1,214 @@
+"""Per-step training metrics: a JSON-lines file, TensorBoard scalars, a progress bar.
+
+``metrics.jsonl`` is the record of truth: one JSON object per :meth:`MetricsLogger.log`
+call, flushed at once so a crash loses nothing already logged. TensorBoard and the
+rich progress bar are views of the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+__all__ = ["METRICS_FILENAME", "TB_DIRNAME", "MetricsLogger", "read_metrics"]
+
+METRICS_FILENAME = "metrics.jsonl"
+"""Name of the JSON-lines metrics file inside a run directory."""
+
+TB_DIRNAME = "tb"
+"""Name of the TensorBoard log directory inside a run directory."""
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly Python scalar for numpy / JAX 0-d values; others unchanged."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError):  # not a single element: leave it to json
+            return value
+    return value
+
+
+def _is_numeric(value: Any) -> bool:
+    return isinstance(value, numbers.Real)
+
+
+class MetricsLogger:
+    """Write one step's metrics to ``run_dir/metrics.jsonl``, TensorBoard and the console.
+
+    Args:
+        run_dir: directory of the run (created if missing). The JSONL file is opened
+            in append mode, so a resumed run continues the same file.
+        total_steps: steps in the run; the progress bar's total.
+        tensorboard: also write every numeric metric as a scalar under ``run_dir/tb``.
+        progress: show a rich progress bar (step/total, loss, tokens/s, times).
+            When ``False`` nothing is printed at all.
+        console: rich console for the bar; default: a new ``Console()`` on stdout.
+        loss_key: metric shown as "loss" on the bar.
+        throughput_key: metric shown as "tok/s" on the bar.
+
+    ``step`` in :meth:`log` is the 0-based index of the step just finished; the bar
+    then shows ``step + 1`` of ``total_steps`` done.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        tensorboard: bool = True,
+        progress: bool = True,
+        console: Console | None = None,
+        loss_key: str = "loss",
+        throughput_key: str = "tokens_per_s",
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = int(total_steps)
+        self.loss_key = loss_key
+        self.throughput_key = throughput_key
+        self._lock = threading.Lock()
+        self._closed = False
+        self._file = (self.run_dir / METRICS_FILENAME).open("a", encoding="utf-8")
+
+        self._writer = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.run_dir / TB_DIRNAME))
+
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        if progress:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss [cyan]{task.fields[loss]}"),
+                TextColumn("[green]{task.fields[tps]}[/] tok/s"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=console if console is not None else Console(),
+            )
+            self._task = self._progress.add_task(
+                "train", total=self.total_steps, loss="-", tps="-"
+            )
+            self._progress.start()
+
+    @property
+    def path(self) -> Path:
+        """The JSON-lines file this logger appends to."""
+        return self.run_dir / METRICS_FILENAME
+
+    def log(self, step: int, metrics: Mapping[str, float | int | str]) -> None:
+        """Record ``metrics`` for ``step``: one JSONL line, TB scalars, progress bar.
+
+        Numeric values (including numpy / JAX scalars) become TensorBoard scalars under
+        their key as tag (``"loss"``, ``"tgs/sim_a"``); strings go to the JSONL only.
+        A key named ``"step"`` is rejected: the line's ``step`` is the argument.
+
+        Raises:
+            RuntimeError: the logger is closed.
+            ValueError: ``metrics`` contains ``"step"``.
+        """
+        if "step" in metrics:
+            raise ValueError("metrics must not contain 'step'; pass it as the step argument")
+        record: dict[str, Any] = {"step": int(step)}
+        record.update({str(k): _plain(v) for k, v in metrics.items()})
+        line = json.dumps(record)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"MetricsLogger for {self.run_dir} is closed")
+            self._file.write(line + "\n")
+            self._file.flush()
+            if self._writer is not None:
+                for tag, value in record.items():
+                    if tag != "step" and _is_numeric(value):
+                        self._writer.add_scalar(tag, float(value), int(step))
+                self._writer.flush()
+            if self._progress is not None and self._task is not None:
+                self._progress.update(
+                    self._task,
+                    completed=min(int(step) + 1, self.total_steps),
+                    loss=_fmt(record.get(self.loss_key), "{:.4f}"),
+                    tps=_fmt(record.get(self.throughput_key), "{:,.0f}"),
+                )
+
+    def close(self) -> None:
+        """Stop the bar and close the files; calling it again does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._progress is not None:
+                self._progress.stop()
+            if self._writer is not None:
+                self._writer.close()
+            self._file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if not _is_numeric(value):
+        return "-" if value is None else str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return spec.format(value)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read a ``metrics.jsonl`` file (or the run directory holding one) into dicts.
+
+    Blank lines are skipped. A final line cut short by a crash mid-write is dropped;
+    a malformed line anywhere else raises ``ValueError`` with its line number.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILENAME
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    # Every complete line ends in "\n" (written whole, then flushed); one that does not
+    # is the tail of a write a crash interrupted.
+    cut_short = bool(text) and not text.endswith("\n")
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if cut_short and number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line: {err}") from err
+    return records

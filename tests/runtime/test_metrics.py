@@ -1,0 +1,119 @@
+"""MetricsLogger: JSON lines, TensorBoard event files, progress output."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from h2jax.runtime._metrics import MetricsLogger, read_metrics
+
+
+def _tb_event_files(run_dir):
+    return sorted((run_dir / "tb").glob("events.out.tfevents.*"))
+
+
+def test_jsonl_lines_and_read_back(tmp_path) -> None:
+    with MetricsLogger(tmp_path, total_steps=3, progress=False) as logger:
+        logger.log(0, {"loss": 2.5, "tokens_per_s": 1000, "tgs/sim_a": 12.5, "note": "warm-up"})
+        # flushed at once: readable before close
+        assert read_metrics(tmp_path / "metrics.jsonl") == [
+            {"step": 0, "loss": 2.5, "tokens_per_s": 1000, "tgs/sim_a": 12.5, "note": "warm-up"}
+        ]
+        logger.log(1, {"loss": 2.25})
+        logger.log(2, {"loss": np.float32(2.0), "grad_norm": np.float64(0.5), "ok": True})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
+    records = read_metrics(tmp_path)  # the run directory works too
+    assert records[1] == {"step": 1, "loss": 2.25}
+    assert records[2] == {"step": 2, "loss": 2.0, "grad_norm": 0.5, "ok": True}
+
+
+def test_appends_on_resume(tmp_path) -> None:
+    with MetricsLogger(tmp_path, total_steps=4, progress=False, tensorboard=False) as logger:
+        logger.log(0, {"loss": 1.0})
+    with MetricsLogger(tmp_path, total_steps=4, progress=False, tensorboard=False) as logger:
+        logger.log(1, {"loss": 0.5})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+
+
+def test_tensorboard_event_file(tmp_path) -> None:
+    with MetricsLogger(tmp_path, total_steps=2, progress=False) as logger:
+        logger.log(0, {"loss": 3.0, "tgs/sim_a": 10.0, "note": "text is not a scalar"})
+        logger.log(1, {"loss": 2.0, "tgs/sim_a": 11.0})
+    files = _tb_event_files(tmp_path)
+    assert len(files) == 1
+    data = files[0].read_bytes()
+    assert len(data) > 100
+    assert b"loss" in data and b"tgs/sim_a" in data
+    assert b"note" not in data
+
+
+def test_tensorboard_off(tmp_path) -> None:
+    with MetricsLogger(tmp_path, total_steps=1, progress=False, tensorboard=False) as logger:
+        logger.log(0, {"loss": 1.0})
+    assert not (tmp_path / "tb").exists()
+
+
+def test_progress_false_prints_nothing(tmp_path, capsys) -> None:
+    with MetricsLogger(tmp_path, total_steps=3, progress=False) as logger:
+        for step in range(3):
+            logger.log(step, {"loss": 1.0 / (step + 1), "tokens_per_s": 5000.0})
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ""
+
+
+def test_progress_bar_shows_step_loss_and_throughput(tmp_path) -> None:
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=False, width=140)
+    with MetricsLogger(tmp_path, total_steps=4, tensorboard=False, console=console) as logger:
+        for step in range(4):
+            logger.log(step, {"loss": 1.2345, "tokens_per_s": 123456.0})
+    out = buf.getvalue()
+    assert "4/4" in out
+    assert "1.2345" in out
+    assert "123,456" in out
+
+
+def test_close_is_idempotent_and_log_after_close_fails(tmp_path) -> None:
+    logger = MetricsLogger(tmp_path, total_steps=1, progress=False)
+    logger.log(0, {"loss": 1.0})
+    logger.close()
+    logger.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        logger.log(1, {"loss": 1.0})
+
+
+def test_step_key_rejected(tmp_path) -> None:
+    with MetricsLogger(tmp_path, total_steps=1, progress=False, tensorboard=False) as logger:
+        with pytest.raises(ValueError, match="step"):
+            logger.log(0, {"step": 3})
+
+
+def test_read_metrics_drops_cut_short_last_line_only(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "loss": 1.0}\n\n{"step": 1, "lo')
+    assert read_metrics(path) == [{"step": 0, "loss": 1.0}]
+    path.write_text('{"step": 0, "lo\n{"step": 1, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match=":1:"):
+        read_metrics(path)
+
+
+def test_concurrent_logging(tmp_path) -> None:
+    with MetricsLogger(tmp_path, total_steps=400, progress=False, tensorboard=False) as logger:
+        threads = [
+            threading.Thread(target=lambda k=k: [logger.log(k * 100 + i, {"loss": float(i)})
+                                                  for i in range(100)])
+            for k in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(r["step"] for r in read_metrics(tmp_path)) == list(range(400))
