@@ -1,0 +1,113 @@
+"""Strict construction of frozen dataclasses from YAML data: unknown keys and wrong types fail."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from h2jax.config._errors import ConfigError
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def check_value(tp: Any, value: Any, key: str) -> Any:
+    """Check (and lightly coerce: int -> float) ``value`` against annotation ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return check_value(a, value, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(key, f"got {value!r}; expected {' or '.join(_type_name(a) for a in args)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if hasattr(tp, "from_dict"):  # e.g. Plan: its own strict parser
+            try:
+                return tp.from_dict(value, key_prefix=key)
+            except ConfigError:
+                raise
+            except ValueError as e:
+                raise ConfigError(getattr(e, "key", key), getattr(e, "message", str(e))) from e
+        return build_dataclass(tp, value, key)
+    if origin is dict:
+        kt, vt = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"got {value!r}; expected a mapping")
+        return {check_value(kt, k, f"{key}"): check_value(vt, v, f"{key}.{k}") for k, v in value.items()}
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"got {value!r}; expected a list")
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            return tuple(check_value(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        if origin is tuple:
+            if len(value) != len(args):
+                raise ConfigError(key, f"got {value!r}; expected {len(args)} items")
+            return tuple(check_value(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return [check_value(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"got {value!r}; expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"got {value!r}; expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"got {value!r}; expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"got {value!r}; expected a string")
+        return value
+    if tp is Any:
+        return value
+    raise TypeError(f"{key}: unsupported annotation {tp!r}")
+
+
+def build_dataclass(cls: type, raw: Any, key: str) -> Any:
+    """``cls(**raw)`` with every key known and every value of its declared type."""
+    if not isinstance(raw, dict):
+        raise ConfigError(key, f"got {raw!r}; expected a mapping with keys {sorted(f.name for f in dataclasses.fields(cls))}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = f"{key}.{unknown[0]}" if key else str(unknown[0])
+        raise ConfigError(where, f"unknown key; {_type_name(cls)} has keys {sorted(names)}")
+    kwargs = {}
+    for name, value in raw.items():
+        sub = f"{key}.{name}" if key else name
+        kwargs[name] = check_value(hints[name], value, sub)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # a dataclass's own __post_init__ checks
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(key or _type_name(cls), str(e)) from e
+
+
+def to_raw(obj: Any) -> Any:
+    """A dataclass tree as plain YAML-able data (the inverse of build_dataclass)."""
+    if hasattr(obj, "to_dict") and dataclasses.is_dataclass(obj):
+        return obj.to_dict()
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_raw(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, dict):
+        return {k: to_raw(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_raw(v) for v in obj]
+    return obj

@@ -1,0 +1,55 @@
+"""Chip profiles: ``configs/chips/<name>.yaml`` files, overlaid by a cluster's inline keys."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from h2jax.config._errors import ConfigError
+
+
+def config_dirs() -> list[Path]:
+    """Where named configs are looked up: $H2JAX_CONFIG_DIR, ./configs, the repository's configs/."""
+    dirs = []
+    if env := os.environ.get("H2JAX_CONFIG_DIR"):
+        dirs.append(Path(env))
+    dirs.append(Path.cwd() / "configs")
+    dirs.append(Path(__file__).resolve().parents[2] / "configs")
+    return dirs
+
+
+def find_profile(name: str) -> Path | None:
+    """The profile file of a chip type name or path, or None."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    for d in config_dirs():
+        f = d / "chips" / f"{name}.yaml"
+        if f.is_file():
+            return f
+    return None
+
+
+def resolve_chip(name: str, inline: dict[str, Any], *, key: str = "cluster.chips"):
+    """Build the ChipSpec of chip ``name``: its profile file, then ``inline`` on top."""
+    from h2jax.config._build import build_dataclass
+    from h2jax.config._schema import ChipSpec
+
+    if not isinstance(inline, dict):
+        raise ConfigError(f"{key}.{name}", f"got {inline!r}; expected a mapping of chip fields (e.g. {{nodes: 1}})")
+    profile_name = inline.get("profile") or name
+    raw: dict[str, Any] = {}
+    path = find_profile(profile_name)
+    if path is not None:
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{key}.{name}.profile", f"{path} does not hold a mapping")
+        raw.update(loaded)
+    elif inline.get("profile"):
+        raise ConfigError(f"{key}.{name}.profile",
+                          f"profile {profile_name!r} not found in {[str(d / 'chips') for d in config_dirs()]}")
+    raw.update(inline)
+    return build_dataclass(ChipSpec, raw, f"{key}.{name}")

@@ -1,0 +1,191 @@
+"""Load an experiment: defaults <- YAML file <- dotted ``key=value`` overrides, then validate.
+
+Everything here runs before any device is touched, so a bad config costs nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from h2jax.config._build import build_dataclass, to_raw
+from h2jax.config._chips import config_dirs, resolve_chip
+from h2jax.config._errors import ConfigError
+from h2jax.config._schema import ExperimentConfig
+from h2jax.plan import PlanError, check_plan
+
+TRANSPORTS = ("local",)
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def default_raw() -> dict[str, Any]:
+    """The embedded default experiment as plain data (chips by name and node count)."""
+    raw = to_raw(ExperimentConfig())
+    raw["cluster"]["chips"] = {name: {"nodes": spec["nodes"]} for name, spec in raw["cluster"]["chips"].items()}
+    return raw
+
+
+def _merge(base: dict, top: dict, path: str = "") -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        here = f"{path}.{k}" if path else str(k)
+        # a cluster lists its chips in full: the default chips must not leak into it
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and here != "cluster.chips":
+            out[k] = _merge(out[k], v, here)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``plan.stages.1.tensor=2`` -> (["plan", "stages", "1", "tensor"], 2)."""
+    if "=" not in text:
+        raise ConfigError(text, "override must look like key=value (e.g. plan.num_microbatches=16)")
+    key, _, value = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(text, "override key must be a dotted path like train.steps")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"value {value!r} is not valid YAML: {e}") from e
+    return key.split("."), parsed
+
+
+def apply_override(raw: dict, parts: list[str], value: Any) -> None:
+    node: Any = raw
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        key = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.lstrip("-").isdigit():
+                raise ConfigError(key, f"{'.'.join(parts[:i])} is a list; expected an index, got {part!r}")
+            idx = int(part)
+            if not -len(node) <= idx < len(node):
+                raise ConfigError(key, f"index {idx} out of range; the list has {len(node)} items")
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                if part not in node or node[part] is None:
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise ConfigError(key, f"{'.'.join(parts[:i])} is {node!r}, not a mapping or list")
+
+
+def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    raw = default_raw()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            candidates = [d / p for d in config_dirs()] + [d / f"{p}.yaml" for d in config_dirs()]
+            found = next((c for c in candidates if c.is_file()), None)
+            if found is None:
+                raise ConfigError("config", f"file {str(path)!r} not found (also looked in {[str(d) for d in config_dirs()]})")
+            p = found
+        try:
+            user = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError("config", f"{p} is not valid YAML: {e}") from e
+        if not isinstance(user, dict):
+            raise ConfigError("config", f"{p} must hold a mapping at the top, got {type(user).__name__}")
+        raw = _merge(raw, user)
+    raw = copy.deepcopy(raw)
+    for text in overrides:
+        apply_override(raw, *parse_override(text))
+    return raw
+
+
+def build(raw: dict[str, Any]) -> ExperimentConfig:
+    raw = dict(raw)
+    cluster = raw.get("cluster")
+    if isinstance(cluster, dict) and isinstance(cluster.get("chips"), dict):
+        chips = {name: resolve_chip(str(name), spec) for name, spec in cluster["chips"].items()}
+        raw["cluster"] = {**cluster, "chips": chips}
+    return build_dataclass(ExperimentConfig, raw, "")
+
+
+def validate(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Cross-field checks; raises ConfigError naming the key and the numbers."""
+    from h2jax.models import tensor_divisible_dims
+
+    m = cfg.model
+    for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"model.{name}", f"{name}={getattr(m, name)}; expected >= 1")
+    if m.d_model % m.n_heads:
+        raise ConfigError("model.n_heads", f"n_heads={m.n_heads} does not divide d_model={m.d_model}")
+    if m.head_dim % 2:
+        raise ConfigError("model.d_model", f"head_dim = d_model/n_heads = {m.head_dim}; rotary positions need it even")
+    if m.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError("model.dtype", f"dtype={m.dtype!r}; expected float32, bfloat16 or float16")
+    chips = cfg.cluster.chips
+    if not chips:
+        raise ConfigError("cluster.chips", "no chip types given; expected at least one (e.g. {sim_a: {nodes: 1}})")
+    for name, spec in chips.items():
+        for f in ("nodes", "devices_per_node"):
+            if getattr(spec, f) < 1:
+                raise ConfigError(f"cluster.chips.{name}.{f}", f"{f}={getattr(spec, f)}; expected >= 1")
+        if spec.memory_gib <= 0:
+            raise ConfigError(f"cluster.chips.{name}.memory_gib", f"memory_gib={spec.memory_gib}; expected > 0")
+        if not spec.emulated and spec.platform not in ("cpu", "cuda", "rocm", "tpu", "xpu"):
+            raise ConfigError(f"cluster.chips.{name}.platform", f"platform={spec.platform!r}; expected cpu, cuda, rocm, tpu or xpu")
+    try:
+        check_plan(
+            cfg.plan,
+            num_layers=m.n_layers,
+            chip_devices={n: c.num_devices for n, c in chips.items()},
+            devices_per_node={n: c.devices_per_node for n, c in chips.items()},
+            divisible_by_tensor=tensor_divisible_dims(m),
+        )
+    except PlanError as e:
+        raise ConfigError(e.key, e.message) from e
+    t = cfg.train
+    if t.steps < 1:
+        raise ConfigError("train.steps", f"steps={t.steps}; expected >= 1")
+    if t.log_every < 1:
+        raise ConfigError("train.log_every", f"log_every={t.log_every}; expected >= 1")
+    if t.transport not in TRANSPORTS:
+        raise ConfigError("train.transport", f"transport={t.transport!r}; expected one of {list(TRANSPORTS)}")
+    if t.gantt_step != -1 and not 0 <= t.gantt_step < t.steps:
+        raise ConfigError("train.gantt_step", f"gantt_step={t.gantt_step}; expected -1 or 0..{t.steps - 1}")
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError("optimizer.lr", f"lr={o.lr}; expected > 0")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError("optimizer.min_lr_ratio", f"min_lr_ratio={o.min_lr_ratio}; expected 0..1")
+    if o.warmup_steps < 0:
+        raise ConfigError("optimizer.warmup_steps", f"warmup_steps={o.warmup_steps}; expected >= 0")
+    d = cfg.data
+    if d.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError("data.token_dtype", f"token_dtype={d.token_dtype!r}; expected one of {list(TOKEN_DTYPES)}")
+    if d.tokenizer == "byte" and d.token_file is None and m.vocab_size < 256:
+        raise ConfigError("model.vocab_size", f"vocab_size={m.vocab_size} but the byte tokenizer needs 256")
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """The validated experiment from ``path`` (None: the embedded default) and overrides."""
+    return validate(build(load_raw(path, overrides)))
+
+
+def config_to_dict(cfg: ExperimentConfig) -> dict[str, Any]:
+    return to_raw(cfg)
+
+
+def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def replace(cfg: ExperimentConfig, **changes: Any) -> ExperimentConfig:
+    return dataclasses.replace(cfg, **changes)

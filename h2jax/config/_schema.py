@@ -1,0 +1,158 @@
+"""The typed config tree of an h2jax experiment.
+
+Every field carries its unit and, where it matters, the trade-off. YAML files in
+``configs/`` are data for this tree; ``key=value`` overrides on the command line address
+fields by dotted path (``plan.num_microbatches=16``, ``plan.stages.1.tensor=2``).
+The defaults *are* the embedded default job: a small GPT across two emulated chip types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from h2jax.models import GPTConfig
+from h2jax.plan import Plan, StageSpec
+
+
+@dataclass(frozen=True)
+class ChipSpec:
+    """One chip type in the cluster: how many there are and its profile.
+
+    A cluster entry is normally filled from ``configs/chips/<name>.yaml`` (or the file
+    named by ``profile``); keys given inline override the profile's.
+    """
+
+    nodes: int = 1
+    """Nodes of this chip type. Emulated chips get one PJRT client per node."""
+    devices_per_node: int = 4
+    """Devices per node. In one process a stage lives inside one node."""
+    memory_gib: float = 16.0
+    """Memory per device, GiB. Enforced by the runtime's memory check before training."""
+    peak_tflops: float = 0.05
+    """Dense peak per device, TFLOP/s. Planner input; never used to slow anything down."""
+    mem_bw_gbps: float = 20.0
+    """Memory bandwidth per device, GB/s (planner input)."""
+    intra_node_gbps: float = 10.0
+    """Device-to-device bandwidth inside a node, GB/s (planner input)."""
+    inter_node_gbps: float = 5.0
+    """Bandwidth between nodes and to other chip types, GB/s (planner input)."""
+    platform: str = "cpu"
+    """PJRT platform serving the chip: cpu, cuda, rocm, tpu, xpu."""
+    emulated: bool = True
+    """True: an emulated chip (CPU clients registered by h2jax, sharing the host CPU)."""
+    profile: str | None = None
+    """Chip profile to start from: a name in configs/chips/ or a YAML path. None: the chip's own name if such a profile exists."""
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+def _default_chips() -> dict[str, ChipSpec]:
+    from h2jax.config._chips import resolve_chip
+
+    return {name: resolve_chip(name, {"nodes": 1}) for name in ("sim_a", "sim_b")}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The chips available to this job (single process: emulated or local backends)."""
+
+    chips: dict[str, ChipSpec] = field(default_factory=_default_chips)
+    """Chip type name -> spec. Emulated names (sim_a, ...) are registered as CPU clients."""
+
+
+def _default_model() -> GPTConfig:
+    return GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=6, d_ff=512)
+
+
+def _default_plan() -> Plan:
+    # uneven split across two chip types with different mesh shapes
+    return Plan(
+        stages=(
+            StageSpec(chip="sim_a", data=2, tensor=2, layers=(0, 4)),
+            StageSpec(chip="sim_b", data=4, tensor=1, layers=(4, 6)),
+        ),
+        global_batch=32,
+        num_microbatches=8,
+        schedule="1f1b",
+    )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up then cosine decay, and global gradient-norm clipping."""
+
+    lr: float = 3e-3
+    """Peak learning rate, reached after warmup_steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr, reached at the last step (cosine)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norm scales)."""
+    b1: float = 0.9
+    """Adam first-moment decay."""
+    b2: float = 0.95
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_norm: float = 1.0
+    """Clip the gradient to this global L2 norm (over ALL stages). <= 0: no clipping."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. Batches are a pure function of (seed, step, microbatch)."""
+
+    corpus: str = "pydoc"
+    """Text corpus: "pydoc" (the stdlib's pydoc_data topics, on every Python install) or a path to a text file."""
+    token_file: str | None = None
+    """Pre-tokenised flat binary file (nanoGPT layout). Wins over corpus when set."""
+    token_dtype: str = "uint16"
+    """Dtype of token_file: uint16 or uint32."""
+    tokenizer: str = "byte"
+    """"byte" (vocab 256) or a path to a local HF tokenizer.json."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training loop and its outputs."""
+
+    steps: int = 120
+    """Optimizer steps to run."""
+    log_every: int = 1
+    """Write metrics every N steps (the loss is fetched only then)."""
+    out_dir: str = "runs"
+    """Parent folder of the run folder runs/<name>/ (relative to the current directory)."""
+    transport: str = "local"
+    """How boundary tensors cross stages: "local" (jax.device_put; single process)."""
+    timeline: bool = True
+    """Record a Chrome/Perfetto trace of every fwd/bwd/transfer, and a Gantt PNG."""
+    gantt_step: int = -1
+    """Step drawn in the Gantt PNG; -1: the last step."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars to <run>/tb."""
+    progress: bool = True
+    """Show a progress bar."""
+    memory_check: bool = True
+    """Refuse plans whose per-device memory exceeds the chip's memory_gib."""
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """One training experiment: model, cluster, plan, optimizer, data, loop."""
+
+    name: str = "default"
+    """Run name; outputs go to <train.out_dir>/<name>/."""
+    seed: int = 0
+    """Seed of parameter init and of the data stream."""
+    model: GPTConfig = field(default_factory=_default_model)
+    """The model (h2jax.models.GPTConfig)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Chip types available."""
+    plan: Plan = field(default_factory=_default_plan)
+    """Stages, batch sizes and schedule (see DESIGN.md, "The Plan")."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)

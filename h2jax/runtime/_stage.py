@@ -1,0 +1,190 @@
+"""One pipeline stage on its own mesh: parameters, optimizer state and its jitted programs.
+
+For each stage, once, on that stage's mesh (devices of one backend):
+
+- ``fwd(params, x, targets) -> (y, residuals)``: ``residuals`` is the ``jax.vjp``
+  closure, a pytree that leaves the jit and is handed to ``bwd``. With recompute the
+  forward returns ``y`` alone and ``bwd`` recomputes from the kept input.
+- ``bwd(residuals, dy, acc) -> (acc + dparams, dx)``: gradients accumulate in fp32 in
+  a donated buffer, so accumulation costs no extra dispatch.
+- ``update(params, opt_state, acc, scale) -> (params, opt_state, zeros)``: the global
+  clip factor ``scale`` is computed by the driver from every stage's squared norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from h2jax.models import StageModule, partition_specs
+from h2jax.plan import StageSpec
+
+
+def _f32_zeros(tree: Any) -> Any:
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
+
+
+def _tree_bytes_per_device(tree: Any) -> int:
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        n = 1
+        for d in shard:
+            n *= d
+        total += n * leaf.dtype.itemsize
+    return total
+
+
+@dataclass
+class StageMemory:
+    """Estimated bytes per device of one stage (what the memory check compares)."""
+
+    params: int
+    grads: int
+    opt_state: int
+    activations: int  # kept for the in-flight microbatches
+    workspace: int  # the largest temporary buffer of fwd/bwd
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.opt_state + self.activations + self.workspace
+
+
+class StageProgram:
+    """Parameters and compiled programs of one stage (see module docstring)."""
+
+    def __init__(
+        self,
+        stage_idx: int,
+        spec: StageSpec,
+        mesh: Mesh,
+        module: StageModule,
+        tx: optax.GradientTransformation,
+        *,
+        first: bool,
+        last: bool,
+        label: str,
+    ):
+        self.stage_idx = stage_idx
+        self.spec = spec
+        self.mesh = mesh
+        self.first, self.last = first, last
+        self.label = label
+        self.recompute = spec.recompute
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise TypeError(f"stage {stage_idx}: the model holds non-Param state {rest}; h2jax trains Params only")
+        self._graphdef = graphdef
+        specs = partition_specs(module)
+        self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                            is_leaf=lambda x: isinstance(x, P))
+        self.params = jax.device_put(params, self.param_shardings)
+        self.act_sharding = NamedSharding(mesh, P("data"))
+        self.scalar_sharding = NamedSharding(mesh, P())
+        self._tx = tx
+        self.opt_state = jax.jit(tx.init)(self.params)
+        self.acc = jax.jit(_f32_zeros, out_shardings=self.param_shardings)(self.params)
+        self._build_programs()
+
+    # -- programs ---------------------------------------------------------------------------
+    def _apply(self, params: Any, x: jax.Array, targets: jax.Array | None) -> jax.Array:
+        module = nnx.merge(self._graphdef, params)
+        if self.last:
+            return module(x, targets)
+        y = module(x)
+        return jax.lax.with_sharding_constraint(y, self.act_sharding)
+
+    def _vjp(self, params: Any, x: jax.Array, targets: jax.Array | None):
+        if self.first:  # integer tokens: differentiate the parameters only
+            y, vjp = jax.vjp(lambda p: self._apply(p, x, targets), params)
+        else:
+            y, vjp = jax.vjp(lambda p, x_: self._apply(p, x_, targets), params, x)
+        return y, vjp
+
+    def _accumulate(self, vjp, dy: jax.Array, acc: Any):
+        grads = vjp(dy)
+        dparams = grads[0]
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, dparams)
+        acc = jax.lax.with_sharding_constraint(acc, self.param_shardings)
+        if self.first:  # nothing to send back; a small output that is ready when the step is done
+            return acc, jnp.zeros((), jnp.float32)
+        return acc, jax.lax.with_sharding_constraint(grads[1], self.act_sharding)
+
+    def _build_programs(self) -> None:
+        if self.recompute:
+            self.fwd = jax.jit(lambda p, x, t: self._apply(p, x, t))
+
+            def bwd(params, x, targets, dy, acc):
+                _, vjp = self._vjp(params, x, targets)
+                return self._accumulate(vjp, dy, acc)
+
+            self._bwd = jax.jit(bwd, donate_argnums=(4,))
+        else:
+            self.fwd = jax.jit(self._vjp)
+            self._bwd = jax.jit(self._accumulate, donate_argnums=(2,))
+
+        def update(params, opt_state, acc, scale):
+            grads = jax.tree.map(lambda g: g * scale, acc)
+            updates, opt_state = self._tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            return params, opt_state, jax.tree.map(jnp.zeros_like, acc)
+
+        self._update = jax.jit(update, donate_argnums=(0, 1, 2))
+        self._sqnorm = jax.jit(lambda acc: sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(acc)))
+
+    # -- what the driver calls ---------------------------------------------------------------
+    def forward(self, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any]:
+        """Dispatch the forward of one microbatch; returns (y, what backward needs)."""
+        if self.recompute:
+            return self.fwd(self.params, x, targets), (x, targets)
+        return self.fwd(self.params, x, targets)
+
+    def backward(self, saved: Any, dy: jax.Array) -> jax.Array:
+        """Dispatch the backward of one microbatch; accumulates into ``self.acc``; returns dx
+        (on the first stage, a scalar that becomes ready with the backward)."""
+        if self.recompute:
+            x, targets = saved
+            self.acc, dx = self._bwd(self.params, x, targets, dy, self.acc)
+        else:
+            self.acc, dx = self._bwd(saved, dy, self.acc)
+        return dx
+
+    def grad_sqnorm(self) -> jax.Array:
+        return self._sqnorm(self.acc)
+
+    def apply_update(self, scale: float) -> None:
+        self.params, self.opt_state, self.acc = self._update(
+            self.params, self.opt_state, self.acc, jnp.float32(scale))
+
+    # -- inspection ---------------------------------------------------------------------------
+    def grads(self) -> Any:
+        """The accumulated gradient (fp32) as a pure pytree (for tests and tools)."""
+        return self.acc
+
+    def memory(self, example_x: jax.Array, example_t: jax.Array | None, *, in_flight: int) -> StageMemory:
+        """Per-device memory estimate from array shardings and XLA's compiled memory analysis."""
+        params = _tree_bytes_per_device(self.params)
+        opt = _tree_bytes_per_device(self.opt_state)
+        lowered = (self.fwd.lower(self.params, example_x, example_t))
+        fwd_mem = lowered.compile().memory_analysis()
+        if self.recompute:
+            kept = example_x.sharding.shard_shape(example_x.shape)
+            n = 1
+            for d in kept:
+                n *= d
+            per_mb = n * example_x.dtype.itemsize
+        else:
+            per_mb = int(getattr(fwd_mem, "output_size_in_bytes", 0)) if fwd_mem else 0
+        temp = int(getattr(fwd_mem, "temp_size_in_bytes", 0)) if fwd_mem else 0
+        return StageMemory(params=params, grads=params * 4 // max(1, self._param_itemsize()),
+                           opt_state=opt, activations=per_mb * in_flight, workspace=temp)
+
+    def _param_itemsize(self) -> int:
+        leaves = jax.tree.leaves(self.params)
+        return leaves[0].dtype.itemsize if leaves else 4
