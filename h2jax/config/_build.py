@@ -66,6 +66,11 @@ def check_value(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, f"got {value!r}; expected an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"got {value!r}; expected a number")
         return float(value)

@@ -84,8 +84,12 @@ class _Watcher:
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"h2jax-watch-{stage}")
         self._thread.start()
 
-    def watch(self, kind: str, step: int, microbatch: int | None, dispatched: float, out: Any) -> None:
-        self._q.put((kind, step, microbatch, dispatched, out))
+    def watch(self, kind: str, step: int, microbatch: int | None, dispatched: float, out: Any) -> threading.Event:
+        """Queue ``out`` to be timed; the returned event is set once its end is recorded, so
+        whoever consumes ``out`` after waiting on it starts after the recorded end."""
+        done = threading.Event()
+        self._q.put((kind, step, microbatch, dispatched, out, done))
+        return done
 
     def drain(self) -> None:
         self._q.join()
@@ -99,7 +103,7 @@ class _Watcher:
             if item is None:
                 self._q.task_done()
                 return
-            kind, step, mb, dispatched, out = item
+            kind, step, mb, dispatched, out, done = item
             try:
                 jax.block_until_ready(out)
                 end = time.perf_counter()
@@ -107,9 +111,10 @@ class _Watcher:
                 self._last_end = end
                 self._timeline.add(kind, stage=self._stage, step=step, microbatch=mb,
                                    start=start, end=end, chip=self._chip)
-            except Exception:  # the failure itself surfaces on the dispatching thread
+            except Exception:  # noqa: BLE001 -- the failure itself surfaces on the dispatching thread
                 pass
             finally:
+                done.set()
                 self._q.task_done()
 
 
@@ -131,7 +136,7 @@ class Pipeline:
         self.tasks: list[list[Task]] = [stage_tasks(grid, s) for s in range(len(self.stages))]
         self.timeline = timeline
         self._watchers = (
-            [_Watcher(timeline, s.stage_idx, s.spec.chip) for s in self.stages] if timeline else None)
+            [_Watcher(timeline, s.stage_idx, s.spec.chip) for s in self.stages] if timeline is not None else None)
         last = self.stages[-1]
         # d(mean over microbatches)/d(loss of one microbatch)
         self._dloss = jax.device_put(jnp.float32(1.0 / num_microbatches), last.scalar_sharding)
@@ -176,20 +181,22 @@ class Pipeline:
                         x = fwd_in[s].get(m)
                         t = time.perf_counter()
                         y, saved[m] = st.forward(x, targets[m] if st.last else None)
-                        if self._watchers:
-                            self._watchers[s].watch("fwd", step, m, t, y)
+                        ready = None
+                        if self._watchers is not None:
+                            ready = self._watchers[s].watch("fwd", step, m, t, y)
                         if st.last:
                             losses[m] = y
                         else:
-                            outq[(s, "fwd")].put((m, y))
+                            outq[(s, "fwd")].put((m, y, ready))
                     else:
                         dy = self._dloss if st.last else bwd_in[s].get(m)
                         t = time.perf_counter()
                         dx = st.backward(saved.pop(m), dy)
-                        if self._watchers:
-                            self._watchers[s].watch("bwd", step, m, t, dx)
+                        ready = None
+                        if self._watchers is not None:
+                            ready = self._watchers[s].watch("bwd", step, m, t, dx)
                         if s > 0:
-                            outq[(s - 1, "bwd")].put((m, dx))
+                            outq[(s - 1, "bwd")].put((m, dx, ready))
             except BaseException as e:  # noqa: BLE001 -- re-raised by run_step
                 what = f"{'forward' if task is None or task.kind == 'F' else 'backward'} of microbatch " \
                        f"{getattr(task, 'microbatch', '?')}"
@@ -205,12 +212,18 @@ class Pipeline:
                 for _ in range(self.num_microbatches):
                     while True:
                         try:
-                            m, x = q.get(timeout=_POLL_S)
+                            m, x, ready = q.get(timeout=_POLL_S)
                             break
                         except queue.Empty:
                             if abort.is_set():
                                 raise PipelineAborted() from None
-                    x.block_until_ready()  # wait for the source outside the timed transfer
+                    # wait for the source outside the timed transfer; with a timeline, wait until
+                    # the watcher recorded its end, so the trace never shows a transfer first
+                    if ready is not None:
+                        while not ready.wait(_POLL_S):
+                            if abort.is_set():
+                                raise PipelineAborted()
+                    x.block_until_ready()
                     t0 = time.perf_counter()
                     y = self.transport.transfer(x, dst_stage.act_sharding)
                     y.block_until_ready()

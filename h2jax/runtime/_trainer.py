@@ -152,22 +152,36 @@ class Trainer:
         return out
 
     # -- one step ------------------------------------------------------------------------------
+    def forward_backward(self, step: int) -> jax.Array:
+        """Run every forward and backward of ``step``; gradients accumulate in the stages.
+
+        Returns the step's loss (mean over microbatches) as a device scalar."""
+        tokens, targets = self._device_batch(step)
+        result = self.pipeline.run_step(step, tokens, targets)
+        return jnp.mean(jnp.stack(result.losses))
+
+    def finish_step(self) -> float:
+        """Clip by the global gradient norm over all stages and update every stage; returns the norm.
+
+        A non-finite norm updates nothing (the caller decides what that means)."""
+        sq = [st.grad_sqnorm() for st in self.stages]  # dispatched on every stage before any sync
+        grad_norm = math.sqrt(sum(float(x) for x in sq))
+        if math.isfinite(grad_norm):
+            scale = clip_scale(grad_norm, self.cfg.optimizer.clip_norm)
+            for st in self.stages:
+                st.apply_update(scale)
+        return grad_norm
+
     def train_step(self) -> StepStats:
         step = self.step
         t0 = time.perf_counter()
-        tokens, targets = self._device_batch(step)
-        result = self.pipeline.run_step(step, tokens, targets)
-        sq = [st.grad_sqnorm() for st in self.stages]
-        loss_dev = jnp.mean(jnp.stack(result.losses))
-        grad_norm = math.sqrt(sum(float(x) for x in sq))
+        loss_dev = self.forward_backward(step)
         loss = float(loss_dev)
+        grad_norm = self.finish_step()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise NonFiniteLossError(
-                f"step {step}: loss={loss}, grad_norm={grad_norm} (computed on the last stage, "
+                f"step {step}: loss={loss}, grad_norm={grad_norm} (loss from the last stage, "
                 f"stage {len(self.stages) - 1}; gradient norm over all stages)")
-        scale = clip_scale(grad_norm, self.cfg.optimizer.clip_norm)
-        for st in self.stages:
-            st.apply_update(scale)
         dt = time.perf_counter() - t0
         self.step += 1
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=float(self.lr_schedule(step)),
