@@ -119,7 +119,7 @@ class DataConfig:
 class TrainConfig:
     """The training loop and its outputs."""
 
-    steps: int = 120
+    steps: int = 200
     """Optimizer steps to run."""
     log_every: int = 1
     """Write metrics every N steps (the loss is fetched only then)."""

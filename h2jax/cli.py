@@ -1,0 +1,123 @@
+"""``h2jax`` command line: train | check-config.
+
+Configs are YAML files (``configs/*.yaml``) or nothing (the embedded default job),
+followed by dotted ``key=value`` overrides. A bad config exits with code 2 and one line
+naming the key, the value and what was expected -- before any device is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+EXIT_CONFIG = 2
+
+
+def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG] [key=value ...]`` -> (config path or None, overrides)."""
+    items = list(items)
+    path = None
+    if items and "=" not in items[0]:
+        path = items.pop(0)
+    for it in items:
+        if "=" not in it:
+            raise SystemExit(f"h2jax: expected key=value overrides after the config file, got {it!r}")
+    return path, items
+
+
+def _plan_table(cfg) -> Table:
+    t = Table(title=f"plan: {cfg.plan.num_stages} stages, {cfg.plan.schedule}, global batch "
+                    f"{cfg.plan.global_batch} = {cfg.plan.num_microbatches} x {cfg.plan.microbatch_size}")
+    for col in ("stage", "chip", "data x tensor", "layers", "recompute", "chip memory"):
+        t.add_column(col)
+    for s, st in enumerate(cfg.plan.stages):
+        chip = cfg.cluster.chips[st.chip]
+        t.add_row(str(s), st.chip + (" (emulated)" if chip.emulated else ""), f"{st.data} x {st.tensor}",
+                  f"{st.layers[0]}-{st.layers[1] - 1}", "yes" if st.recompute else "no",
+                  f"{chip.memory_gib:g} GiB")
+    return t
+
+
+def _load(args: argparse.Namespace, console: Console):
+    from h2jax.config import ConfigError, load_config
+
+    try:
+        path, overrides = _split_args(args.config)
+        return load_config(path, overrides)
+    except ConfigError as e:
+        console.print(f"[bold red]h2jax: config error:[/] {e}", highlight=False, soft_wrap=True)
+        raise SystemExit(EXIT_CONFIG) from None
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    console = Console()
+    cfg = _load(args, console)
+    from h2jax.config import config_to_dict
+
+    if args.print:
+        console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
+    console.print(_plan_table(cfg))
+    console.print(f"[green]config ok[/]: {cfg.name}, model {cfg.model.n_layers} layers x d_model "
+                  f"{cfg.model.d_model} ({cfg.model.num_params() / 1e6:.2f} M parameters)")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    cfg = _load(args, console)
+    from h2jax.config import ConfigError, config_to_dict
+    from h2jax.runtime import NonFiniteLossError, StageFailure, Trainer
+
+    console.rule(f"h2jax train: {cfg.name}")
+    console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
+    console.print(_plan_table(cfg))
+    if any(c.emulated for c in cfg.cluster.chips.values()):
+        console.print("[dim]emulated chip types: CPU PJRT clients sharing this host's cores; declared "
+                      "memory is enforced by the memory check, speed is not emulated.[/]")
+    try:
+        trainer = Trainer(cfg, run_dir=args.run_dir, console=console)
+        for s, (st, mem) in enumerate(zip(trainer.stages, trainer.memory)):
+            console.print(f"stage {s} on {trainer.placements[s].backend}: {mem.total / 2**20:.1f} MiB per device "
+                          f"(limit {cfg.cluster.chips[st.spec.chip].memory_gib:g} GiB)")
+        history = trainer.run()
+    except ConfigError as e:
+        console.print(f"[bold red]h2jax: config error:[/] {e}", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
+    except (NonFiniteLossError, StageFailure) as e:
+        console.print(f"[bold red]h2jax: training failed:[/] {e}", highlight=False, soft_wrap=True)
+        return 1
+    first, last = history[0], history[-1]
+    med = sorted(h.tokens_per_s for h in history[1:] or history)[len(history[1:] or history) // 2]
+    console.print(f"loss {first.loss:.4f} -> {last.loss:.4f} over {len(history)} steps; "
+                  f"median {med:,.0f} tokens/s")
+    console.print(f"run folder: [bold]{trainer.run_dir}[/] (metrics.jsonl, tb/, trace.json, gantt.png, summary.json)")
+    print(trainer.run_dir)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="h2jax", description="Train one model across chip types of different vendors.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train an experiment (default: the embedded default job)")
+    t.add_argument("config", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    t.add_argument("--run-dir", default=None, help="run folder (default: <train.out_dir>/<name>)")
+    t.set_defaults(func=cmd_train)
+    c = sub.add_parser("check-config", help="validate a config without touching any device")
+    c.add_argument("config", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    c.add_argument("--print", action="store_true", help="print the resolved config")
+    c.set_defaults(func=cmd_check_config)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
