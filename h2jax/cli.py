@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 EXIT_CONFIG = 2
@@ -20,13 +21,17 @@ EXIT_CONFIG = 2
 
 def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
     """``[CONFIG] [key=value ...]`` -> (config path or None, overrides)."""
+    from h2jax.config import ConfigError
+
     items = list(items)
     path = None
     if items and "=" not in items[0]:
         path = items.pop(0)
     for it in items:
         if "=" not in it:
-            raise SystemExit(f"h2jax: expected key=value overrides after the config file, got {it!r}")
+            # a second file, or a missing '=': a config error (exit 2), like a bad override
+            raise ConfigError(it, f"got {it!r} after the config file; expected key=value overrides "
+                                  "(one config file at most)")
     return path, items
 
 
@@ -43,20 +48,23 @@ def _plan_table(cfg) -> Table:
     return t
 
 
-def _load(args: argparse.Namespace, console: Console):
+def _load(args: argparse.Namespace):
+    """The validated config of ``args.config``; a config error prints one line to stderr and exits 2."""
     from h2jax.config import ConfigError, load_config
 
     try:
         path, overrides = _split_args(args.config)
         return load_config(path, overrides)
     except ConfigError as e:
-        console.print(f"[bold red]h2jax: config error:[/] {e}", highlight=False, soft_wrap=True)
+        # escape: keys and values come from the user, and rich would read "[red]" as markup
+        Console(stderr=True).print(f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False,
+                                   soft_wrap=True)
         raise SystemExit(EXIT_CONFIG) from None
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = _load(args)
     console = Console()
-    cfg = _load(args, console)
     from h2jax.config import config_to_dict
 
     if args.print:
@@ -69,7 +77,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
-    cfg = _load(args, console)
+    cfg = _load(args)
     from h2jax.config import ConfigError, config_to_dict
     from h2jax.runtime import NonFiniteLossError, StageFailure, Trainer
 
@@ -86,10 +94,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                           f"(limit {cfg.cluster.chips[st.spec.chip].memory_gib:g} GiB)")
         history = trainer.run()
     except ConfigError as e:
-        console.print(f"[bold red]h2jax: config error:[/] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG
     except (NonFiniteLossError, StageFailure) as e:
-        console.print(f"[bold red]h2jax: training failed:[/] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]h2jax: training failed:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 1
     first, last = history[0], history[-1]
     med = sorted(h.tokens_per_s for h in history[1:] or history)[len(history[1:] or history) // 2]

@@ -3,15 +3,46 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from h2jax.config._errors import ConfigError
 
 
+# PyYAML (YAML 1.1) reads an exponent without a dot (1e-3, 5e4) as a string; only those
+# strings become floats -- not "nan", "inf" or "1_0", which Python's float() would accept.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+
+# dataclass -> check of its field values, run before its constructor so that the message
+# names the dotted key (its __post_init__ would fail with a less precise one)
+VALUE_CHECKS: dict[type, Callable[[dict[str, Any], str], None]] = {}
+
+
 def _type_name(tp: Any) -> str:
+    if tp in _TYPE_WORDS:
+        return _TYPE_WORDS[tp]
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def field_values(cls: type, given: dict[str, Any]) -> dict[str, Any]:
+    """Every init field of ``cls``: its default (or factory's value) unless ``given``."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in given:
+            out[f.name] = given[f.name]
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
 
 
 def check_value(tp: Any, value: Any, key: str) -> Any:
@@ -66,13 +97,12 @@ def check_value(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, f"got {value!r}; expected an integer")
         return value
     if tp is float:
-        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"got {value!r}; expected a number")
+        if not math.isfinite(value):
+            raise ConfigError(key, f"got {value!r}; expected a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -89,7 +119,7 @@ def build_dataclass(cls: type, raw: Any, key: str) -> Any:
         raise ConfigError(key, f"got {raw!r}; expected a mapping with keys {sorted(f.name for f in dataclasses.fields(cls))}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted(set(raw) - names, key=str)  # YAML keys may be ints
     if unknown:
         where = f"{key}.{unknown[0]}" if key else str(unknown[0])
         raise ConfigError(where, f"unknown key; {_type_name(cls)} has keys {sorted(names)}")
@@ -97,6 +127,8 @@ def build_dataclass(cls: type, raw: Any, key: str) -> Any:
     for name, value in raw.items():
         sub = f"{key}.{name}" if key else name
         kwargs[name] = check_value(hints[name], value, sub)
+    if cls in VALUE_CHECKS:
+        VALUE_CHECKS[cls](field_values(cls, kwargs), key)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:  # a dataclass's own __post_init__ checks

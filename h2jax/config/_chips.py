@@ -18,7 +18,7 @@ def config_dirs() -> list[Path]:
         dirs.append(Path(env))
     dirs.append(Path.cwd() / "configs")
     dirs.append(Path(__file__).resolve().parents[2] / "configs")
-    return dirs
+    return list(dict.fromkeys(d.resolve() for d in dirs))  # run from the repo: listed once
 
 
 def find_profile(name: str) -> Path | None:
@@ -40,7 +40,11 @@ def resolve_chip(name: str, inline: dict[str, Any], *, key: str = "cluster.chips
 
     if not isinstance(inline, dict):
         raise ConfigError(f"{key}.{name}", f"got {inline!r}; expected a mapping of chip fields (e.g. {{nodes: 1}})")
-    profile_name = inline.get("profile") or name
+    profile = inline.get("profile")
+    if profile is not None and not isinstance(profile, str):
+        raise ConfigError(f"{key}.{name}.profile",
+                          f"got {profile!r}; expected a chip profile name (e.g. sim_a) or a YAML path")
+    profile_name = profile or name
     raw: dict[str, Any] = {}
     path = find_profile(profile_name)
     if path is not None:

@@ -13,14 +13,16 @@ from typing import Any
 
 import yaml
 
-from h2jax.config._build import build_dataclass, to_raw
+from h2jax.config._build import VALUE_CHECKS, build_dataclass, to_raw
 from h2jax.config._chips import config_dirs, resolve_chip
 from h2jax.config._errors import ConfigError
 from h2jax.config._schema import ExperimentConfig
+from h2jax.models import GPTConfig, tensor_divisible_dims
 from h2jax.plan import PlanError, check_plan
 
 TRANSPORTS = ("local",)
 TOKEN_DTYPES = ("uint16", "uint32")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def default_raw() -> dict[str, Any]:
@@ -115,20 +117,31 @@ def build(raw: dict[str, Any]) -> ExperimentConfig:
     return build_dataclass(ExperimentConfig, raw, "")
 
 
+def check_model_values(values: dict[str, Any], key: str = "model") -> None:
+    """The model's own value checks, on plain field values (before GPTConfig exists)."""
+    for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff"):
+        if values[name] < 1:
+            raise ConfigError(f"{key}.{name}", f"{name}={values[name]}; expected >= 1")
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        if values[name] <= 0:
+            raise ConfigError(f"{key}.{name}", f"{name}={values[name]}; expected > 0")
+    d_model, n_heads = values["d_model"], values["n_heads"]
+    if d_model % n_heads:
+        raise ConfigError(f"{key}.n_heads", f"n_heads={n_heads} does not divide d_model={d_model}")
+    if (d_model // n_heads) % 2:
+        raise ConfigError(f"{key}.d_model", f"head_dim = d_model/n_heads = {d_model}/{n_heads} = "
+                                            f"{d_model // n_heads}; rotary positions need it even")
+    if values["dtype"] not in MODEL_DTYPES:
+        raise ConfigError(f"{key}.dtype", f"dtype={values['dtype']!r}; expected one of {list(MODEL_DTYPES)}")
+
+
+VALUE_CHECKS[GPTConfig] = check_model_values
+
+
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     """Cross-field checks; raises ConfigError naming the key and the numbers."""
-    from h2jax.models import tensor_divisible_dims
-
     m = cfg.model
-    for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff"):
-        if getattr(m, name) < 1:
-            raise ConfigError(f"model.{name}", f"{name}={getattr(m, name)}; expected >= 1")
-    if m.d_model % m.n_heads:
-        raise ConfigError("model.n_heads", f"n_heads={m.n_heads} does not divide d_model={m.d_model}")
-    if m.head_dim % 2:
-        raise ConfigError("model.d_model", f"head_dim = d_model/n_heads = {m.head_dim}; rotary positions need it even")
-    if m.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError("model.dtype", f"dtype={m.dtype!r}; expected float32, bfloat16 or float16")
+    check_model_values(dataclasses.asdict(m))
     chips = cfg.cluster.chips
     if not chips:
         raise ConfigError("cluster.chips", "no chip types given; expected at least one (e.g. {sim_a: {nodes: 1}})")
