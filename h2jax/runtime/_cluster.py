@@ -63,6 +63,13 @@ def place_stages(plan: Plan, cluster: ClusterConfig) -> list[StagePlacement]:
         if max(idxs) >= len(devs):
             raise RuntimeError(
                 f"stage {s} needs devices {list(idxs)} of backend {backend!r}, which has {len(devs)}")
+        chip = cluster.chips[spec.chip]
+        if not chip.emulated and ":" in spec.chip:  # cuda:H100 -> the device kind must say H100
+            want = spec.chip.split(":", 1)[1].lower()
+            kinds = sorted({d.device_kind for d in devs})
+            if not any(want in k.lower() for k in kinds):
+                raise RuntimeError(f"stage {s} wants chip type {spec.chip!r}, but backend {backend!r} has "
+                                   f"devices of kind {kinds}")
         out.append(StagePlacement(s, spec.chip, backend, node, tuple(devs[i] for i in idxs)))
     return out
 
