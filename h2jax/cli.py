@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     c.add_argument("--print", action="store_true", help="print the resolved config")
     c.set_defaults(func=cmd_check_config)
+    from h2jax import cli_plan  # planner commands: plan, simulate, profile
+
+    cli_plan.add_commands(sub)
     return p
 
 

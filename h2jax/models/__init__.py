@@ -24,20 +24,34 @@ tensor degree must divide.
 SwiGLU MLP, untied lm_head, no biases; `build_model(cfg, seed=...)` makes one.
 """
 
-from h2jax.models._config import GPTConfig, tensor_divisible_dims
-from h2jax.models._gpt import GPT, TENSOR, Block, Embed, Head, build_model
-from h2jax.models._stage import StageModule, check_stageable, partition_specs
+from __future__ import annotations
 
-__all__ = [
-    "GPT",
-    "TENSOR",
-    "Block",
-    "Embed",
-    "GPTConfig",
-    "Head",
-    "StageModule",
-    "build_model",
-    "check_stageable",
-    "partition_specs",
-    "tensor_divisible_dims",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from h2jax.models._config import GPTConfig, tensor_divisible_dims  # pure Python: no JAX
+
+# the rest needs Flax/JAX; loaded on first use so that configs validate without JAX
+_LAZY = {
+    "GPT": "h2jax.models._gpt",
+    "TENSOR": "h2jax.models._gpt",
+    "Block": "h2jax.models._gpt",
+    "Embed": "h2jax.models._gpt",
+    "Head": "h2jax.models._gpt",
+    "build_model": "h2jax.models._gpt",
+    "StageModule": "h2jax.models._stage",
+    "check_stageable": "h2jax.models._stage",
+    "partition_specs": "h2jax.models._stage",
+}
+
+__all__ = sorted([*_LAZY, "GPTConfig", "tensor_divisible_dims"])
+
+if TYPE_CHECKING:
+    from h2jax.models._gpt import GPT, TENSOR, Block, Embed, Head, build_model
+    from h2jax.models._stage import StageModule, check_stageable, partition_specs
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'h2jax.models' has no attribute {name!r}")

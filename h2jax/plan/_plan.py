@@ -310,33 +310,7 @@ def check_plan(
             f"stages must cover [0, {num_layers}) contiguously in order; got {_ranges(plan)}",
         )
 
-    if plan.global_batch < 1:
-        raise PlanError(f"{p}.global_batch", f"global_batch={plan.global_batch}; expected >= 1")
-    if plan.num_microbatches < 1:
-        raise PlanError(
-            f"{p}.num_microbatches", f"num_microbatches={plan.num_microbatches}; expected >= 1"
-        )
-    if plan.global_batch % plan.num_microbatches:
-        raise PlanError(
-            f"{p}.num_microbatches",
-            f"num_microbatches={plan.num_microbatches} does not divide "
-            f"global_batch={plan.global_batch}",
-        )
-    mb = plan.microbatch_size
-    for i, s in enumerate(plan.stages):
-        if mb % s.data:
-            raise PlanError(
-                f"{p}.stages[{i}].data",
-                f"data={s.data} does not divide microbatch_size={mb} "
-                f"(global_batch={plan.global_batch} / num_microbatches={plan.num_microbatches})",
-            )
-    for name, size in (divisible_by_tensor or {}).items():
-        for i, s in enumerate(plan.stages):
-            if size % s.tensor:
-                raise PlanError(
-                    f"{p}.stages[{i}].tensor", f"tensor={s.tensor} does not divide {name}={size}"
-                )
-
+    # devices first: a stage that cannot be placed is the most basic problem
     for inventory in (chip_devices, devices_per_node):
         if inventory is None:
             continue
@@ -364,6 +338,33 @@ def check_plan(
                     f"stage {i} needs data*tensor = {s.data}*{s.tensor} = {s.num_devices} "
                     f"devices of chip {s.chip}, a node has {devices_per_node[s.chip]} "
                     "(a stage lives inside one node)",
+                )
+
+    if plan.global_batch < 1:
+        raise PlanError(f"{p}.global_batch", f"global_batch={plan.global_batch}; expected >= 1")
+    if plan.num_microbatches < 1:
+        raise PlanError(
+            f"{p}.num_microbatches", f"num_microbatches={plan.num_microbatches}; expected >= 1"
+        )
+    if plan.global_batch % plan.num_microbatches:
+        raise PlanError(
+            f"{p}.num_microbatches",
+            f"num_microbatches={plan.num_microbatches} does not divide "
+            f"global_batch={plan.global_batch}",
+        )
+    mb = plan.microbatch_size
+    for i, s in enumerate(plan.stages):
+        if mb % s.data:
+            raise PlanError(
+                f"{p}.stages[{i}].data",
+                f"data={s.data} does not divide microbatch_size={mb} "
+                f"(global_batch={plan.global_batch} / num_microbatches={plan.num_microbatches})",
+            )
+    for name, size in (divisible_by_tensor or {}).items():
+        for i, s in enumerate(plan.stages):
+            if size % s.tensor:
+                raise PlanError(
+                    f"{p}.stages[{i}].tensor", f"tensor={s.tensor} does not divide {name}={size}"
                 )
 
     if plan.schedule not in SCHEDULES:

@@ -48,7 +48,7 @@ def h2jax(*args: str, cwd: Path) -> Result:
 BAD = {
     "unknown_key": (["model.n_layer=4"], ["model.n_layer: unknown key", "n_layers"]),
     "wrong_type": (["train.steps=true"], ["train.steps: got True; expected an integer"]),
-    "too_many_devices": (["plan.num_microbatches=4", "plan.stages.1.data=8"],
+    "too_many_devices": (["plan.stages.1.data=8"],
                          ["plan.stages: stages on chip sim_b need 8 devices, the cluster has 4", "stage 1: 8x1"]),
     "layers_gap": (["plan.stages.0.layers=[0,3]"],
                    ["plan.stages[1].layers: stage 1 starts at layer 4, expected 3", "[0, 3), [4, 6)"]),
@@ -61,7 +61,7 @@ BAD = {
     "microbatch_vs_data": (["plan.num_microbatches=16"],
                            ["plan.stages[1].data: data=4 does not divide microbatch_size=2",
                             "global_batch=32 / num_microbatches=16"]),
-    "tensor_vs_heads": (["plan.stages.0.tensor=3"], ["plan.stages[0].tensor: tensor=3 does not divide model.n_heads=4"]),
+    "tensor_vs_heads": (["plan.stages.0.tensor=3", "plan.stages.0.data=1"], ["plan.stages[0].tensor: tensor=3 does not divide model.n_heads=4"]),
     "tensor_vs_d_ff": (["model.d_ff=510", "plan.stages.0.tensor=4", "plan.stages.0.data=1"],
                        ["plan.stages[0].tensor: tensor=4 does not divide model.d_ff=510"]),
     "tensor_vs_vocab": (["model.vocab_size=257"], ["plan.stages[0].tensor: tensor=2 does not divide model.vocab_size=257"]),
