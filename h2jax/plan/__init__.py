@@ -15,6 +15,7 @@ from h2jax.plan._plan import (
     check_plan,
     even_layers,
 )
+from h2jax.plan._reshard import Transfer, bytes_crossing, reshard_pattern
 from h2jax.plan._schedule import (
     Event,
     GPipe,
@@ -40,12 +41,15 @@ __all__ = [
     "Schedule",
     "StageSpec",
     "Task",
+    "Transfer",
     "assign_devices",
     "bubble_fraction",
+    "bytes_crossing",
     "check_execution",
     "check_plan",
     "even_layers",
     "get_schedule",
     "grid_events",
+    "reshard_pattern",
     "stage_tasks",
 ]
