@@ -89,6 +89,13 @@ class StageProgram:
         self.scalar_sharding = NamedSharding(mesh, P())
         self._tx = tx
         self.opt_state = jax.jit(tx.init)(self.params)
+        # pinned so that every step's outputs carry the very shardings of its inputs: a changed
+        # sharding would make the next step recompile its programs
+        replicated = NamedSharding(mesh, P())
+        self.opt_state_shardings = jax.tree.map(
+            lambda x: x.sharding if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh else replicated,
+            self.opt_state)
+        self.opt_state = jax.device_put(self.opt_state, self.opt_state_shardings)
         self.acc = jax.jit(_f32_zeros, out_shardings=self.param_shardings)(self.params)
         self._build_programs()
 
@@ -135,7 +142,9 @@ class StageProgram:
             params = optax.apply_updates(params, updates)
             return params, opt_state, jax.tree.map(jnp.zeros_like, acc)
 
-        self._update = jax.jit(update, donate_argnums=(0, 1, 2))
+        self._update = jax.jit(update, donate_argnums=(0, 1, 2),
+                               out_shardings=(self.param_shardings, self.opt_state_shardings,
+                                              self.param_shardings))
         self._sqnorm = jax.jit(lambda acc: sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(acc)))
 
     # -- what the driver calls ---------------------------------------------------------------
