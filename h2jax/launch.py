@@ -2,6 +2,8 @@
 
 JAX's own cluster detection misses Open MPI 5 (RECIPES.md), so h2jax reads the launchers'
 environment itself. A plain ``h2jax train`` (no launcher) is the single-controller mode.
+
+This module imports nothing heavy: the CLI uses it before JAX (and its threads) exist.
 """
 
 from __future__ import annotations
@@ -69,3 +71,41 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo | None:
             f"{looked} (SLURM inside a job step, i.e. srun). Launch with mpirun (Open MPI 4/5), srun or "
             "mpiexec (MPICH/Hydra)")
     return None
+
+
+class FailFast:
+    """One line and a non-zero exit when the launcher ends this process (SIGTERM).
+
+    When one rank dies, the launcher SIGTERMs the others. A Python signal handler runs
+    only when the main thread is between bytecodes -- never while it waits inside XLA or
+    MPI -- so SIGTERM is blocked in every thread and a dedicated thread waits for it with
+    ``sigwait``. Call :meth:`start` before JAX creates its thread pools (they inherit the
+    mask).
+    """
+
+    def __init__(self, launch: LaunchInfo, *, stage: int | None = None):
+        self.launch = launch
+        self.stage = launch.rank if stage is None else stage
+        self.last_completed_step = -1
+
+    def line(self, why: str) -> str:
+        lc = self.launch
+        return (f"h2jax: stage {self.stage} (rank {lc.rank}/{lc.size}, {lc.launcher}) {why}; "
+                f"last completed step {self.last_completed_step}")
+
+    def start(self) -> None:
+        import signal
+        import threading
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        threading.Thread(target=self._wait, name="h2jax-failfast", daemon=True).start()
+
+    def _wait(self) -> None:
+        import signal
+        import sys
+
+        signum = signal.sigwait({signal.SIGTERM})
+        sys.stderr.write(self.line(f"stopped by {signal.Signals(signum).name} (another process of the job "
+                                   "failed, or the job was cancelled)") + "\n")
+        sys.stderr.flush()
+        os._exit(1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from h2jax.runtime._launch import LauncherError, LaunchInfo, detect_launch
+from h2jax.launch import LauncherError, LaunchInfo, detect_launch
 
 OMPI5 = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
          "PMIX_RANK": "1", "PRTE_LAUNCHED": "1"}

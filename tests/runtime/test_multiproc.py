@@ -1,0 +1,98 @@
+"""mpirun runs: multi-process == single-process, and fail-fast when a rank dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from h2jax.config import load_config
+from h2jax.runtime import Trainer
+
+pytestmark = pytest.mark.multiproc
+
+MPIRUN = shutil.which("mpirun")
+OVERRIDES = ["model.vocab_size=256", "model.seq_len=16", "model.d_model=32", "model.n_heads=4",
+             "model.d_ff=64", "model.n_layers=4", "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
+             "plan.global_batch=16", "plan.num_microbatches=4",
+             "plan.stages=[{chip: sim_a, data: 2, tensor: 2, layers: [0, 3]}, "
+             "{chip: sim_b, data: 4, tensor: 1, layers: [3, 4]}]",
+             "train.steps=3", "train.progress=false", "train.tensorboard=false", "optimizer.warmup_steps=1"]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _mpirun(np_: int, args: list[str], cwd: Path, **kw) -> subprocess.Popen:
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_), sys.executable, "-m", "h2jax.cli",
+           "train", *args]
+    return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    cfg = load_config(None, OVERRIDES)
+    trainer = Trainer(cfg, run_dir=tmp_path_factory.mktemp("single"))
+    history = trainer.run()
+    params = {k: np.asarray(v) for k, v in trainer.params_by_layer().items()}
+    return [h.loss for h in history], params
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
+@pytest.mark.parametrize("transport", ["host", "ffi"])
+def test_multiprocess_equals_single_process(transport, single_process_run, tmp_path):
+    want_losses, want_params = single_process_run
+    proc = _mpirun(2, [*OVERRIDES, f"train.transport={transport}", "--run-dir", str(tmp_path / "run")], tmp_path)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["transport"] == transport
+    np.testing.assert_allclose(summary["losses"], want_losses, atol=1e-6, rtol=0)
+    got = {}
+    for s in range(2):
+        got.update(dict(np.load(tmp_path / "run" / f"params_stage{s}.npz")))
+    assert sorted(got) == sorted(want_params)
+    for k, v in want_params.items():
+        np.testing.assert_allclose(got[k], v, atol=1e-6, rtol=0, err_msg=k)
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    kinds = {e["args"]["kind"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert kinds == {"fwd", "bwd", "send", "recv"}
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
+def test_killed_rank_ends_the_job_promptly(tmp_path):
+    run = tmp_path / "run"
+    proc = _mpirun(2, [*OVERRIDES, "train.steps=1000", "train.transport=host", "--run-dir", str(run)], tmp_path)
+    # wait until a few steps completed, then SIGKILL the last stage's process mid-run
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"job ended early: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    ranks = json.loads((run / "ranks.json").read_text())
+    victim = next(r for r in ranks if r["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    t_kill = time.time()
+    out, err = proc.communicate(timeout=90)
+    elapsed = time.time() - t_kill
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    lines = [ln for ln in err.splitlines() if ln.startswith("h2jax: stage 0 (rank 0/2")]
+    assert lines, (out[-3000:], err[-3000:])
+    assert "last completed step" in lines[0]
+    step = int(lines[0].rsplit("last completed step", 1)[1].strip())
+    assert step >= 1
