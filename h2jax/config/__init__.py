@@ -8,6 +8,7 @@ what was expected -- before any device is touched.
 from h2jax.config._errors import ConfigError
 from h2jax.config._load import config_to_dict, load_config, load_raw, save_config, validate
 from h2jax.config._schema import (
+    CheckpointConfig,
     ChipSpec,
     ClusterConfig,
     DataConfig,
@@ -17,6 +18,7 @@ from h2jax.config._schema import (
 )
 
 __all__ = [
+    "CheckpointConfig",
     "ChipSpec",
     "ClusterConfig",
     "ConfigError",

@@ -20,9 +20,10 @@ from h2jax.config._schema import ExperimentConfig
 from h2jax.models import GPTConfig, tensor_divisible_dims
 from h2jax.plan import PlanError, check_plan
 
-TRANSPORTS = ("local",)
+TRANSPORTS = ("local", "host", "ffi")  # local: one process; host, ffi: one process per stage (mpirun)
 TOKEN_DTYPES = ("uint16", "uint32")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+NONFINITE_POLICIES = ("abort", "skip")
 
 
 def default_raw() -> dict[str, Any]:
@@ -172,6 +173,21 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("train.transport", f"transport={t.transport!r}; expected one of {list(TRANSPORTS)}")
     if t.gantt_step != -1 and not 0 <= t.gantt_step < t.steps:
         raise ConfigError("train.gantt_step", f"gantt_step={t.gantt_step}; expected -1 or 0..{t.steps - 1}")
+    if t.nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError("train.nonfinite", f"nonfinite={t.nonfinite!r}; expected one of {list(NONFINITE_POLICIES)}")
+    bad = [s for s in t.inject_nonfinite_steps if not 0 <= s < t.steps]
+    if bad:
+        raise ConfigError("train.inject_nonfinite_steps", f"step {bad[0]} is outside 0..{t.steps - 1}")
+    c = cfg.checkpoint
+    if c.dir is not None and not c.dir.strip():
+        raise ConfigError("checkpoint.dir", "dir is empty; give a path, or null for <run folder>/checkpoints")
+    if c.every_steps < 0:
+        raise ConfigError("checkpoint.every_steps", f"every_steps={c.every_steps}; expected >= 0 (0: only at the end)")
+    if c.keep_last < 1:
+        raise ConfigError("checkpoint.keep_last", f"keep_last={c.keep_last}; expected >= 1 (the latest step is "
+                                                  "the restart point)")
+    if c.keep_every < 0:
+        raise ConfigError("checkpoint.keep_every", f"keep_every={c.keep_every}; expected >= 0 (0: none)")
     o = cfg.optimizer
     if o.lr <= 0:
         raise ConfigError("optimizer.lr", f"lr={o.lr}; expected > 0")

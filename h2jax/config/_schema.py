@@ -126,7 +126,8 @@ class TrainConfig:
     out_dir: str = "runs"
     """Parent folder of the run folder runs/<name>/ (relative to the current directory)."""
     transport: str = "local"
-    """How boundary tensors cross stages: "local" (jax.device_put; single process)."""
+    """How boundary tensors cross stages: "local" (jax.device_put; one process), or between processes
+    (mpirun, one process per stage): "ffi" (XLA FFI send/recv over MPI) or "host" (numpy + mpi4py)."""
     timeline: bool = True
     """Record a Chrome/Perfetto trace of every fwd/bwd/transfer, and a Gantt PNG."""
     gantt_step: int = -1
@@ -137,6 +138,39 @@ class TrainConfig:
     """Show a progress bar."""
     memory_check: bool = True
     """Refuse plans whose per-device memory exceeds the chip's memory_gib."""
+    nonfinite: str = "abort"
+    """What a NaN/inf loss or gradient norm does: "abort" (exit non-zero naming the step and
+    stage; the last checkpoint stays the restart point) or "skip" (the step updates nothing --
+    parameters, optimizer state and its step count stay as they were -- the data moves on,
+    and metrics count it as ``skipped_steps``)."""
+    inject_nonfinite_steps: tuple[int, ...] = ()
+    """Fault injection for testing the policy: at these steps the accumulated gradients and the
+    loss are made NaN after the backward passes, as a diverging step would. Empty: none."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints: asynchronous orbax saves in a layout independent of the plan.
+
+    Parameters and optimizer state are stored by model layer (not by stage), so a
+    checkpoint written under one plan restores under another. ``h2jax train`` with a
+    checkpoint directory that holds a committed step continues from the latest one.
+    """
+
+    enabled: bool = True
+    """Save checkpoints (and resume from them). False: no saves; SIGTERM/SIGINT exit without saving."""
+    dir: str | None = None
+    """Checkpoint directory. None: <run folder>/checkpoints."""
+    every_steps: int = 50
+    """Save every N optimizer steps (the state after step N, 2N, ...). 0: only at the end and on
+    SIGTERM/SIGINT. Frequent saves lose less work on a failure; each costs a device-to-host copy."""
+    keep_last: int = 3
+    """Committed steps kept: the last K (>= 1). Older ones are deleted after a newer one commits."""
+    keep_every: int = 0
+    """Also keep every step that is a multiple of M for good, whatever keep_last says. 0: none."""
+    async_save: bool = True
+    """True: training continues while the files are written (only the device-to-host copy
+    blocks). False: every save blocks until it is written and committed."""
 
 
 @dataclass(frozen=True)
@@ -156,3 +190,5 @@ class ExperimentConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint saving, retention and resume."""

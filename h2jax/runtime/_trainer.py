@@ -3,13 +3,21 @@
 ``Trainer(cfg)`` validates, registers the chip types, cuts the model into stages, places
 each on its mesh and checks memory; ``run()`` trains and writes the run folder:
 ``config.yaml``, ``plan.yaml``, ``metrics.jsonl``, ``tb/``, ``trace.json``, ``gantt.png``
-and ``summary.json``.
+and ``summary.json``. With checkpoints on, ``run()`` saves every ``checkpoint.every_steps``
+steps and at the end, and on SIGTERM/SIGINT saves at the next step boundary and returns
+(``preempted``); ``resume()`` continues from a checkpoint, under this trainer's plan.
+
+Checkpoint step N is the state after N optimizer steps: parameters, optimizer state,
+the data position (the next step; a batch is a pure function of (seed, step,
+microbatch)), the seed, and the count of skipped steps.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +30,16 @@ import optax
 from flax import nnx
 from rich.console import Console
 
+from h2jax.checkpoint import CheckpointError, CheckpointStore
 from h2jax.comm import make_transport
-from h2jax.config import ConfigError, ExperimentConfig, save_config, validate
+from h2jax.config import ConfigError, ExperimentConfig, config_to_dict, save_config, validate
 from h2jax.data import get_global_batch, load_dataset
 from h2jax.models import StageModule, build_model, check_stageable
 from h2jax.plan import get_schedule
 from h2jax.runtime._cluster import StagePlacement, place_stages, setup_backends, stage_mesh
-from h2jax.runtime._layout import model_layout
+from h2jax.runtime._layout import (flatten, model_layout, opt_state_layout, opt_state_names, opt_state_trees,
+                                   stage_trees)
+from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
 from h2jax.runtime._metrics import MetricsLogger
 from h2jax.runtime._pipeline import Pipeline
 from h2jax.runtime._stage import StageMemory, StageProgram
@@ -37,8 +48,27 @@ from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
 GIB = 1024**3
 
 
+CHECKPOINT_FORMAT = 1
+
+
 class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/inf."""
+    """The loss or gradient norm became NaN/inf (policy ``abort``)."""
+
+    def __init__(self, message: str, *, step: int, stages: list[int]):
+        super().__init__(message)
+        self.step, self.stages = step, stages
+
+
+def _one_stage_plan(spec: Any) -> Any:
+    """A stand-in plan of one stage, for mapping that stage's trees to model paths."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(stages=(spec,))
+
+
+@jax.jit
+def _poison(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a * jnp.float32(jnp.nan), tree)
 
 
 def make_optimizer(cfg: ExperimentConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -68,6 +98,7 @@ class StepStats:
     lr: float
     step_time_s: float
     tokens_per_s: float
+    skipped: bool = False  # non-finite, policy "skip": nothing was updated
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -111,6 +142,10 @@ class Trainer:
                                  num_microbatches=plan.num_microbatches, timeline=self.timeline)
         self.tokens_per_step = plan.global_batch * cfg.model.seq_len
         self.step = 0
+        self.skipped_steps = 0
+        self.preempted: str | None = None  # the signal that stopped run(), if one did
+        self._stop_signal: str | None = None
+        self._store: CheckpointStore | None = None
         self.memory: list[StageMemory] = []
         if cfg.train.memory_check:
             self.memory = self.check_memory()
@@ -164,28 +199,58 @@ class Trainer:
         """Clip by the global gradient norm over all stages and update every stage; returns the norm.
 
         A non-finite norm updates nothing (the caller decides what that means)."""
+        grad_norm = math.sqrt(sum(self._grad_sqnorms()))
+        self._apply(grad_norm)
+        return grad_norm
+
+    def _grad_sqnorms(self) -> list[float]:
         sq = [st.grad_sqnorm() for st in self.stages]  # dispatched on every stage before any sync
-        grad_norm = math.sqrt(sum(float(x) for x in sq))
+        return [float(x) for x in sq]
+
+    def _apply(self, grad_norm: float) -> None:
         if math.isfinite(grad_norm):
             scale = clip_scale(grad_norm, self.cfg.optimizer.clip_norm)
             for st in self.stages:
                 st.apply_update(scale)
-        return grad_norm
+
+    def _drop_grads(self) -> None:
+        """Zero the accumulated gradients without an update (a skipped step)."""
+        for st in self.stages:
+            st.acc = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=st.param_shardings)(st.acc)
 
     def train_step(self) -> StepStats:
         step = self.step
         t0 = time.perf_counter()
         loss_dev = self.forward_backward(step)
+        if step in self.cfg.train.inject_nonfinite_steps:
+            for st in self.stages:
+                st.acc = _poison(st.acc)
+            loss_dev = loss_dev * jnp.float32(jnp.nan)
         loss = float(loss_dev)
-        grad_norm = self.finish_step()
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        sq = self._grad_sqnorms()
+        grad_norm = math.sqrt(sum(sq))
+        skipped = False
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self._apply(grad_norm)
+        elif self.cfg.train.nonfinite == "skip":
+            self._drop_grads()
+            self.skipped_steps += 1
+            skipped = True
+        else:
+            bad = [s for s, x in enumerate(sq) if not math.isfinite(x)]
+            where = []
+            if not math.isfinite(loss):
+                where.append(f"the loss of the last stage, stage {len(self.stages) - 1}")
+            if bad:
+                where.append(f"the gradients of stage{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}")
             raise NonFiniteLossError(
-                f"step {step}: loss={loss}, grad_norm={grad_norm} (loss from the last stage, "
-                f"stage {len(self.stages) - 1}; gradient norm over all stages)")
+                f"step {step}: non-finite loss={loss}, grad_norm={grad_norm} ({'; '.join(where)}); "
+                "nothing was updated (train.nonfinite=skip would skip such steps)",
+                step=step, stages=bad or [len(self.stages) - 1])
         dt = time.perf_counter() - t0
         self.step += 1
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=float(self.lr_schedule(step)),
-                         step_time_s=dt, tokens_per_s=self.tokens_per_step / dt)
+                         step_time_s=dt, tokens_per_s=self.tokens_per_step / dt, skipped=skipped)
 
     def step_metrics(self, stats: StepStats) -> dict[str, Any]:
         devices_by_chip: dict[str, int] = {}
@@ -194,7 +259,8 @@ class Trainer:
         total = sum(devices_by_chip.values())
         m: dict[str, Any] = {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
                              "step_time_s": stats.step_time_s, "tokens_per_s": stats.tokens_per_s,
-                             "tgs": stats.tokens_per_s / total}
+                             "tgs": stats.tokens_per_s / total,
+                             "skipped": int(stats.skipped), "skipped_steps": self.skipped_steps}
         for chip, ndev in devices_by_chip.items():
             m[f"tgs/{chip}"] = stats.tokens_per_s / ndev
         if self.timeline is not None:
@@ -205,28 +271,70 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, steps: int | None = None) -> list[StepStats]:
+        """Train up to ``steps`` (default ``train.steps``) from ``self.step``; checkpoint as
+        configured. Returns early, after saving, on SIGTERM/SIGINT (see ``preempted``)."""
         cfg = self.cfg
         steps = cfg.train.steps if steps is None else steps
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
         cfg.plan.to_yaml(self.run_dir / "plan.yaml")
-        metrics_file = self.run_dir / "metrics.jsonl"
+        metrics_file = self.run_dir / METRICS_FILENAME
         if self.step == 0 and metrics_file.exists():
-            metrics_file.unlink()  # a fresh run; resuming runs keep appending (checkpoints)
+            metrics_file.unlink()  # a fresh run; a resumed run keeps appending
+        store = self.checkpoint_store() if cfg.checkpoint.enabled else None
+        every = cfg.checkpoint.every_steps
         history: list[StepStats] = []
         t_start = time.perf_counter()
-        with MetricsLogger(self.run_dir, total_steps=steps, tensorboard=cfg.train.tensorboard,
-                           progress=cfg.train.progress, console=self.console) as log:
-            while self.step < steps:
-                stats = self.train_step()
-                history.append(stats)
-                if stats.step % cfg.train.log_every == 0 or self.step == steps:
-                    log.log(stats.step, self.step_metrics(stats))
+        restore_signals = self._catch_signals()
+        try:
+            with MetricsLogger(self.run_dir, total_steps=steps, tensorboard=cfg.train.tensorboard,
+                               progress=cfg.train.progress, console=self.console) as log:
+                while self.step < steps and self._stop_signal is None:
+                    stats = self.train_step()
+                    history.append(stats)
+                    if stats.step % cfg.train.log_every == 0 or self.step == steps or stats.skipped:
+                        log.log(stats.step, self.step_metrics(stats))
+                    if store is not None:
+                        store.poll()  # commit a finished background save
+                        if every > 0 and self.step % every == 0 and self.step < steps:
+                            self.save_checkpoint()
+            self.preempted = self._stop_signal
+            if store is not None and (self.step == steps or self.preempted):
+                if store.latest_committed() != self.step and self._saved_step != self.step:
+                    self.save_checkpoint()
+                store.wait()
+        finally:
+            restore_signals()
+            self.close_checkpoints()
+            self.pipeline.drain_timeline()
+            self.pipeline.close()
         wall = time.perf_counter() - t_start
-        self.pipeline.drain_timeline()
-        self.pipeline.close()
         self._write_outputs(history, wall)
         return history
+
+    def _catch_signals(self):
+        """SIGTERM/SIGINT ask run() to save at the next step boundary and stop; a second
+        SIGINT interrupts at once. Returns the function that restores the old handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            if self._stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._stop_signal = name
+            self.console.print(f"[yellow]h2jax: {name} received: saving at the end of step {self.step} "
+                               "and stopping[/]")
+
+        for sig in old:
+            signal.signal(sig, handler)
+
+        def restore() -> None:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+        return restore
 
     def _write_outputs(self, history: list[StepStats], wall_s: float) -> None:
         summary: dict[str, Any] = {
@@ -250,6 +358,177 @@ class Trainer:
                 [e for e in events if e.kind in ("fwd", "bwd")], len(self.stages))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    _saved_step: int | None = None
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        d = self.cfg.checkpoint.dir
+        return Path(d) if d is not None else self.run_dir / "checkpoints"
+
+    def checkpoint_store(self) -> CheckpointStore:
+        if self._store is None:
+            c = self.cfg.checkpoint
+            self._store = CheckpointStore(self.checkpoint_dir, keep_last=c.keep_last, keep_every=c.keep_every,
+                                          async_save=c.async_save)
+        return self._store
+
+    def close_checkpoints(self) -> None:
+        """Commit the save in flight (if any) and release the store."""
+        if self._store is not None:
+            store, self._store = self._store, None
+            store.close()
+
+    def state_by_layer(self) -> dict[str, jax.Array]:
+        """Parameters and optimizer state of every stage, keyed by model path (plan-independent)."""
+        params = [st.params for st in self.stages]
+        out = {f"params/{k}": v for k, v in model_layout(params, self.cfg.plan).items()}
+        opt = opt_state_layout([st.opt_state for st in self.stages], params, self.cfg.plan)
+        out.update({f"opt_state/{k}": v for k, v in opt.items()})
+        return out
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {"format": CHECKPOINT_FORMAT, "step": self.step, "skipped_steps": self.skipped_steps,
+                # a batch is a pure function of (seed, step, microbatch): the position is the next step
+                "data": {"seed": cfg.seed, "next_step": self.step, "global_batch": cfg.plan.global_batch,
+                         "num_microbatches": cfg.plan.num_microbatches},
+                # the model has no stochastic layers: the seed made the initial parameters and the data
+                "rng": {"seed": cfg.seed},
+                "model": config_to_dict(cfg)["model"], "plan": cfg.plan.to_dict(),
+                "config": config_to_dict(cfg)}
+
+    def save_checkpoint(self) -> None:
+        """Start saving the current state as checkpoint ``self.step`` (async if configured)."""
+        store = self.checkpoint_store()
+        if self._saved_step is None:
+            store.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                save_config(self.cfg, store.dir / "config.yaml")
+            except OSError:
+                pass  # the save below reports an unwritable directory with the step
+        if self.step in store.committed_steps():  # an older future of this run (--restore-step)
+            store.delete(self.step)
+        store.save(self.step, self.state_by_layer(), self.checkpoint_meta())
+        self._saved_step = self.step
+
+    def _opt_shardings(self, s: int) -> Any:
+        """Where stage ``s``'s optimizer state belongs: per-parameter leaves (mu, nu) with their
+        parameter's sharding, stage-wide leaves (counts) replicated over the stage mesh."""
+        st, spec = self.stages[s], self.cfg.plan.stages[s]
+        by_param = model_layout([st.param_shardings], _one_stage_plan(spec))
+        leaves = [by_param[p] if p is not None else st.scalar_sharding
+                  for _, p in opt_state_names(st.opt_state, st.params, spec)]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(st.opt_state), leaves)
+
+    def load_state_by_layer(self, flat: dict[str, jax.Array], *, params_only: bool = False) -> None:
+        """Place a model-layout state (``state_by_layer``'s keys) onto this trainer's stages."""
+        plan = self.cfg.plan
+        params = {k[len("params/"):]: v for k, v in flat.items() if k.startswith("params/")}
+        new_params = stage_trees(params, [st.params for st in self.stages], plan)
+        if not params_only:
+            opt = {k[len("opt_state/"):]: v for k, v in flat.items() if k.startswith("opt_state/")}
+            new_opt = opt_state_trees(opt, [st.opt_state for st in self.stages],
+                                      [st.params for st in self.stages], plan)
+            opt_shardings = [self._opt_shardings(s) for s in range(len(self.stages))]
+        for s, st in enumerate(self.stages):
+            st.params = jax.device_put(new_params[s], st.param_shardings)
+            if not params_only:
+                st.opt_state = jax.device_put(new_opt[s], opt_shardings[s])
+            st.acc = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=st.param_shardings)(st.acc)
+
+    def _targets(self, *, params_only: bool) -> dict[str, jax.ShapeDtypeStruct]:
+        """What a restore reads: every array with its shape, dtype and target sharding on this plan
+        (stage-wide optimizer leaves onto stage 0; load_state_by_layer copies them to the others)."""
+        plan = self.cfg.plan
+        params = [st.params for st in self.stages]
+        shardings = [st.param_shardings for st in self.stages]
+        sh = model_layout(shardings, plan)
+        out = {f"params/{k}": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
+               for k, v in model_layout(params, plan).items()}
+        if not params_only:
+            opt_states = [st.opt_state for st in self.stages]
+            opt_sh = [self._opt_shardings(s) for s in range(len(self.stages))]
+            sh = opt_state_layout(opt_sh, params, plan)
+            for k, v in opt_state_layout(opt_states, params, plan).items():
+                out[f"opt_state/{k}"] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
+        return out
+
+    def restore(self, directory: str | Path, step: int | None = None, *, params_only: bool = False) -> int:
+        """Load checkpoint ``step`` (default: the latest committed) of ``directory`` onto this
+        trainer's plan. Full state: the run continues at that step; ``params_only``: the
+        weights alone, for a new run from step 0. Returns the step read."""
+        store = CheckpointStore(directory)
+        if step is None:
+            step = store.latest_committed()
+            if step is None:
+                raise CheckpointError(f"{store.dir} holds no committed checkpoint")
+        meta = store.read_meta(step)
+        have, want = meta.get("model"), config_to_dict(self.cfg)["model"]
+        shape_keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff")
+        if have is not None and any(have.get(k) != want.get(k) for k in shape_keys):
+            diff = ", ".join(f"{k} {have.get(k)} vs {want.get(k)}" for k in shape_keys if have.get(k) != want.get(k))
+            raise CheckpointError(f"{store.dir} step {step} holds another model (checkpoint vs this run: {diff})")
+        targets = self._targets(params_only=params_only)
+        extra = sorted(n for n in store.shapes(step) if n not in targets and
+                       (n.startswith("params/") or not params_only))
+        if extra:
+            raise CheckpointError(f"{store.dir} step {step} holds {len(extra)} arrays this model lacks, e.g. {extra[:3]}")
+        self.load_state_by_layer(store.restore(step, targets), params_only=params_only)
+        if not params_only:
+            self.step = int(meta["step"])
+            self.skipped_steps = int(meta.get("skipped_steps", 0))
+            data = meta.get("data", {})
+            if data.get("seed", self.cfg.seed) != self.cfg.seed:
+                raise CheckpointError(f"{store.dir} step {step} was written with seed {data['seed']}, this run has "
+                                      f"seed {self.cfg.seed}: the data stream would not continue")
+            batch = (data.get("global_batch"), data.get("num_microbatches"))
+            if batch != (self.cfg.plan.global_batch, self.cfg.plan.num_microbatches):
+                self.console.print(f"[yellow]h2jax: the checkpoint's run used global batch {batch[0]} in "
+                                   f"{batch[1]} microbatches, this run {self.cfg.plan.global_batch} in "
+                                   f"{self.cfg.plan.num_microbatches}: the data stream continues from step "
+                                   f"{self.step} but its batches differ[/]")
+        return step
+
+    def resume(self, *, restore_step: int | None = None, init_from: str | Path | None = None) -> str | None:
+        """What ``h2jax train`` does before training: continue from this run's checkpoints
+        (the latest committed step, or ``restore_step``), or start from the weights of
+        another run's checkpoint (``init_from``). Returns a line saying what happened."""
+        if init_from is not None:
+            step = self.restore(init_from, restore_step, params_only=True)
+            msg = f"initialised the weights from {Path(init_from).absolute()} step {step}; training from step 0"
+            if self.cfg.checkpoint.enabled and self.checkpoint_store().latest_committed() is not None:
+                raise CheckpointError(f"{self.checkpoint_dir} already holds checkpoints of a run; --init-from "
+                                      "starts a new one (use another name or checkpoint.dir)")
+            return msg
+        if not self.cfg.checkpoint.enabled:
+            if restore_step is not None:
+                raise CheckpointError("--restore-step needs checkpoint.enabled=true")
+            return None
+        store = self.checkpoint_store()
+        removed = store.cleanup()
+        latest = store.latest_committed()
+        if latest is None:
+            if restore_step is not None:
+                raise CheckpointError(f"--restore-step {restore_step}: {store.dir} holds no committed checkpoint")
+            return f"cleaned up {len(removed)} leftovers of an interrupted save" if removed else None
+        step = self.restore(store.dir, restore_step)
+        self._truncate_metrics(self.step)
+        msg = f"resumed from {store.dir} step {step}"
+        if removed:
+            msg += f" (cleaned up {len(removed)} leftovers of an interrupted save)"
+        if step != latest:
+            msg += f"; committed steps after {step} (up to {latest}) are replaced as this run reaches them"
+        return msg
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metric rows of steps >= ``step``: the lost future of an interrupted run."""
+        path = self.run_dir / METRICS_FILENAME
+        if not path.exists():
+            return
+        rows = [r for r in read_metrics(path) if r["step"] < step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
     # -- inspection (tests, tools) -------------------------------------------------------------
     def params_by_layer(self) -> dict[str, Any]:
         return model_layout([st.params for st in self.stages], self.cfg.plan)
@@ -259,5 +538,8 @@ class Trainer:
 
 
 def train(cfg: ExperimentConfig, *, model: nnx.Module | None = None, run_dir: str | Path | None = None) -> list[StepStats]:
-    """Train ``model`` (default: the GPT of ``cfg.model``) as ``cfg`` says; returns per-step stats."""
-    return Trainer(cfg, model=model, run_dir=run_dir).run()
+    """Train ``model`` (default: the GPT of ``cfg.model``) as ``cfg`` says, continuing from the
+    run's latest checkpoint if there is one; returns the per-step stats of this call."""
+    trainer = Trainer(cfg, model=model, run_dir=run_dir)
+    trainer.resume()
+    return trainer.run()

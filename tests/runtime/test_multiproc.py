@@ -14,12 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from h2jax.launch import find_mpirun
+
 from h2jax.config import load_config
 from h2jax.runtime import Trainer
 
 pytestmark = pytest.mark.multiproc
 
-MPIRUN = shutil.which("mpirun")
+MPIRUN = find_mpirun()
 OVERRIDES = ["model.vocab_size=256", "model.seq_len=16", "model.d_model=32", "model.n_heads=4",
              "model.d_ff=64", "model.n_layers=4", "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
              "plan.global_batch=16", "plan.num_microbatches=4",

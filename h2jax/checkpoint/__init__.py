@@ -1,0 +1,19 @@
+"""Checkpoints: orbax save/restore in a layout independent of the plan (by model layer).
+
+:class:`CheckpointStore` saves flat dicts keyed by model path (``params/blocks/5/attn/wq``,
+``opt_state/0/mu/blocks/5/attn/wq``) with orbax's CheckpointManager, commits a step only
+when every part (writer) has finalised it, applies retention and restores any subset onto
+explicit target shardings. The runtime's ``Trainer`` maps its stages to and from that
+layout (``h2jax.runtime._layout``).
+"""
+
+from h2jax.checkpoint._store import (
+    CheckpointError,
+    CheckpointSaveError,
+    CheckpointStore,
+    nest,
+    retained,
+    unnest,
+)
+
+__all__ = ["CheckpointError", "CheckpointSaveError", "CheckpointStore", "nest", "retained", "unnest"]

@@ -1,0 +1,372 @@
+"""Checkpoints on orbax's CheckpointManager, keyed by model path, committed per step.
+
+Directory layout (``<dir>`` is ``checkpoint.dir``, by default ``<run folder>/checkpoints``)::
+
+    <dir>/parts/<part>/<step>/state/   orbax PyTree item: {"params": ..., "opt_state": ...}
+    <dir>/parts/<part>/<step>/meta/    orbax JSON item: step, data position, RNG, config, plan
+    <dir>/commits/<step>/<part>.json   commit marker, written after the part's save is final
+    <dir>/config.yaml                  the resolved config of the run that last saved here
+
+A *part* is what one writer saves: in a single-controller run there is one part
+(``main``) holding every stage; in a multi-process run each process saves its own stages
+as its own part. Every tree inside a part is keyed by model path
+(``params/blocks/5/attn/wq``), never by stage, so any plan restores any checkpoint: a
+reader collects the keys it needs from whichever parts hold them.
+
+A step counts (is *committed*) only when every part listed in its markers has written its
+marker, and a part writes its marker only after orbax has finalised that part's save
+(orbax writes into a temporary directory and renames it into place). A process killed
+at any point therefore leaves either a committed step or leftovers: temporary
+directories, a finalised but unmarked step, a marker without its step. ``cleanup()``
+removes them, so the next save of that step number starts clean.
+
+Retention (keep the last K committed steps, and every M-th for good) runs here, after a
+commit, never inside orbax: orbax would delete an old step as soon as the new one is
+finalised, before its commit marker exists, and a kill in between could leave nothing to
+restore.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from h2jax.checkpoint._faults import failpoint
+
+PARTS_DIR = "parts"
+COMMITS_DIR = "commits"
+DEFAULT_PART = "main"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be read, or does not fit the model."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Saving a step failed; earlier committed steps are untouched."""
+
+    def __init__(self, path: Path, step: int, cause: BaseException):
+        super().__init__(f"saving step {step} to {path} failed: {type(cause).__name__}: {cause}")
+        self.path, self.step = path, step
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a/b": x}`` -> ``{"a": {"b": x}}`` (orbax stores nested dicts as directories of keys)."""
+    out: dict[str, Any] = {}
+    for name, leaf in flat.items():
+        node = out
+        *head, last = name.split("/")
+        for part in head:
+            node = node.setdefault(part, {})
+        node[last] = leaf
+    return out
+
+
+def unnest(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """The inverse of :func:`nest`."""
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(unnest(v, f"{prefix}/{k}" if prefix else str(k)))
+    return out
+
+
+def retained(steps: Iterable[int], *, keep_last: int, keep_every: int) -> set[int]:
+    """The committed steps retention keeps: the last ``keep_last``, plus every multiple of
+    ``keep_every`` (0: none)."""
+    steps = sorted(steps)
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set(steps)
+    if keep_every > 0:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return keep
+
+
+def _handlers() -> dict[str, ocp.CheckpointHandler]:
+    return {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class CheckpointStore:
+    """Save, commit, list, restore and clean up the checkpoints of one directory.
+
+    Args:
+        directory: the checkpoint directory (created on the first save).
+        part: the part this writer saves (one per process; ``main`` in one process).
+        parts: every part that must commit a step before it counts.
+        keep_last, keep_every: retention of committed steps (see :func:`retained`).
+        async_save: ``save`` returns once the arrays are copied off the devices and the
+            files are written in the background (orbax's async checkpointing); commit
+            happens at a later ``poll``/``wait``. False: ``save`` returns after the commit.
+    """
+
+    def __init__(self, directory: str | Path, *, part: str = DEFAULT_PART, parts: Sequence[str] = (DEFAULT_PART,),
+                 keep_last: int = 3, keep_every: int = 0, async_save: bool = True):
+        self.dir = Path(directory).absolute()
+        self.part, self.parts = part, tuple(parts)
+        if part not in self.parts:
+            raise ValueError(f"part {part!r} is not one of the parts {self.parts}")
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.async_save = async_save
+        self._mgr: ocp.CheckpointManager | None = None
+        self._pending: int | None = None  # a step saved but not yet committed
+        self._readers: dict[str, ocp.CheckpointManager] = {}
+        self.last_commit_s = 0.0  # time the last commit waited for the background write
+
+    # -- paths ------------------------------------------------------------------------------
+    def part_dir(self, part: str | None = None) -> Path:
+        return self.dir / PARTS_DIR / (part or self.part)
+
+    def _commit_dir(self, step: int) -> Path:
+        return self.dir / COMMITS_DIR / str(step)
+
+    def _manager(self) -> ocp.CheckpointManager:
+        if self._mgr is None:
+            try:
+                self.part_dir().mkdir(parents=True, exist_ok=True)
+                (self.dir / COMMITS_DIR).mkdir(exist_ok=True)
+            except OSError as e:
+                raise CheckpointError(f"cannot create checkpoint directory {self.dir}: {e}") from e
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=None,  # retention is ours, after the commit (module docstring)
+                enable_async_checkpointing=self.async_save,
+                cleanup_tmp_directories=True,
+                create=True,
+            )
+            self._mgr = ocp.CheckpointManager(self.part_dir(), item_handlers=_handlers(), options=options)
+        return self._mgr
+
+    # -- what is there ----------------------------------------------------------------------
+    def _part_steps(self, part: str) -> set[int]:
+        d = self.part_dir(part)
+        if not d.is_dir():
+            return set()
+        return {int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()}
+
+    def _markers(self, step: int) -> dict[str, dict[str, Any]]:
+        d = self._commit_dir(step)
+        out = {}
+        if d.is_dir():
+            for p in d.glob("*.json"):
+                try:
+                    out[p.stem] = json.loads(p.read_text())
+                except (OSError, json.JSONDecodeError):
+                    continue  # a marker cut short is no marker
+        return out
+
+    def step_parts(self, step: int) -> tuple[str, ...] | None:
+        """The parts of a committed ``step`` (None: the step is not committed)."""
+        markers = self._markers(step)
+        if not markers:
+            return None
+        parts = tuple(next(iter(markers.values())).get("parts", ()))
+        if not parts or any(p not in markers for p in parts):
+            return None
+        if any(step not in self._part_steps(p) for p in parts):
+            return None
+        return parts
+
+    def committed_steps(self) -> list[int]:
+        """Steps every part has committed, ascending."""
+        d = self.dir / COMMITS_DIR
+        if not d.is_dir():
+            return []
+        steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit())
+        return [s for s in steps if self.step_parts(s) is not None]
+
+    def latest_committed(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    # -- saving -----------------------------------------------------------------------------
+    def cleanup(self) -> list[str]:
+        """Remove this part's leftovers of interrupted saves; returns what was removed.
+
+        Call it when no save of this part is in flight (at start-up): orbax's temporary
+        directories, finalised steps that were never committed, markers whose step data
+        is gone."""
+        removed = []
+        part_dir = self.part_dir()
+        committed = set(self.committed_steps())
+        if part_dir.is_dir():
+            for p in sorted(part_dir.iterdir()):
+                if not p.is_dir():
+                    continue
+                if not p.name.isdigit():  # orbax's "<step>.orbax-checkpoint-tmp-<n>"
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(str(p))
+                elif int(p.name) not in committed:
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(str(p))
+        commits = self.dir / COMMITS_DIR
+        if commits.is_dir():
+            for d in commits.iterdir():
+                mine = d / f"{self.part}.json"
+                if d.name.isdigit() and int(d.name) not in committed and (mine.exists() or not any(d.iterdir())):
+                    if mine.exists():
+                        mine.unlink()
+                        removed.append(str(mine))
+                    for tmp in d.glob("*.tmp"):
+                        tmp.unlink()
+                    if not any(d.iterdir()):
+                        d.rmdir()
+        self._mgr = None  # orbax caches the step list; reopen after the files changed
+        return removed
+
+    def save(self, step: int, state: Mapping[str, jax.Array], meta: Mapping[str, Any]) -> None:
+        """Start saving ``state`` (flat dict keyed by model path) and ``meta`` as ``step``.
+
+        Commits the previous save first. With ``async_save`` this returns once the arrays
+        are off the devices; :meth:`poll` or :meth:`wait` commits it."""
+        self.wait()
+        mgr = self._manager()
+        try:
+            mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(nest(state)),
+                                                   meta=ocp.args.JsonSave(dict(meta))), force=True)
+        except Exception as e:  # noqa: BLE001 -- any failure of the write names the path and step
+            raise CheckpointSaveError(self.part_dir() / str(step), step, e) from e
+        self._pending = step
+        failpoint("save_started", step)
+        if not self.async_save:
+            self.wait()
+
+    def poll(self) -> int | None:
+        """Commit a finished background save without waiting; returns the step committed."""
+        if self._pending is None or self._mgr is None or self._mgr.is_saving_in_progress():
+            return None
+        return self.wait()
+
+    def wait(self) -> int | None:
+        """Wait for the save in flight and commit it; returns the step committed (or None)."""
+        if self._pending is None:
+            return None
+        step, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        try:
+            self._manager().wait_until_finished()
+            self._manager().check_for_errors()
+            if step not in self._part_steps(self.part):
+                raise OSError(f"orbax reported no error, but {self.part_dir() / str(step)} is missing")
+            failpoint("save_finalized", step)
+            d = self._commit_dir(step)
+            d.mkdir(parents=True, exist_ok=True)
+            _write_atomic(d / f"{self.part}.json",
+                          json.dumps({"step": step, "part": self.part, "parts": list(self.parts),
+                                      "time": time.time()}))
+        except CheckpointSaveError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointSaveError(self.part_dir() / str(step), step, e) from e
+        self.last_commit_s = time.perf_counter() - t0
+        failpoint("committed", step)
+        self._apply_retention()
+        return step
+
+    def delete(self, step: int) -> None:
+        """Remove this part of ``step``: its commit marker first, so a half-deleted step is never chosen."""
+        d = self._commit_dir(step)
+        (d / f"{self.part}.json").unlink(missing_ok=True)
+        shutil.rmtree(self.part_dir() / str(step), ignore_errors=True)
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+        if self._mgr is not None and self._pending is None:
+            self._mgr.reload()  # orbax caches the step list
+
+    def _apply_retention(self) -> None:
+        committed = self.committed_steps()
+        keep = retained(committed, keep_last=self.keep_last, keep_every=self.keep_every)
+        for step in committed:
+            if step not in keep:
+                self.delete(step)
+
+    def close(self) -> None:
+        """Commit the save in flight, then release orbax's threads."""
+        try:
+            self.wait()
+        finally:
+            mgrs = [m for m in (self._mgr, *self._readers.values()) if m is not None]
+            self._mgr, self._readers = None, {}
+            for m in mgrs:
+                try:
+                    m.close()
+                except Exception:  # noqa: BLE001 -- a failed save was already reported by wait()
+                    pass
+
+    # -- restoring --------------------------------------------------------------------------
+    def _reader(self, part: str) -> ocp.CheckpointManager:
+        if part == self.part and self._mgr is not None:
+            return self._mgr
+        if part not in self._readers:
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+            self._readers[part] = ocp.CheckpointManager(self.part_dir(part), item_handlers=_handlers(), options=options)
+        else:
+            self._readers[part].reload()
+        return self._readers[part]
+
+    def _committed_parts(self, step: int) -> tuple[str, ...]:
+        parts = self.step_parts(step)
+        if parts is None:
+            have = self.committed_steps()
+            raise CheckpointError(f"{self.dir}: step {step} is not a committed checkpoint "
+                                  f"(committed steps: {have or 'none'})")
+        return parts
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        part = self._committed_parts(step)[0]
+        return dict(self._reader(part).restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+    def shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Model path -> (shape, dtype) of every array of committed ``step``, over all parts."""
+        out = {}
+        for part in self._committed_parts(step):
+            meta = self._reader(part).item_metadata(step)["state"]
+            for name, m in unnest(dict(meta.tree) if hasattr(meta, "tree") else dict(meta)).items():
+                out[name] = (tuple(m.shape), str(m.dtype))
+        return out
+
+    def restore(self, step: int, targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+        """The arrays ``targets`` names, each placed on its target's sharding.
+
+        Reads only what is asked for, from whichever parts hold it."""
+        shapes = {}
+        owner: dict[str, str] = {}
+        for part in self._committed_parts(step):
+            meta = self._reader(part).item_metadata(step)["state"]
+            for name, m in unnest(dict(meta.tree) if hasattr(meta, "tree") else dict(meta)).items():
+                shapes[name] = tuple(m.shape)
+                owner[name] = part
+        missing = sorted(set(targets) - set(shapes))
+        if missing:
+            raise CheckpointError(f"{self.dir} step {step} lacks {len(missing)} arrays the model needs, "
+                                  f"e.g. {missing[:3]}")
+        bad = [(n, shapes[n], tuple(t.shape)) for n, t in targets.items() if shapes[n] != tuple(t.shape)]
+        if bad:
+            n, have, want = bad[0]
+            raise CheckpointError(f"{self.dir} step {step}: {n} has shape {have} in the checkpoint, "
+                                  f"{want} in the model ({len(bad)} arrays differ)")
+        out: dict[str, jax.Array] = {}
+        for part in sorted(set(owner[n] for n in targets)):
+            want = {n: t for n, t in targets.items() if owner[n] == part}
+            item = nest(want)
+            restore_args = jax.tree.map(
+                lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), item)
+            got = self._reader(part).restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))
+            out.update(unnest(dict(got["state"])))
+        return out
