@@ -105,7 +105,17 @@ class MultiProcessTrainer:
                        for i, st in enumerate(plan.stages)]
         from h2jax.comm import make_peer_transport
 
-        self.transport = make_peer_transport(cfg.train.transport, self.comm)
+        self.fused = None
+        if cfg.train.transport == "ffi":
+            from h2jax.runtime._fused import FusedStage, FusedUnsupported
+
+            try:  # transfers inside the stage programs (collective: every rank reaches this)
+                self.fused = FusedStage(self.stage, plan=plan, seq_len=cfg.model.seq_len, d_model=cfg.model.d_model,
+                                        dtype=jnp.dtype(cfg.model.dtype), rank_of_stage=list(range(n)),
+                                        comm=self.comm.Dup(), timeout_s=60.0)
+            except FusedUnsupported as e:
+                self.console.print(f"h2jax: stage {s}: transfers run as programs of their own ({e})")
+        self.transport = None if self.fused is not None else make_peer_transport(cfg.train.transport, self.comm)
         self.tasks = stage_tasks(get_schedule(plan.schedule, n, plan.num_microbatches).tasks(), s)
         mb = plan.microbatch_size
         self.act_like = jax.ShapeDtypeStruct((mb, cfg.model.seq_len, cfg.model.d_model),
@@ -134,6 +144,8 @@ class MultiProcessTrainer:
                                         microbatch_size=cfg.plan.microbatch_size, seq_len=cfg.model.seq_len)
             tokens = [jax.device_put(t, st.act_sharding) for t in tok] if self.first else None
             targets = [jax.device_put(t, st.act_sharding) for t in tgt] if self.last else None
+        if self.fused is not None:
+            return self._forward_backward_fused(tokens, targets)
         saved: dict[int, Any] = {}
         losses = []
         for task in self.tasks:
@@ -179,6 +191,28 @@ class MultiProcessTrainer:
                     self.transport.send(dx, peer=self.rank - 1, tag=_tag(m, BWD))
                     self._record("send", m, t0, time.perf_counter(), peer=s - 1, phase="B")
         self.transport.flush()  # every send of this step has left
+        return float(jnp.mean(jnp.stack(losses))) if self.last else None
+
+    def _forward_backward_fused(self, tokens: Any, targets: Any) -> float | None:
+        """The same walk with every transfer inside the stage programs (``ffi``)."""
+        fused, timed = self.fused, self.timeline is not None
+        saved: dict[int, Any] = {}
+        losses, pending = [], []
+        for task in self.tasks:
+            m = task.microbatch
+            t0 = time.perf_counter()
+            if task.kind == "F":
+                out, saved[m] = fused.forward(m, tokens[m] if self.first else None,
+                                              targets[m] if self.last else None)
+                (losses if self.last else pending).append(out)
+            else:
+                out = fused.backward(m, saved.pop(m), targets[m] if self.last else None, self.dloss)
+                pending.append(out)
+            if timed:  # the program's time includes its receive (waiting for the peer) and send
+                jax.block_until_ready(out)
+                self._record("fwd" if task.kind == "F" else "bwd", m, t0, time.perf_counter(),
+                             transfers="in-program")
+        jax.block_until_ready(pending)  # every send of this step has left
         return float(jnp.mean(jnp.stack(losses))) if self.last else None
 
     def train_step(self) -> StepStats:

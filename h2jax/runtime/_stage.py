@@ -30,6 +30,14 @@ def _f32_zeros(tree: Any) -> Any:
     return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)
 
 
+def _like_params(opt_state: Any, param_shardings: Any, replicated: NamedSharding) -> Any:
+    """Shardings for an optax state: subtrees with the parameters' structure get theirs."""
+    structure = jax.tree.structure(param_shardings)
+    return jax.tree.map(
+        lambda node: param_shardings if jax.tree.structure(node) == structure else replicated,
+        opt_state, is_leaf=lambda node: jax.tree.structure(node) == structure)
+
+
 def _tree_bytes_per_device(tree: Any) -> int:
     total = 0
     for leaf in jax.tree.leaves(tree):
@@ -88,14 +96,12 @@ class StageProgram:
         self.act_sharding = NamedSharding(mesh, P("data"))
         self.scalar_sharding = NamedSharding(mesh, P())
         self._tx = tx
-        self.opt_state = jax.jit(tx.init)(self.params)
-        # pinned so that every step's outputs carry the very shardings of its inputs: a changed
-        # sharding would make the next step recompile its programs
-        replicated = NamedSharding(mesh, P())
-        self.opt_state_shardings = jax.tree.map(
-            lambda x: x.sharding if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh else replicated,
-            self.opt_state)
-        self.opt_state = jax.device_put(self.opt_state, self.opt_state_shardings)
+        # optimizer moments (subtrees shaped like the parameters) shard as the parameters;
+        # scalars (step counts) are replicated. Pinned, with the parameters' shardings, as the
+        # outputs of every update: a changed sharding would make the next step recompile.
+        self.opt_state_shardings = _like_params(jax.eval_shape(tx.init, params), self.param_shardings,
+                                                NamedSharding(mesh, P()))
+        self.opt_state = jax.jit(tx.init, out_shardings=self.opt_state_shardings)(self.params)
         self.acc = jax.jit(_f32_zeros, out_shardings=self.param_shardings)(self.params)
         self._build_programs()
 
