@@ -1,9 +1,273 @@
-"""``h2jax plan | simulate | profile``: the planner's commands (HeteroAuto)."""
+"""``h2jax plan | simulate | profile``: the planner's commands (HeteroAuto).
+
+None of them touches a device or imports JAX (``profile --estimate`` prints the roofline
+table; measuring on devices is ``h2jax.runtime._profile``). Bad input exits 2 with one
+line naming the key, like every config error of the CLI.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXIT_CONFIG = 2
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register the planner's subcommands on the ``h2jax`` parser."""
+    p = subparsers.add_parser("plan", help="search the fastest plan for a cluster (HeteroAuto)")
+    p.add_argument("cluster", help="cluster YAML (configs/clusters/<name>.yaml or a name there)")
+    p.add_argument("--model", default=None, help="YAML with the model's fields (top level or under `model:`); "
+                                                 "default: the cluster file's `model:`")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the cluster file's)")
+    p.add_argument("--other-global-batch", type=int, default=None,
+                   help="also report the ratio when the heterogeneous run uses this global batch")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.add_argument("--group-size", type=int, default=None, help="handle chips of a type this many at a time")
+    p.add_argument("--beam", type=int, default=None, help="keep this many (stages, tensor) choices per chip type")
+    p.add_argument("--max-orders", type=int, default=120, help="all stage orders up to this many, else a neighbourhood")
+    p.add_argument("--profiles", nargs="*", default=(), help="JSON caches written by `h2jax profile`")
+    p.add_argument("--grad-sync", default="step", choices=("step", "microbatch"))
+    p.add_argument("--out", default=None, help="folder for plan.yaml and experiment.yaml")
+    p.set_defaults(func=cmd_plan)
+    s = subparsers.add_parser("simulate", help="discrete-event simulation of a plan's schedule")
+    s.add_argument("plan", help="plan YAML (written by `h2jax plan`) or an experiment YAML with `plan:`")
+    s.add_argument("--cluster", required=True, help="cluster YAML the plan runs on")
+    s.add_argument("--model", default=None, help="model YAML (default: the cluster file's or the experiment's)")
+    s.add_argument("--profiles", nargs="*", default=())
+    s.add_argument("--grad-sync", default="step", choices=("step", "microbatch"))
+    s.add_argument("--out", default=None, help="folder for trace.json and gantt.png")
+    s.set_defaults(func=cmd_simulate)
+    f = subparsers.add_parser("profile", help="per-layer costs of a chip type (roofline estimate without devices)")
+    f.add_argument("--chip", required=True, help="chip profile name (configs/chips/<name>.yaml)")
+    f.add_argument("--model", required=True, help="model YAML")
+    f.add_argument("--tensor", type=int, nargs="*", default=[1])
+    f.add_argument("--microbatch", type=int, nargs="*", default=[1])
+    f.add_argument("--out", default=None, help="JSON cache to write (merged with what is there)")
+    f.set_defaults(func=cmd_profile)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _fail(e: Exception) -> SystemExit:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from h2jax.config import ConfigError
+
+    err = e if isinstance(e, ConfigError) else ConfigError("plan", str(e))
+    Console(stderr=True).print(f"[bold red]h2jax: config error:[/] {escape(str(err))}", highlight=False,
+                               soft_wrap=True)
+    return SystemExit(EXIT_CONFIG)
+
+
+def _read_yaml(path: str) -> Any:
+    from h2jax.plan._profiles import ProfileError, find_config
+
+    p = Path(path)
+    if not p.is_file():
+        p = find_config("clusters", path) or p
+    if not p.is_file():
+        raise ProfileError(f"file {path!r} not found")
+    return yaml.safe_load(p.read_text()) or {}
+
+
+def _model(path: str | None, fallback: Any):
+    from h2jax.plan import ModelShape
+    from h2jax.plan._profiles import ProfileError
+
+    raw = _read_yaml(path) if path else fallback
+    if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
+        raw = raw["model"]
+    need = ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "seq_len")
+    if not isinstance(raw, dict) or any(k not in raw for k in need):
+        raise ProfileError(f"model: expected the fields {', '.join(need)} (from --model or the cluster's `model:`)")
+    for k in need:
+        if isinstance(raw[k], bool) or not isinstance(raw[k], int) or raw[k] < 1:
+            raise ProfileError(f"model.{k}: expected a positive integer, got {raw[k]!r}")
+    return ModelShape.from_config(raw), raw
+
+
+def _table(paths) -> Any:
+    from h2jax.plan import ProfileTable
+
+    return ProfileTable.load(*paths)
+
+
+def _stage_in_node(cluster) -> bool:
+    return all(p.emulated for p, _ in cluster.chips)
+
+
+def _fmt_s(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def heteros_speedup(cluster, model, *, global_batch: int, hetero_tps: float, table, opts) -> tuple[float, dict]:
+    """(ratio, per-chip baselines): hetero tokens/s over the sum of each chip type's best
+    homogeneous plan at `global_batch` (N * TGS = tokens/s, so the ratio is of tokens/s)."""
+    from h2jax.plan import search
+
+    base = {}
+    for name in cluster.names:
+        r = search(cluster.only(name), model, global_batch=global_batch, table=table, opts=opts)
+        base[name] = r
+    total = sum(r.cost.tokens_per_s for r in base.values() if r.plan is not None)
+    return (hetero_tps / total if total else float("nan")), base
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from h2jax.plan import Cluster, CostOptions, PlanError, SearchOptions, search
+    from h2jax.plan._profiles import GIB, ProfileError
+
+    try:
+        raw = _read_yaml(args.cluster)
+        cluster = Cluster.from_dict(raw, name=Path(args.cluster).stem)
+        model, model_raw = _model(args.model, raw.get("model") if isinstance(raw, dict) else None)
+        gb = args.global_batch or raw.get("global_batch")
+        if not isinstance(gb, int) or gb < 1:
+            raise ProfileError(f"global_batch: expected a positive integer (--global-batch or the cluster's "
+                               f"`global_batch:`), got {gb!r}")
+        table = _table(args.profiles)
+        opts = SearchOptions(schedule=args.schedule, group_size=args.group_size, max_options_per_chip=args.beam,
+                             max_orders=args.max_orders, stage_in_node=_stage_in_node(cluster),
+                             cost=CostOptions(grad_sync=args.grad_sync))
+    except (ProfileError, PlanError, ValueError) as e:
+        raise _fail(e) from None
+    console = Console()
+    res = search(cluster, model, global_batch=gb, table=table, opts=opts)
+    if res.plan is None:
+        raise _fail(ProfileError(f"plan: no plan fits ({res.note}); try more chips, a smaller model or microbatch"))
+    cost = res.cost
+    tbl = Table(title=f"{cluster.name}: {cluster.num_devices} chips, model {model.num_params() / 1e9:.2f} B params, "
+                      f"global batch {gb} seq = {gb * model.seq_len:,} tokens, {res.plan.num_microbatches} x "
+                      f"{res.plan.microbatch_size}, {res.plan.schedule}")
+    for col in ("stage", "chip", "data x tensor", "layers", "recompute", "fwd+bwd / mb", "memory / device"):
+        tbl.add_column(col)
+    for i, (s, c) in enumerate(zip(res.plan.stages, cost.stages)):
+        tbl.add_row(str(i), s.chip, f"{s.data} x {s.tensor}", f"{s.layers[0]}-{s.layers[1] - 1}",
+                    "yes" if s.recompute else "no", _fmt_s(c.t),
+                    f"{c.memory.total / GIB:.1f} / {c.memory_limit / GIB:.0f} GiB")
+    console.print(tbl)
+    est = " (roofline estimates)" if any(c.estimated for c in cost.stages) else ""
+    console.print(f"estimated iteration {_fmt_s(cost.iteration_s)}{est}, {cost.tokens_per_s:,.0f} tokens/s, "
+                  f"bubble {100 * cost.bubble_fraction:.1f} %; lower bound {_fmt_s(res.lower_bound_s)} "
+                  f"(gap {100 * res.gap:.1f} %)")
+    console.print(f"search: {res.search_s:.3f} s ({res.configs_solved} configurations, {res.orders_solved} orders "
+                  f"solved); stage order {'is' if res.memory_descending else 'is not'} memory-descending")
+    for chip in cluster.names:
+        n = cluster.devices(chip)
+        console.print(f"  TGS {chip}: {cost.tokens_per_s / cluster.num_devices:,.1f} tokens/chip/s over all "
+                      f"{cluster.num_devices} chips ({cost.devices_by_chip.get(chip, 0)} of {n} {chip} used)")
+    if len(cluster.names) > 1:
+        ratio, base = heteros_speedup(cluster, model, global_batch=gb, hetero_tps=cost.tokens_per_s,
+                                      table=table, opts=opts)
+        for name, r in base.items():
+            console.print(f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: "
+                          + (f"{r.cost.tokens_per_s:,.0f} tokens/s" if r.plan else "no plan fits"))
+        console.print(f"[bold]HeteroSpeedupRatio at the same global batch ({gb} hetero, {gb} homogeneous): "
+                      f"{100 * ratio:.1f} %[/]")
+        if args.other_global_batch:
+            ogb = args.other_global_batch
+            other = search(cluster, model, global_batch=ogb, table=table, opts=opts)
+            total = sum(r.cost.tokens_per_s for r in base.values() if r.plan is not None)
+            if other.plan is not None and total > 0:
+                total = sum(r.cost.tokens_per_s for r in base.values() if r.plan is not None)
+                console.print(f"HeteroSpeedupRatio with hetero at global batch {ogb}, homogeneous at {gb} "
+                              f"(the mismatched ratio): {100 * other.cost.tokens_per_s / total:.1f} %")
+                ratio2, _ = heteros_speedup(cluster, model, global_batch=ogb, hetero_tps=other.cost.tokens_per_s,
+                                            table=table, opts=opts)
+                console.print(f"HeteroSpeedupRatio at the same global batch ({ogb} both): {100 * ratio2:.1f} %")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        res.plan.to_yaml(out / "plan.yaml")
+        exp = {"name": f"plan_{cluster.name}", "model": {k: model_raw[k] for k in model_raw},
+               "cluster": {"chips": cluster.to_config_chips()}, "plan": res.plan.to_dict()}
+        exp["plan"].pop("model", None)
+        (out / "experiment.yaml").write_text("# written by `h2jax plan`; run it with `h2jax train " +
+                                             str(out / "experiment.yaml") + "`\n" +
+                                             yaml.safe_dump(exp, sort_keys=False))
+        console.print(f"wrote {out / 'plan.yaml'} and {out / 'experiment.yaml'}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from h2jax.plan import Cluster, CostOptions, Plan, PlanError, simulate_plan
+    from h2jax.plan._profiles import ProfileError
+
+    try:
+        raw_plan = _read_yaml(args.plan)
+        craw = _read_yaml(args.cluster)
+        cluster = Cluster.from_dict(craw, name=Path(args.cluster).stem)
+        fallback = raw_plan.get("model") if isinstance(raw_plan.get("model"), dict) else craw.get("model")
+        model, _ = _model(args.model, fallback)
+        pdata = raw_plan["plan"] if isinstance(raw_plan.get("plan"), dict) else raw_plan
+        if not isinstance(pdata.get("model"), (str, type(None))):
+            pdata = {k: v for k, v in pdata.items() if k != "model"}
+        plan = Plan.from_dict(pdata)
+        for i, s in enumerate(plan.stages):
+            if s.chip not in cluster.names:
+                raise PlanError(f"plan.stages[{i}].chip", f"chip {s.chip!r} is not in the cluster "
+                                                          f"({', '.join(cluster.names)})")
+        sim, cost = simulate_plan(plan, model, cluster, table=_table(args.profiles),
+                                  opts=CostOptions(grad_sync=args.grad_sync))
+    except (ProfileError, PlanError, ValueError, KeyError) as e:
+        raise _fail(e) from None
+    console = Console()
+    console.print(f"simulated iteration {_fmt_s(sim.iteration_s)}; analytic estimate {_fmt_s(cost.iteration_s)} "
+                  f"({100 * (cost.iteration_s / sim.iteration_s - 1):+.1f} %); bubble {100 * sim.bubble_fraction:.1f} %; "
+                  f"{cost.tokens_per_step / sim.iteration_s:,.0f} tokens/s")
+    for s, u in enumerate(sim.utilisation()):
+        console.print(f"  stage {s} ({plan.stages[s].chip}): utilisation {100 * u:.1f} %")
+    if not cost.fits:
+        console.print("[yellow]the plan does not fit:[/] " + "; ".join(cost.reasons))
+    if args.out:
+        out = Path(args.out)
+        sim.save_trace(out / "trace.json")
+        sim.plot(out / "gantt.png", title=f"{Path(args.plan).name} on {cluster.name}")
+        console.print(f"wrote {out / 'trace.json'} and {out / 'gantt.png'}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from h2jax.plan import ProfileTable, load_chip, roofline_costs
+    from h2jax.plan._profiles import ProfileError
+
+    try:
+        chip, _ = load_chip(args.chip)
+        model, _ = _model(args.model, None)
+    except (ProfileError, ValueError) as e:
+        raise _fail(e) from None
+    table = ProfileTable.load(args.out) if args.out else ProfileTable()
+    rows = []
+    for t in args.tensor:
+        for b in args.microbatch:
+            parts = roofline_costs(model, chip, tensor=t, microbatch=b)
+            table.add(chip.name, model.key(), t, b, parts)
+            rows.append({"chip": chip.name, "tensor": t, "microbatch": b,
+                         **{k: asdict(v) for k, v in parts.items()}})
+            blk = parts["block"]
+            print(f"{chip.name} tensor={t} microbatch={b}: block fwd {blk.fwd_s * 1e3:.3f} ms, bwd "
+                  f"{blk.bwd_s * 1e3:.3f} ms, params {blk.param_bytes / 2**20:.1f} MiB, activations "
+                  f"{blk.act_bytes / 2**20:.1f} MiB (estimated: roofline)")
+    if args.out:
+        table.save(args.out)
+        print(f"wrote {args.out}")
+    else:
+        print(json.dumps(rows)[:0], end="")
+    return 0

@@ -53,3 +53,62 @@ __all__ = [
     "reshard_pattern",
     "stage_tasks",
 ]
+
+# -- HeteroAuto: profiles, cost model, search, simulator (pure as the rest) --------------------
+from h2jax.plan._profiles import (  # noqa: E402
+    GIB,
+    ChipProfile,
+    Cluster,
+    Efficiency,
+    LayerCost,
+    ModelShape,
+    ProfileError,
+    ProfileTable,
+    load_chip,
+    roofline_costs,
+)
+from h2jax.plan._cost import (  # noqa: E402
+    CostOptions,
+    PlanCost,
+    StageCost,
+    estimate,
+    stage_cost,
+    transfer_s,
+)
+from h2jax.plan._search import (  # noqa: E402
+    SearchOptions,
+    SearchResult,
+    exhaustive,
+    is_memory_descending,
+    search,
+)
+
+from h2jax.plan._simulate import SimEvent, SimResult, simulate, simulate_plan  # noqa: E402
+
+__all__ += [
+    "GIB",
+    "SimEvent",
+    "SimResult",
+    "simulate",
+    "simulate_plan",
+    "ChipProfile",
+    "Cluster",
+    "CostOptions",
+    "Efficiency",
+    "LayerCost",
+    "ModelShape",
+    "PlanCost",
+    "ProfileError",
+    "ProfileTable",
+    "SearchOptions",
+    "SearchResult",
+    "StageCost",
+    "estimate",
+    "exhaustive",
+    "is_memory_descending",
+    "load_chip",
+    "roofline_costs",
+    "search",
+    "stage_cost",
+    "transfer_s",
+]

@@ -1,0 +1,407 @@
+"""Planner inputs: chip profiles, clusters, model shapes and per-layer cost tables.
+
+Everything the cost model needs to price a stage, and nothing that needs a device:
+
+- :class:`ChipProfile` -- one chip type's memory, peak FLOP/s and bandwidths, read from
+  ``configs/chips/<name>.yaml`` (the same files ``h2jax.config`` reads; the fields match
+  ``ChipSpec``, but this module parses them itself so that ``h2jax.plan`` stays pure and
+  below ``h2jax.config`` in the import graph);
+- :class:`Cluster` -- chip type -> profile and device count, from ``configs/clusters/*.yaml``;
+- :class:`ModelShape` -- the GPT dims that fix FLOPs, bytes and parameter counts;
+- :class:`LayerCost` / :class:`ProfileTable` -- per-layer forward/backward seconds and
+  bytes for one (chip, model shape, tensor degree, microbatch): measured by
+  ``h2jax profile`` (cached as JSON) or estimated from the roofline here and marked
+  ``estimated``.
+
+Units: seconds, bytes, FLOPs; GiB = 2**30 bytes; bandwidths in the YAML are GB/s (1e9 B/s).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GIB = 2**30
+GB = 1e9
+
+_CHIP_FIELDS = ("nodes", "devices_per_node", "memory_gib", "peak_tflops", "mem_bw_gbps",
+                "intra_node_gbps", "inter_node_gbps", "platform", "emulated", "profile")
+
+
+@dataclass(frozen=True)
+class ChipProfile:
+    """One chip type as the planner sees it (per device unless said otherwise).
+
+    `inter_node_gbps` is the bandwidth one device gets to a device of another node or
+    another chip type (its share of the node's NICs); `intra_node_gbps` the bandwidth
+    between two devices of one node (NVLink, Infinity Fabric, ICI, HCCS...).
+    """
+
+    name: str
+    memory_gib: float
+    peak_tflops: float
+    mem_bw_gbps: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    devices_per_node: int = 8
+    platform: str = "cpu"
+    emulated: bool = False
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+
+def config_dirs() -> list[Path]:
+    """Where named configs are looked up: $H2JAX_CONFIG_DIR, ./configs, the repository's configs/."""
+    dirs = []
+    if env := os.environ.get("H2JAX_CONFIG_DIR"):
+        dirs.append(Path(env))
+    dirs.append(Path.cwd() / "configs")
+    dirs.append(Path(__file__).resolve().parents[2] / "configs")
+    return list(dict.fromkeys(d.resolve() for d in dirs))
+
+
+def find_config(kind: str, name: str) -> Path | None:
+    """``configs/<kind>/<name>.yaml`` (or ``name`` itself when it is a YAML path), or None."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    for d in config_dirs():
+        f = d / kind / f"{name}.yaml"
+        if f.is_file():
+            return f
+    return None
+
+
+class ProfileError(ValueError):
+    """A chip profile, cluster or model file that cannot be used; names the key and value."""
+
+
+def _num(raw: Mapping[str, Any], key: str, where: str, *, integer: bool = False, positive: bool = True):
+    v = raw.get(key)
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or (positive and v <= 0):
+        kind = "a positive integer" if integer else "a positive number"
+        raise ProfileError(f"{where}.{key}: expected {kind}, got {v!r}")
+    return v
+
+
+def chip_from_dict(name: str, raw: Mapping[str, Any], *, where: str = "chip") -> tuple[ChipProfile, int]:
+    """(profile, nodes) from the fields of a chip profile file plus inline overrides."""
+    unknown = sorted(set(raw) - set(_CHIP_FIELDS) - {"count"})
+    if unknown:
+        raise ProfileError(f"{where}.{unknown[0]}: unknown key; expected one of {', '.join(_CHIP_FIELDS)}, count")
+    prof = ChipProfile(
+        name=name,
+        memory_gib=float(_num(raw, "memory_gib", where)),
+        peak_tflops=float(_num(raw, "peak_tflops", where)),
+        mem_bw_gbps=float(_num(raw, "mem_bw_gbps", where)),
+        intra_node_gbps=float(_num(raw, "intra_node_gbps", where)),
+        inter_node_gbps=float(_num(raw, "inter_node_gbps", where)),
+        devices_per_node=int(_num(raw, "devices_per_node", where, integer=True)),
+        platform=str(raw.get("platform", "cpu")),
+        emulated=bool(raw.get("emulated", False)),
+    )
+    nodes = int(raw.get("nodes", 1))
+    return prof, nodes
+
+
+def load_chip(name: str, inline: Mapping[str, Any] | None = None) -> tuple[ChipProfile, int]:
+    """The profile of chip type `name` (``configs/chips/<profile or name>.yaml``) with `inline` on top."""
+    inline = dict(inline or {})
+    prof_name = inline.get("profile") or name
+    path = find_config("chips", prof_name)
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw.update(yaml.safe_load(path.read_text()) or {})
+    elif "profile" in inline or not {"memory_gib", "peak_tflops"} <= set(inline):
+        raise ProfileError(f"chips.{name}: no profile configs/chips/{prof_name}.yaml found in "
+                           f"{[str(d) for d in config_dirs()]} and the entry does not give every field")
+    raw.update(inline)
+    count = raw.pop("count", None)
+    raw.pop("profile", None)
+    prof, nodes = chip_from_dict(name, raw, where=f"chips.{name}")
+    if count is not None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ProfileError(f"chips.{name}.count: expected a positive integer, got {count!r}")
+        if count % prof.devices_per_node:
+            raise ProfileError(f"chips.{name}.count: {count} is not a multiple of devices_per_node="
+                               f"{prof.devices_per_node}")
+        nodes = count // prof.devices_per_node
+    return prof, nodes
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Chip types available to one job: name -> (profile, nodes). Order is the file's order."""
+
+    chips: tuple[tuple[ChipProfile, int], ...]
+    name: str = "cluster"
+
+    def profile(self, chip: str) -> ChipProfile:
+        for p, _ in self.chips:
+            if p.name == chip:
+                return p
+        raise KeyError(f"chip {chip!r} is not in cluster {self.name}; it has {', '.join(self.names)}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p, _ in self.chips)
+
+    def devices(self, chip: str) -> int:
+        for p, n in self.chips:
+            if p.name == chip:
+                return n * p.devices_per_node
+        raise KeyError(chip)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(n * p.devices_per_node for p, n in self.chips)
+
+    @property
+    def profiles(self) -> dict[str, ChipProfile]:
+        return {p.name: p for p, _ in self.chips}
+
+    def only(self, chip: str) -> Cluster:
+        """The same cluster with only chip type `chip` (a homogeneous baseline)."""
+        return Cluster(tuple((p, n) for p, n in self.chips if p.name == chip), name=f"{self.name}[{chip}]")
+
+    def to_config_chips(self) -> dict[str, dict[str, int]]:
+        """``cluster.chips`` of an experiment config (profiles by name, node counts)."""
+        return {p.name: {"nodes": n} for p, n in self.chips}
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, name: str = "cluster") -> Cluster:
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("chips"), Mapping) or not raw["chips"]:
+            raise ProfileError(f"{name}: expected a mapping with a non-empty `chips:` mapping "
+                               "(chip type -> {nodes: N} or {count: N})")
+        chips = []
+        for chip, inline in raw["chips"].items():
+            if not isinstance(inline, Mapping):
+                raise ProfileError(f"chips.{chip}: expected a mapping like {{nodes: 2}}, got {inline!r}")
+            chips.append(load_chip(str(chip), inline))
+        return cls(tuple(chips), name=name)
+
+    @classmethod
+    def load(cls, path_or_name: str | os.PathLike[str]) -> Cluster:
+        path = find_config("clusters", str(path_or_name))
+        if path is None:
+            raise ProfileError(f"cluster {str(path_or_name)!r} not found (a YAML path or a name in configs/clusters/)")
+        return cls.from_dict(yaml.safe_load(path.read_text()) or {}, name=path.stem)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dims of the stageable GPT that fix its FLOPs, bytes and parameter counts.
+
+    `act_bytes` is the compute dtype's size (2: bf16, 4: fp32). Parameters, gradients and
+    the two AdamW moments are fp32 as in the runtime: 4 + 4 + 8 = 16 bytes per parameter.
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_ff: int
+    vocab_size: int
+    seq_len: int
+    act_bytes: int = 2
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ModelShape:
+        """From a GPTConfig (or any object/mapping with its fields)."""
+        get = (lambda k: cfg[k]) if isinstance(cfg, Mapping) else (lambda k: getattr(cfg, k))
+        dtype = (cfg.get("dtype", "bfloat16") if isinstance(cfg, Mapping) else getattr(cfg, "dtype", "bfloat16"))
+        act = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(dtype), 2)
+        return cls(n_layers=get("n_layers"), d_model=get("d_model"), n_heads=get("n_heads"), d_ff=get("d_ff"),
+                   vocab_size=get("vocab_size"), seq_len=get("seq_len"), act_bytes=act)
+
+    @functools.cached_property
+    def _key(self) -> str:
+        return self._make_key()
+
+    def key(self) -> str:
+        return self._key
+
+    def _make_key(self) -> str:
+        """Short stable id of the shape a per-layer profile depends on (not n_layers)."""
+        d = asdict(self)
+        d.pop("n_layers")
+        text = json.dumps(d, sort_keys=True)
+        return f"d{self.d_model}h{self.n_heads}f{self.d_ff}v{self.vocab_size}s{self.seq_len}a{self.act_bytes}-" + \
+            hashlib.sha1(text.encode()).hexdigest()[:8]
+
+    @property
+    def block_params(self) -> int:
+        d = self.d_model
+        return 4 * d * d + 3 * d * self.d_ff + 2 * d
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab_size * self.d_model
+
+    @property
+    def head_params(self) -> int:
+        return self.d_model * self.vocab_size + self.d_model
+
+    def num_params(self) -> int:
+        return self.embed_params + self.n_layers * self.block_params + self.head_params
+
+    def tensor_degrees(self, limit: int) -> list[int]:
+        """Tensor degrees up to `limit` that divide heads, d_ff and vocab (as check_plan requires)."""
+        return [t for t in range(1, limit + 1)
+                if self.n_heads % t == 0 and self.d_ff % t == 0 and self.vocab_size % t == 0]
+
+
+PART_KINDS = ("embed", "block", "head")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one part of the model ("embed", one "block", or "head") on one device.
+
+    Times are seconds per microbatch on a (data=1, tensor=t) mesh fed `microbatch`
+    sequences; `tp_comm_s` is the part of fwd+bwd spent in tensor-parallel collectives
+    (already inside fwd_s/bwd_s). Bytes are per device: `param_bytes` of the fp32
+    parameters, `act_bytes` kept from forward to backward per microbatch, `input_bytes`
+    the stage input (what recompute keeps), `temp_bytes` the largest transient buffer.
+    """
+
+    fwd_s: float
+    bwd_s: float
+    param_bytes: float
+    act_bytes: float
+    input_bytes: float
+    temp_bytes: float
+    tp_comm_s: float = 0.0
+    estimated: bool = True
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What fraction of the spec sheet a real kernel reaches (roofline estimates only).
+
+    Dense matmuls of a large transformer typically reach 40-55 % of peak (MFU); memory-
+    bound kernels ~70-80 % of bandwidth; collectives ~70 % of link bandwidth.
+    """
+
+    flops: float = 0.45
+    mem_bw: float = 0.75
+    link: float = 0.7
+    collective_latency_s: float = 10e-6
+
+
+def roofline_costs(model: ModelShape, chip: ChipProfile, *, tensor: int, microbatch: int,
+                   eff: Efficiency = Efficiency()) -> dict[str, LayerCost]:
+    """Estimated per-part costs from FLOPs, bytes and the chip profile (marked estimated).
+
+    `microbatch` is sequences per device (a stage's microbatch / its data degree).
+    Forward time = max(FLOPs / (peak x eff), bytes / (mem_bw x eff)) + tensor-parallel
+    all-reduces (2 per block in forward, 2 in backward, ring over `tensor` devices on the
+    intra-node link); backward = 2x the forward's FLOPs and bytes.
+    """
+    t, b, s, d, f, v = tensor, microbatch, model.seq_len, model.d_model, model.d_ff, model.vocab_size
+    a = model.act_bytes
+    tokens = b * s
+    flops_rate = chip.peak_tflops * 1e12 * eff.flops
+    bw = chip.mem_bw_gbps * GB * eff.mem_bw
+    link = chip.intra_node_gbps * GB * eff.link
+
+    def allreduce(nbytes: float, n: int) -> float:
+        return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / link + eff.collective_latency_s
+
+    def compute(flops: float, nbytes: float) -> float:
+        return max(flops / flops_rate, nbytes / bw)
+
+    hidden = tokens * d * a  # one [b, s, d] activation
+    # block: 4 d^2 + 3 d f matmul weights (sharded), attention scores/probs (heads sharded)
+    w_block = (4 * d * d + 3 * d * f) / t
+    fl_block = 2 * tokens * w_block + 4 * tokens * s * d / t
+    act_block = tokens * a * (4 * d + 6 * d / t + 4 * f / t) + tokens * (4 + a) * model.n_heads * s / t
+    by_block = w_block * a + act_block + 2 * hidden
+    ar_block = allreduce(hidden, t)
+    blk_f = compute(fl_block, by_block) + 2 * ar_block
+    blk_b = compute(2 * fl_block, 2 * by_block) + 2 * ar_block
+    block = LayerCost(fwd_s=blk_f, bwd_s=blk_b, param_bytes=4 * (w_block + 2 * d), act_bytes=act_block,
+                      input_bytes=hidden, temp_bytes=act_block, tp_comm_s=4 * ar_block)
+    # embed: a gather of [b, s] rows of d/t columns, then an all-gather of [b, s, d]
+    ag = 0.0 if t <= 1 else (t - 1) / t * hidden / link + eff.collective_latency_s
+    emb_f = compute(0.0, 2 * hidden / t + hidden) + ag
+    emb_b = compute(0.0, 2 * hidden / t + 4 * v * d / t) + ag
+    embed = LayerCost(fwd_s=emb_f, bwd_s=emb_b, param_bytes=4 * v * d / t, act_bytes=tokens * 4,
+                      input_bytes=tokens * 4, temp_bytes=hidden, tp_comm_s=2 * ag)
+    # head: norm, [b, s, d] x [d, v/t] logits in fp32, cross-entropy reduced across t
+    fl_head = 2 * tokens * d * v / t
+    logits = tokens * v / t * 4
+    hd_f = compute(fl_head, d * v / t * a + 2 * logits + hidden) + 2 * allreduce(tokens * 4, t)
+    hd_b = compute(2 * fl_head, 2 * (d * v / t * a + 2 * logits + hidden)) + allreduce(hidden, t)
+    head = LayerCost(fwd_s=hd_f, bwd_s=hd_b, param_bytes=4 * (d * v / t + d), act_bytes=hidden + logits,
+                     input_bytes=hidden, temp_bytes=2 * logits, tp_comm_s=2 * allreduce(tokens * 4, t))
+    return {"embed": embed, "block": block, "head": head}
+
+
+@dataclass
+class ProfileTable:
+    """Per-part costs keyed by (chip, model shape key, tensor degree, microbatch).
+
+    Filled from ``h2jax profile`` JSON caches; a lookup that misses falls back to the
+    roofline estimate (``estimated: True``) so a plan can always be priced.
+    `grad_sync_in_bwd` records that measured backward times already include the runtime's
+    data-parallel gradient reduction (the current runtime reduces per microbatch).
+    """
+
+    entries: dict[tuple[str, str, int, int], dict[str, LayerCost]] = field(default_factory=dict)
+    eff: Efficiency = field(default_factory=Efficiency)
+    _estimates: dict[tuple, dict[str, LayerCost]] = field(default_factory=dict, repr=False, compare=False)
+
+    def add(self, chip: str, model_key: str, tensor: int, microbatch: int, parts: Mapping[str, LayerCost]) -> None:
+        self.entries[(chip, model_key, tensor, microbatch)] = dict(parts)
+
+    def costs(self, model: ModelShape, chip: ChipProfile, *, tensor: int, microbatch: int) -> dict[str, LayerCost]:
+        if self.entries:
+            hit = self.entries.get((chip.name, model.key(), tensor, microbatch))
+            if hit is not None:
+                return hit
+        key = (chip, model, tensor, microbatch)
+        est = self._estimates.get(key)
+        if est is None:
+            est = self._estimates[key] = roofline_costs(model, chip, tensor=tensor, microbatch=microbatch,
+                                                        eff=self.eff)
+        return est
+
+    def measured(self, chip: str) -> bool:
+        return any(k[0] == chip and not v["block"].estimated for k, v in self.entries.items())
+
+    # -- JSON cache (the profiler writes, the planner reads) --------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        rows = []
+        for (chip, mkey, t, b), parts in sorted(self.entries.items()):
+            rows.append({"chip": chip, "model": mkey, "tensor": t, "microbatch": b,
+                         "parts": {k: asdict(v) for k, v in parts.items()}})
+        return {"version": 1, "entries": rows}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    def merge_json(self, data: Mapping[str, Any]) -> None:
+        names = {f.name for f in fields(LayerCost)}
+        for row in data.get("entries", []):
+            parts = {k: LayerCost(**{kk: vv for kk, vv in v.items() if kk in names}) for k, v in row["parts"].items()}
+            self.add(row["chip"], row["model"], int(row["tensor"]), int(row["microbatch"]), parts)
+
+    @classmethod
+    def load(cls, *paths: str | os.PathLike[str], eff: Efficiency | None = None) -> ProfileTable:
+        table = cls(eff=eff or Efficiency())
+        for p in paths:
+            if Path(p).is_file():
+                table.merge_json(json.loads(Path(p).read_text()))
+        return table

@@ -1,0 +1,584 @@
+"""HeteroAuto: search the plan space of a heterogeneous cluster for the fastest plan that fits.
+
+The space (the exhaustive enumerator in this module walks exactly the same one):
+
+- microbatch size mb: a divisor of the global batch (m = global_batch / mb microbatches);
+- stage order across chip types: every permutation (memory-descending is the paper's rule;
+  the search confirms or beats it), all stages of one chip type contiguous;
+- per chip type c: its number of stages k_c and tensor degree t_c (dividing heads, d_ff and
+  vocab; at most a node); the data degree follows from the device count: the largest
+  d <= devices_c / (k_c t_c) that divides mb (and, with ``stage_in_node``, lets k_c stages
+  of d x t_c devices pack into the chip's nodes). With ``group_size`` g the chips of a type
+  are handled g at a time: k_c <= ceil(devices_c / g), which keeps 10,000-chip clusters small;
+- per stage: its number of layers (>= 1, summing to the model's) and its recompute flag.
+
+Objective: the cost model's iteration time (:mod:`h2jax.plan._cost`); constraint: every
+stage fits its chip's memory.
+
+How it is fast. For a fixed (mb, per-chip choice, order) every stage's time, tail and
+memory are affine in its layer count, and time and tail grow with it, so the exact optimum
+of ``(m - 1) max_s t_s + sum_s t_s + transfers + max_s g_s`` over layer splits and recompute
+flags is found by enumerating thresholds B >= max t and G >= max g in increasing order and
+solving ``min sum t`` under the per-stage layer caps they imply with a min-plus dynamic
+program (numpy), stopping as soon as ``(m - 1) B + G + min sum t`` cannot beat the best.
+Per-chip choices are walked depth first; a configuration is pruned when its lower bound --
+total work over total capability, ``(m - 1) L / sum_s(1 / a_s) + L min_s a_s`` with a_s a
+stage's per-layer time -- cannot beat the best plan found so far. The same bound, over the
+whole space, is the lower bound the result reports the gap to.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from h2jax.plan._cost import CostOptions, PlanCost, estimate, in_flight, part_costs, stage_cost, transfer_s
+from h2jax.plan._plan import Plan, StageSpec
+from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """The space HeteroAuto searches, and how.
+
+    schedule: "1f1b" or "gpipe" (same time, GPipe holds every microbatch's activations).
+    microbatch_sizes: candidate microbatch sizes (sequences); None: every divisor of the
+        global batch up to `max_microbatch`.
+    max_stages_per_chip: cap on k_c; None: up to the layer count.
+    group_size: handle chips of a type this many at a time (k_c <= ceil(devices / g));
+        None: no grouping (k_c up to devices / t_c).
+    stage_in_node: a stage lives inside one node (single-process runs, emulated chips);
+        False: a stage may span nodes (data axis across nodes, tensor axis inside one).
+    orders: "all" permutations of the chip types (capped by `max_orders`, beyond which the
+        memory-descending order and its neighbours by one adjacent swap are tried), or
+        "memory" (memory-descending only: the paper's rule).
+    allow_recompute: let stages recompute activations in the backward.
+    max_options_per_chip: keep only the best this-many (k_c, t_c) choices per chip type by
+        throughput (a beam for very large clusters; None: all, which is exact).
+    """
+
+    schedule: str = "1f1b"
+    microbatch_sizes: tuple[int, ...] | None = None
+    max_microbatch: int | None = None
+    max_stages_per_chip: int | None = None
+    group_size: int | None = None
+    stage_in_node: bool = False
+    orders: str = "all"
+    max_orders: int = 120
+    allow_recompute: bool = True
+    max_options_per_chip: int | None = None
+    cost: CostOptions = field(default_factory=CostOptions)
+
+
+@dataclass(frozen=True)
+class ChipChoice:
+    """One chip type's part of a configuration: k stages of data x tensor devices."""
+
+    chip: str
+    stages: int
+    data: int
+    tensor: int
+    layer_s: float  # forward + backward seconds of one block per microbatch (no recompute)
+    layer_rc_s: float = INF  # the same with recompute (one more forward)
+    max_layers: tuple[float, ...] = ()  # per stage j (j + 1 in flight, no embed/head): most blocks without recompute
+    max_layers_rc: tuple[float, ...] = ()  # ... with recompute
+
+    @property
+    def capability(self) -> float:
+        """Layers per second this chip type's stages process together (sum of 1 / a_s)."""
+        return self.stages / self.layer_s
+
+    def layers_within(self, b: np.ndarray) -> np.ndarray:
+        """Upper bound on the blocks these stages can hold if no stage may take longer than `b`.
+
+        A stage with l <= max_layers blocks takes >= l * layer_s; with more it must
+        recompute and takes >= l * layer_rc_s; it never holds more than max_layers_rc.
+        """
+        total = np.zeros_like(b)
+        for ln, lr in zip(self.max_layers, self.max_layers_rc):
+            total += np.maximum(np.minimum(ln, b / self.layer_s), np.minimum(lr, b / self.layer_rc_s))
+        return total
+
+
+@dataclass
+class SearchResult:
+    plan: Plan | None
+    cost: PlanCost | None
+    iteration_s: float
+    lower_bound_s: float
+    search_s: float
+    configs_seen: int = 0
+    configs_solved: int = 0
+    orders_solved: int = 0
+    dp_solves: int = 0
+    memory_descending: bool | None = None
+    note: str = ""
+
+    @property
+    def gap(self) -> float:
+        """(estimate - lower bound) / lower bound."""
+        return self.iteration_s / self.lower_bound_s - 1.0 if self.plan is not None else INF
+
+
+# -- the space -------------------------------------------------------------------------------
+
+
+def microbatch_sizes(global_batch: int, opts: SearchOptions) -> list[int]:
+    if opts.microbatch_sizes is not None:
+        return [b for b in opts.microbatch_sizes if global_batch % b == 0]
+    top = opts.max_microbatch or global_batch
+    return [b for b in range(1, min(top, global_batch) + 1) if global_batch % b == 0]
+
+
+def derive_data(chip: ChipProfile, nodes: int, *, stages: int, tensor: int, microbatch: int,
+                stage_in_node: bool) -> int:
+    """The data degree of `stages` stages of `tensor`-wide meshes on this chip type (0: none fits)."""
+    devices = nodes * chip.devices_per_node
+    top = devices // (stages * tensor)
+    if stage_in_node:
+        top = min(top, chip.devices_per_node // tensor)
+    for d in range(top, 0, -1):
+        if microbatch % d:
+            continue
+        if stage_in_node and stages > nodes * (chip.devices_per_node // (d * tensor)):
+            continue
+        return d
+    return 0
+
+
+def chip_choices(cluster: Cluster, model: ModelShape, microbatch: int, opts: SearchOptions,
+                 table: ProfileTable | None) -> dict[str, list[ChipChoice]]:
+    """Every (k, data, tensor) of every chip type for this microbatch size."""
+    out: dict[str, list[ChipChoice]] = {}
+    L = model.n_layers
+    for chip, nodes in cluster.chips:
+        devices = nodes * chip.devices_per_node
+        choices = []
+        for t in model.tensor_degrees(chip.devices_per_node):
+            if t > devices:
+                continue
+            kmax = min(L, devices // t, opts.max_stages_per_chip or L)
+            if opts.group_size:
+                kmax = min(kmax, max(1, math.ceil(devices / opts.group_size)))
+            for k in range(1, kmax + 1):
+                d = derive_data(chip, nodes, stages=k, tensor=t, microbatch=microbatch,
+                                stage_in_node=opts.stage_in_node)
+                if d == 0:
+                    continue
+                blk = part_costs(model, chip, table, tensor=t, microbatch_per_device=microbatch // d)["block"]
+                # most blocks one stage holds, best case: the j-th of its k stages has j microbatches
+                # in flight (1F1B gives the k stages of one chip type k distinct counts >= 1)
+                caps_n, caps_r = [], []
+                for j in range(1, k + 1):
+                    infl = j if opts.schedule == "1f1b" else global_batch_m(microbatch, opts)
+                    row = []
+                    for rc in (False, True):
+                        kw = dict(first=False, last=False, data=d, tensor=t, microbatch=microbatch, recompute=rc,
+                                  in_flight=infl, table=table, opts=opts.cost)
+                        c0 = stage_cost(model, chip, layers=0, **kw)
+                        c1 = stage_cost(model, chip, layers=1, **kw)
+                        slope = c1.memory.total - c0.memory.total
+                        room = c0.memory_limit - c0.memory.total
+                        row.append(min(float(L), max(0.0, math.floor(room / slope))) if slope > 0 else float(L))
+                    if not opts.allow_recompute:
+                        row[1] = row[0]
+                    caps_n.append(row[0])
+                    caps_r.append(row[1])
+                caps = (tuple(caps_n), tuple(caps_r))
+                if caps_r[0] < 1:
+                    continue  # not even one block fits a stage of this shape
+                rc_s = blk.fwd_s * 2 + blk.bwd_s
+                choices.append(ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps[0], caps[1]))
+        choices.sort(key=lambda c: (-c.capability, c.stages, c.tensor))
+        out[chip.name] = choices
+    if opts.max_options_per_chip:
+        # beam: per chip type the choices that hold the most layers at the slot time the
+        # whole cluster's bound needs (memory-capped capability, not raw speed)
+        lists = list(out.values())
+        amin = min((c.layer_s for cs in lists for c in cs), default=1.0)
+        amax = max((c.layer_rc_s for cs in lists for c in cs), default=1.0)
+        grid = np.geomspace(amin * 1e-3, amax * L * 1.01, 2000)
+        env = sum((np.max([c.layers_within(grid) for c in cs], axis=0) for cs in lists if cs), np.zeros_like(grid))
+        idx = min(int(np.searchsorted(env, L - 1e-9)), len(grid) - 1)
+        b_star = grid[idx : idx + 1]
+        for name, cs in out.items():
+            cs = sorted(cs, key=lambda c: (-float(c.layers_within(b_star)[0]), c.stages, c.tensor))
+            out[name] = cs[: opts.max_options_per_chip]
+    return out
+
+
+def global_batch_m(microbatch: int, opts: SearchOptions) -> int:
+    """GPipe keeps every microbatch in flight; its count is not known per choice, so bound by 1."""
+    return 1
+
+
+def chip_orders(cluster: Cluster, opts: SearchOptions) -> list[tuple[str, ...]]:
+    """Stage orders of the chip types to try; the memory-descending one first."""
+    by_mem = tuple(p.name for p in sorted(cluster.profiles.values(), key=lambda p: (-p.memory_gib, p.name)))
+    if opts.orders == "memory":
+        return [by_mem]
+    if math.factorial(len(by_mem)) <= opts.max_orders:
+        rest = [o for o in itertools.permutations(by_mem) if o != by_mem]
+        return [by_mem, *rest]
+    swaps = []
+    for i in range(len(by_mem) - 1):
+        o = list(by_mem)
+        o[i], o[i + 1] = o[i + 1], o[i]
+        swaps.append(tuple(o))
+    rev = tuple(reversed(by_mem))
+    by_speed = tuple(p.name for p in sorted(cluster.profiles.values(), key=lambda p: (p.peak_tflops, p.name)))
+    out = [by_mem, *swaps, rev, by_speed, tuple(reversed(by_speed))]
+    return list(dict.fromkeys(out))
+
+
+def is_memory_descending(plan: Plan, cluster: Cluster) -> bool:
+    mems = [cluster.profile(s.chip).memory_gib for s in plan.stages]
+    return all(a >= b for a, b in zip(mems, mems[1:]))
+
+
+# -- the exact inner problem: layers and recompute for a fixed sequence of stages --------------
+
+
+@dataclass
+class _StageArrays:
+    t: np.ndarray  # [L + 1] seconds of fwd+bwd per microbatch with l layers; inf: does not fit
+    g: np.ndarray  # [L + 1] tail seconds (gradient sync + update)
+    recompute: np.ndarray  # [L + 1] bool: the cheapest fitting choice recomputes
+
+
+class _Solver:
+    """Caches per-stage arrays and solves the layer split of one stage sequence exactly."""
+
+    def __init__(self, model: ModelShape, cluster: Cluster, table: ProfileTable | None, opts: SearchOptions):
+        self.model, self.cluster, self.table, self.opts = model, cluster, table, opts
+        L = model.n_layers
+        self.L = L
+        self.layers = np.arange(L + 1, dtype=np.float64)
+        n = np.arange(L + 1)[:, None]
+        lidx = np.arange(L + 1)[None, :]
+        prev = n - lidx
+        self._idx = np.where(prev >= 0, prev, L + 1)  # L + 1 -> an inf slot
+        self._arrays: dict[tuple, _StageArrays] = {}
+        self._xfer: dict[tuple, float] = {}
+        self.dp_solves = 0
+
+    def arrays(self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, infl: int) -> _StageArrays:
+        key = (chip, data, tensor, mb, first, last, infl)
+        hit = self._arrays.get(key)
+        if hit is not None:
+            return hit
+        prof = self.cluster.profile(chip)
+        kw = dict(first=first, last=last, data=data, tensor=tensor, microbatch=mb, in_flight=infl,
+                  table=self.table, opts=self.opts.cost)
+        l = self.layers
+        t_ = {}
+        for rc in (False, True):
+            c0 = stage_cost(self.model, prof, layers=0, recompute=rc, **kw)
+            c1 = stage_cost(self.model, prof, layers=1, recompute=rc, **kw)
+            t = c0.t + l * (c1.t - c0.t)
+            mem = c0.memory.total + l * (c1.memory.total - c0.memory.total)
+            g = c0.tail_s + l * (c1.tail_s - c0.tail_s)
+            t_[rc] = (t, mem <= c0.memory_limit, g)
+        t_n, fit_n, g = t_[False]
+        t_r, fit_r, _ = t_[True]
+        if not self.opts.allow_recompute:
+            fit_r = np.zeros_like(fit_r)
+        t = np.where(fit_n, t_n, np.where(fit_r, t_r, INF))
+        t[0] = INF
+        arr = _StageArrays(t=t, g=g, recompute=~fit_n)
+        self._arrays[key] = arr
+        return arr
+
+    def transfer(self, a: tuple[str, int, int], b: tuple[str, int, int], mb: int) -> float:
+        key = (a, b, mb)
+        hit = self._xfer.get(key)
+        if hit is None:
+            eff = (self.table.eff if self.table is not None else ProfileTable().eff)
+            pa, pb = self.cluster.profile(a[0]), self.cluster.profile(b[0])
+            hit = (transfer_s(self.model, pa, a[1:], pb, b[1:], microbatch=mb, eff=eff)
+                   + transfer_s(self.model, pb, b[1:], pa, a[1:], microbatch=mb, eff=eff))
+            self._xfer[key] = hit
+        return hit
+
+    def _dp(self, ts: Sequence[np.ndarray], caps: np.ndarray) -> tuple[float, list[int]] | None:
+        """min sum_s t_s[l_s] s.t. 1 <= l_s <= caps[s], sum l_s = L; with the layer counts."""
+        self.dp_solves += 1
+        L = self.L
+        ext = np.full(L + 2, INF)
+        first = ts[0].copy()
+        first[caps[0] + 1:] = INF
+        v = first
+        back = []
+        for t, cap in zip(ts[1:], caps[1:]):
+            tt = t.copy()
+            tt[cap + 1:] = INF
+            ext[: L + 1] = v
+            mat = ext[self._idx] + tt[None, :]
+            arg = np.argmin(mat, axis=1)
+            v = mat[np.arange(L + 1), arg]
+            back.append(arg)
+        if not math.isfinite(v[L]):
+            return None
+        layers = []
+        n = L
+        for arg in reversed(back):
+            layer = int(arg[n])
+            layers.append(layer)
+            n -= layer
+        layers.append(n)
+        layers.reverse()
+        return float(v[L]), layers
+
+    def solve(self, stages: Sequence[_StageArrays], m: int, transfers: float, best: float
+              ) -> tuple[float, list[int], list[bool]] | None:
+        """The best layer split and recompute flags of this stage sequence, if it beats `best`."""
+        L, S = self.L, len(stages)
+        if S > L:
+            return None
+        ts = [s.t for s in stages]
+        gs = [s.g for s in stages]
+        T = np.stack(ts)[:, 1:]  # [S, L]: row s, column l - 1; non-decreasing, inf where it does not fit
+        G = np.stack(gs)[:, 1:]
+        full = np.isfinite(T).sum(axis=1)  # most layers each stage can hold
+        if full.min() < 1 or full.sum() < L:
+            return None
+        g_floor = float(G[:, 0].max())
+        cand_b = np.unique(T[np.isfinite(T)])
+        # smallest B whose caps can hold L layers (caps grow with B)
+        counts = (T[:, :, None] <= cand_b[None, None, :]).sum(axis=1) if T.size * len(cand_b) < 2_000_000 else None
+        if counts is not None:
+            ok = (counts.sum(axis=0) >= L) & (counts.min(axis=0) >= 1)
+            lo = int(np.argmax(ok)) if ok.any() else len(cand_b)
+        else:
+            lo, hi = 0, len(cand_b) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                c = (T <= cand_b[mid]).sum(axis=1)
+                if c.sum() >= L and c.min() >= 1:
+                    hi = mid
+                else:
+                    lo = mid + 1
+        if lo >= len(cand_b):
+            return None
+        b0 = float(cand_b[lo])
+        base = float(T[:, 0].sum())
+        if (m - 1) * b0 + base + g_floor + transfers >= best:
+            return None
+        free = self._dp(ts, full)
+        if free is None:
+            return None
+        sum_free = free[0]
+        if (m - 1) * b0 + sum_free + g_floor + transfers >= best:
+            return None
+        found: tuple[float, list[int]] | None = None
+        seen: dict[tuple[int, ...], tuple[float, list[int]] | None] = {}
+        prev_caps = None
+        for b in cand_b[lo:]:
+            b = float(b)
+            if (m - 1) * b + sum_free + g_floor + transfers >= best:
+                break
+            cap_b = (T <= b).sum(axis=1)
+            if prev_caps is not None and np.array_equal(cap_b, prev_caps):
+                continue  # same caps as the previous B: same solutions, larger B
+            prev_caps = cap_b
+            g_top = float(G[np.arange(S), cap_b - 1].max())
+            mask = np.arange(L)[None, :] < cap_b[:, None]
+            cand_g = np.unique(G[mask])
+            cand_g = cand_g[(cand_g >= g_floor) & (cand_g <= g_top)]
+            for gthr in cand_g:
+                gthr = float(gthr)
+                if (m - 1) * b + gthr + sum_free + transfers >= best:
+                    break
+                caps = np.minimum(cap_b, (G <= gthr).sum(axis=1))
+                if caps.min() < 1 or caps.sum() < L:
+                    continue
+                key = tuple(caps.tolist())
+                if key not in seen:
+                    seen[key] = self._dp(ts, caps)
+                res = seen[key]
+                if res is None:
+                    continue
+                _, layers = res
+                tt = [float(t[l_]) for t, l_ in zip(ts, layers)]
+                value = (m - 1) * max(tt) + sum(tt) + transfers + max(float(g[l_]) for g, l_ in zip(gs, layers))
+                if value < best:
+                    best = value
+                    found = (value, layers)
+                if gthr >= g_top:
+                    break
+        if found is None:
+            return None
+        value, layers = found
+        return value, layers, [bool(s.recompute[l_]) for s, l_ in zip(stages, layers)]
+
+
+# -- the search ------------------------------------------------------------------------------
+
+
+class _Bounds:
+    """Lower bounds of one microbatch size: total work over total (memory-capped) capability.
+
+    On a geometric grid of slot times B, each choice's `layers_within(B)` is tabulated; a
+    set of choices needs B >= the first grid point where they hold all L layers, so the
+    grid point before it bounds max_s t_s from below (grid spacing < 0.5 %). The bound is
+    ``(m - 1) B_lb + L min_s a_s`` (sum_s t_s >= L times the fastest per-layer time).
+    """
+
+    def __init__(self, choices: dict[str, list[ChipChoice]], names: Sequence[str], m: int, mb: int, L: int):
+        self.m, self.mb, self.L = m, mb, L
+        self.lists = [choices[n] for n in names]
+        amin = min(c.layer_s for cs in self.lists for c in cs)
+        amax = max(c.layer_rc_s for cs in self.lists for c in cs)
+        self.grid = np.geomspace(amin * 1e-3, amax * L * 1.01, 4000)
+        self.grids = [[c.layers_within(self.grid) for c in cs] for cs in self.lists]
+        n = len(self.lists)
+        self.suffix = [np.zeros_like(self.grid) for _ in range(n + 1)]
+        self.suffix_amin = [INF] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            self.suffix[i] = self.suffix[i + 1] + np.max(self.grids[i], axis=0)
+            self.suffix_amin[i] = min(self.suffix_amin[i + 1], min(c.layer_s for c in self.lists[i]))
+        self.root = self.bound(self.suffix[0], self.suffix_amin[0])
+
+    def bound(self, held: np.ndarray, amin: float) -> float:
+        idx = int(np.searchsorted(held, self.L - 1e-9, side="left"))  # held is non-decreasing in B
+        if idx >= len(self.grid):
+            return INF  # cannot hold the model at any slot time
+        b_lb = float(self.grid[idx - 1]) if idx > 0 else 0.0
+        return (self.m - 1) * b_lb + self.L * amin
+
+
+def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: ProfileTable | None = None,
+           opts: SearchOptions = SearchOptions()) -> SearchResult:
+    """The fastest plan of the space (see module docstring) that fits, with its lower bound and timing."""
+    t0 = time.perf_counter()
+    L = model.n_layers
+    solver = _Solver(model, cluster, table, opts)
+    orders = chip_orders(cluster, opts)
+    best = INF
+    best_plan: tuple | None = None
+    lower = INF
+    names = cluster.names
+    stats = {"configs": 0, "solved": 0, "orders": 0}
+    per_mb = []
+    for mb in microbatch_sizes(global_batch, opts):
+        m = global_batch // mb
+        choices = chip_choices(cluster, model, mb, opts, table)
+        if any(not choices[n] for n in names):
+            continue
+        per_mb.append(_Bounds(choices, names, m, mb, L))
+    for bd in per_mb:
+        lower = min(lower, bd.root)
+    per_mb.sort(key=lambda bd: bd.root)
+
+    def evaluate(config: Sequence[ChipChoice], mb: int, m: int) -> None:
+        nonlocal best, best_plan
+        stats["solved"] += 1
+        by_chip = {c.chip: c for c in config}
+        for order in orders:
+            seq = [by_chip[name] for name in order for _ in range(by_chip[name].stages)]
+            S = len(seq)
+            if S > L:
+                return
+            arrays = [solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == S - 1,
+                                    in_flight(opts.schedule, S, m, i)) for i, c in enumerate(seq)]
+            xfer = sum(solver.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
+                       for a, b in zip(seq, seq[1:]))
+            stats["orders"] += 1
+            res = solver.solve(arrays, m, xfer, best)
+            if res is not None and res[0] < best:
+                best = res[0]
+                best_plan = (seq, res[1], res[2], mb, m)
+
+    for bd in per_mb:
+        if bd.root >= best:
+            break
+        chosen: list[ChipChoice] = []
+
+        def dfs(i: int, held: np.ndarray, amin: float, nstages: int, bd: _Bounds = bd) -> None:
+            if nstages + (len(names) - i) > L:
+                return
+            if bd.bound(held + bd.suffix[i], min(amin, bd.suffix_amin[i])) >= best:
+                return
+            if i == len(names):
+                stats["configs"] += 1
+                evaluate(chosen, bd.mb, bd.m)
+                return
+            for c, grid in zip(bd.lists[i], bd.grids[i]):
+                chosen.append(c)
+                dfs(i + 1, held + grid, min(amin, c.layer_s), nstages + c.stages)
+                chosen.pop()
+
+        dfs(0, np.zeros_like(bd.grid), INF, 0)
+
+    elapsed = time.perf_counter() - t0
+    if best_plan is None:
+        return SearchResult(None, None, INF, lower, elapsed, stats["configs"], stats["solved"], stats["orders"],
+                            solver.dp_solves, note="no plan of the space fits the chips' memory")
+    seq, layers, recompute, mb, m = best_plan
+    plan = build_plan(seq, layers, recompute, global_batch=global_batch, num_microbatches=m,
+                      schedule=opts.schedule)
+    cost = estimate(plan, model, cluster, table=table, opts=opts.cost)
+    elapsed = time.perf_counter() - t0
+    return SearchResult(plan, cost, cost.iteration_s, lower, elapsed, stats["configs"], stats["solved"],
+                        stats["orders"], solver.dp_solves, memory_descending=is_memory_descending(plan, cluster))
+
+
+def build_plan(seq: Sequence[ChipChoice], layers: Sequence[int], recompute: Sequence[bool], *, global_batch: int,
+               num_microbatches: int, schedule: str) -> Plan:
+    stages, start = [], 0
+    for c, n, rc in zip(seq, layers, recompute):
+        stages.append(StageSpec(chip=c.chip, layers=(start, start + n), data=c.data, tensor=c.tensor,
+                                recompute=bool(rc)))
+        start += n
+    return Plan(stages=tuple(stages), global_batch=global_batch, num_microbatches=num_microbatches,
+                schedule=schedule)
+
+
+# -- the reference: every plan of the same space --------------------------------------------------
+
+
+def _compositions(total: int, parts: int) -> Iterable[tuple[int, ...]]:
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def exhaustive(cluster: Cluster, model: ModelShape, *, global_batch: int, table: ProfileTable | None = None,
+               opts: SearchOptions = SearchOptions()) -> tuple[Plan | None, float, int]:
+    """Brute force over the search space: (best plan, its estimated time, plans priced).
+
+    Every (microbatch, order, per-chip choice, layer split, recompute flags) is built as a
+    Plan and priced by :func:`estimate`; nothing is pruned. For tests on small instances.
+    """
+    L = model.n_layers
+    best, best_plan, count = INF, None, 0
+    flags = (False, True) if opts.allow_recompute else (False,)
+    for mb in microbatch_sizes(global_batch, opts):
+        m = global_batch // mb
+        choices = chip_choices(cluster, model, mb, opts, table)
+        names = cluster.names
+        if any(not choices[n] for n in names):
+            continue
+        for order in chip_orders(cluster, opts):
+            for combo in itertools.product(*(choices[n] for n in order)):
+                seq = [c for c in combo for _ in range(c.stages)]
+                S = len(seq)
+                if S > L:
+                    continue
+                for split in _compositions(L, S):
+                    for rc in itertools.product(flags, repeat=S):
+                        plan = build_plan(seq, split, rc, global_batch=global_batch, num_microbatches=m,
+                                          schedule=opts.schedule)
+                        cost = estimate(plan, model, cluster, table=table, opts=opts.cost)
+                        count += 1
+                        if cost.fits and cost.iteration_s < best:
+                            best, best_plan = cost.iteration_s, plan
+    return best_plan, best, count
+
