@@ -321,6 +321,10 @@ def run_multiprocess(cfg: ExperimentConfig, launch: LaunchInfo, *, fail_fast: Fa
         (console or Console(stderr=True)).print(
             f"h2jax train: {cfg.name} on {launch.size} processes ({launch.launcher}), transport "
             f"{cfg.train.transport}; rank s runs stage s")
+        if cfg.checkpoint.enabled:
+            (console or Console(stderr=True)).print(
+                "[yellow]h2jax: multi-process runs do not write checkpoints yet (checkpoint.* is ignored); "
+                "SIGTERM ends the job without saving[/]")
     try:
         trainer = MultiProcessTrainer(cfg, launch, run_dir=run_dir, console=console, fail_fast=fail_fast)
         history = trainer.run()
