@@ -2,35 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from h2jax.config._errors import ConfigError
-
-
-def config_dirs() -> list[Path]:
-    """Where named configs are looked up: $H2JAX_CONFIG_DIR, ./configs, the repository's configs/."""
-    dirs = []
-    if env := os.environ.get("H2JAX_CONFIG_DIR"):
-        dirs.append(Path(env))
-    dirs.append(Path.cwd() / "configs")
-    dirs.append(Path(__file__).resolve().parents[2] / "configs")
-    return list(dict.fromkeys(d.resolve() for d in dirs))  # run from the repo: listed once
-
-
-def find_profile(name: str) -> Path | None:
-    """The profile file of a chip type name or path, or None."""
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
-    for d in config_dirs():
-        f = d / "chips" / f"{name}.yaml"
-        if f.is_file():
-            return f
-    return None
+from h2jax.plan._profiles import config_dirs, find_config  # one lookup for chips, clusters, experiments
 
 
 def resolve_chip(name: str, inline: dict[str, Any], *, key: str = "cluster.chips"):
@@ -46,7 +24,7 @@ def resolve_chip(name: str, inline: dict[str, Any], *, key: str = "cluster.chips
                           f"got {profile!r}; expected a chip profile name (e.g. sim_a) or a YAML path")
     profile_name = profile or name
     raw: dict[str, Any] = {}
-    path = find_profile(profile_name)
+    path = find_config("chips", profile_name)
     if path is not None:
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):
