@@ -59,7 +59,6 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from flax import nnx
 

@@ -37,7 +37,7 @@ from h2jax.data import get_global_batch, load_dataset
 from h2jax.models import StageModule, build_model, check_stageable
 from h2jax.plan import get_schedule
 from h2jax.runtime._cluster import StagePlacement, place_stages, setup_backends, stage_mesh
-from h2jax.runtime._layout import (flatten, model_layout, opt_state_layout, opt_state_names, opt_state_trees,
+from h2jax.runtime._layout import (model_layout, opt_state_layout, opt_state_names, opt_state_trees,
                                    stage_trees)
 from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
 from h2jax.runtime._metrics import MetricsLogger

@@ -3,7 +3,6 @@ kills during a save, SIGTERM, non-finite steps, a checkpoint directory that cann
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 
 from h2jax.checkpoint import CheckpointStore
 from h2jax.runtime import read_metrics

@@ -10,7 +10,6 @@ import pytest
 
 from h2jax.plan import (  # noqa: I001
     ChipProfile,
-    Cluster,
     ModelShape,
     Plan,
     StageSpec,
