@@ -42,12 +42,16 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--grad-sync", default="step", choices=("step", "microbatch"))
     s.add_argument("--out", default=None, help="folder for trace.json and gantt.png")
     s.set_defaults(func=cmd_simulate)
-    f = subparsers.add_parser("profile", help="per-layer costs of a chip type (roofline estimate without devices)")
+    f = subparsers.add_parser("profile", help="per-layer costs of a chip type: measured on its devices "
+                                              "(--measure) or a roofline estimate")
     f.add_argument("--chip", required=True, help="chip profile name (configs/chips/<name>.yaml)")
     f.add_argument("--model", required=True, help="model YAML")
     f.add_argument("--tensor", type=int, nargs="*", default=[1])
     f.add_argument("--microbatch", type=int, nargs="*", default=[1])
     f.add_argument("--out", default=None, help="JSON cache to write (merged with what is there)")
+    f.add_argument("--measure", action="store_true",
+                   help="time the real stage programs on this chip type's devices (emulated chips: this host's CPU)")
+    f.add_argument("--repeats", type=int, default=5, help="timed repetitions per program (median), with --measure")
     f.set_defaults(func=cmd_profile)
 
 
@@ -242,6 +246,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measure(args: argparse.Namespace, raw: dict) -> dict:
+    """Time the stage programs on the chip's devices (imports JAX; registers emulated chips first)."""
+    from h2jax.config import ConfigError
+    from h2jax.config._chips import resolve_chip
+    from h2jax.models import GPTConfig
+
+    try:
+        chip = resolve_chip(args.chip, {"nodes": 1})
+        fields = {k: raw[k] for k in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff") if k in raw}
+        if "dtype" in raw:
+            fields["dtype"] = raw["dtype"]
+        cfg = GPTConfig(**fields)
+    except (ConfigError, ValueError) as e:
+        raise _fail(e) from None
+    if not chip.emulated:
+        print(f"measuring on the local {chip.platform} backend")
+    from h2jax.runtime._profile import profile_chip
+
+    return profile_chip(args.chip, chip, cfg, tensor_degrees=args.tensor, microbatches=args.microbatch,
+                        repeats=args.repeats)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -250,21 +276,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     try:
         chip, _ = load_chip(args.chip)
-        model, _ = _model(args.model, None)
+        model, raw = _model(args.model, None)
     except (ProfileError, ValueError) as e:
         raise _fail(e) from None
     table = ProfileTable.load(args.out) if args.out else ProfileTable()
+    measured = _measure(args, raw) if args.measure else {}
     rows = []
     for t in args.tensor:
         for b in args.microbatch:
-            parts = roofline_costs(model, chip, tensor=t, microbatch=b)
+            parts = measured.get((t, b)) or roofline_costs(model, chip, tensor=t, microbatch=b)
             table.add(chip.name, model.key(), t, b, parts)
             rows.append({"chip": chip.name, "tensor": t, "microbatch": b,
                          **{k: asdict(v) for k, v in parts.items()}})
             blk = parts["block"]
             print(f"{chip.name} tensor={t} microbatch={b}: block fwd {blk.fwd_s * 1e3:.3f} ms, bwd "
                   f"{blk.bwd_s * 1e3:.3f} ms, params {blk.param_bytes / 2**20:.1f} MiB, activations "
-                  f"{blk.act_bytes / 2**20:.1f} MiB (estimated: roofline)")
+                  f"{blk.act_bytes / 2**20:.1f} MiB ({'estimated: roofline' if blk.estimated else 'measured'})")
     if args.out:
         table.save(args.out)
         print(f"wrote {args.out}")
