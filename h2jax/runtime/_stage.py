@@ -151,6 +151,8 @@ class StageProgram:
         self._update = jax.jit(update, donate_argnums=(0, 1, 2),
                                out_shardings=(self.param_shardings, self.opt_state_shardings,
                                               self.param_shardings))
+        self._zeros = jax.jit(lambda acc: jax.tree.map(jnp.zeros_like, acc), donate_argnums=(0,),
+                              out_shardings=self.param_shardings)
         self._sqnorm = jax.jit(lambda acc: sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(acc)))
 
     # -- what the driver calls ---------------------------------------------------------------
@@ -169,6 +171,10 @@ class StageProgram:
         else:
             self.acc, dx = self._bwd(saved, dy, self.acc)
         return dx
+
+    def zero_grads(self) -> None:
+        """Drop the accumulated gradient (a skipped step) without an update."""
+        self.acc = self._zeros(self.acc)
 
     def grad_sqnorm(self) -> jax.Array:
         return self._sqnorm(self.acc)

@@ -216,7 +216,7 @@ class Trainer:
     def _drop_grads(self) -> None:
         """Zero the accumulated gradients without an update (a skipped step)."""
         for st in self.stages:
-            st.acc = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=st.param_shardings)(st.acc)
+            st.zero_grads()
 
     def train_step(self) -> StepStats:
         step = self.step
