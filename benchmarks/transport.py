@@ -2,6 +2,7 @@
 
     python benchmarks/transport.py            # re-launches itself under mpirun -np 2
     python benchmarks/transport.py --log      # ... and appends the table to docs/LOG.md
+    python benchmarks/transport.py --pages 4k # XLA's host buffers on 4 KiB pages (no huge pages)
 
 Paths (one-way time = half a ping-pong round trip, best of several repetitions):
   ffi_jit    h2jax FFI send/recv, many transfers inside ONE jitted program per side (fori_loop)
@@ -30,7 +31,11 @@ import socket
 import subprocess
 import sys
 import time
+import platform
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h2jax._hostmem import host_memory_line, hugepage_env, thp_mode  # noqa: E402
 
 LAT_SIZES = [8, 64, 512, 4096, 65536]
 BW_SIZES = [s << 20 for s in (1, 4, 16, 64, 256)]
@@ -250,6 +255,7 @@ def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
     }
     res = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}
     print("one-way time per transfer (2 processes, 1 host; best repetition; ffi_call includes dispatch)")
+    print(host_memory_line())
     print(table)
     if log:
         import jax
@@ -258,7 +264,7 @@ def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
         entry = (f"\n## {stamp} — transport benchmark (benchmarks/transport.py)\n\n"
                  f"2 processes under mpirun on one {os.cpu_count()}-core host, jax {jax.__version__}, "
                  f"CPU backend; one-way time per transfer, best repetition (ping-pong / 2); load average "
-                 f"{os.getloadavg()[0]:.1f} when it ended (other work shares these cores).\n\n{table}\n\n"
+                 f"{os.getloadavg()[0]:.1f} when it ended (other work shares these cores); {host_memory_line()}.\n\n{table}\n\n"
                  f"`RESULT {json.dumps(res)}`\n")
         with open(REPO / "docs" / "LOG.md", "a") as f:
             f.write(entry)
@@ -268,6 +274,9 @@ def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--log", action="store_true", help="append the table to docs/LOG.md")
+    ap.add_argument("--pages", choices=("huge", "4k"), default="huge",
+                    help="host memory of the two processes: transparent huge pages for XLA's buffers, as the "
+                         "h2jax command sets up (default), or plain 4 KiB pages")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child or "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
@@ -281,6 +290,13 @@ def main() -> None:
         cmd.append("--log")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["JAX_PLATFORMS"] = "cpu"
+    # the same host memory as `h2jax train` gets: huge pages for XLA's buffers (h2jax._hostmem)
+    if args.pages == "4k":
+        env["H2JAX_HUGEPAGES"] = "0"
+    else:
+        env = hugepage_env(env, mode=thp_mode(), libc=platform.libc_ver()[0]) or env
+    if "GLIBC_TUNABLES" in env:
+        cmd[1:1] = ["-x", "GLIBC_TUNABLES"]
     sys.exit(subprocess.call(cmd, env=env))
 
 

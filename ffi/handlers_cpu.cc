@@ -30,7 +30,7 @@ ffi::Error SendImpl(ffi::Buffer<ffi::S32> route, ffi::AnyBuffer x, ffi::AnyBuffe
                     ffi::Result<ffi::AnyBuffer> token_out, int64_t comm, double timeout_s, std::string_view desc) {
   const int32_t* r = route.typed_data();
   std::string err = h2::Transfer(h2::CommFromF(comm), x.untyped_data(), x.size_bytes(), r[0], r[1], nullptr, 0, -1,
-                                 0, timeout_s, "send", std::string(desc));
+                                 0, timeout_s, "send", desc);
   Touch(token_out);
   return ToFfi(err);
 }
@@ -39,7 +39,7 @@ ffi::Error RecvImpl(ffi::Buffer<ffi::S32> route, ffi::AnyBuffer /*token*/, ffi::
                     ffi::Result<ffi::AnyBuffer> token_out, int64_t comm, double timeout_s, std::string_view desc) {
   const int32_t* r = route.typed_data();
   std::string err = h2::Transfer(h2::CommFromF(comm), nullptr, 0, -1, 0, y->untyped_data(), y->size_bytes(), r[0],
-                                 r[1], timeout_s, "recv", std::string(desc));
+                                 r[1], timeout_s, "recv", desc);
   Touch(token_out);
   return ToFfi(err);
 }
@@ -56,7 +56,7 @@ ffi::Error SendRecvImpl(ffi::Buffer<ffi::S32> route, ffi::AnyBuffer x, ffi::AnyB
   const int32_t* r = route.typed_data();
   std::string err = h2::Transfer(h2::CommFromF(comm), x.untyped_data(), x.size_bytes(), r[0], r[1],
                                  y->untyped_data(), y->size_bytes(), r[2], r[3], timeout_s, "sendrecv",
-                                 std::string(desc));
+                                 desc);
   Touch(token_out);
   return ToFfi(err);
 }

@@ -60,7 +60,7 @@ ffi::Error DeviceTransfer(cudaStream_t stream, int64_t comm, const void* sbuf, s
   std::string err;
   if (CudaAwareMpi()) {
     err = h2::Transfer(h2::CommFromF(comm), sbuf, sbytes, dest, stag, rbuf, rbytes, src, rtag, timeout_s, op,
-                       std::string(desc));
+                       desc);
   } else {
     std::vector<char> hs(has_send ? sbytes : 0), hr(has_recv ? rbytes : 0);
     if (has_send && sbytes)
@@ -68,7 +68,7 @@ ffi::Error DeviceTransfer(cudaStream_t stream, int64_t comm, const void* sbuf, s
           e.failure())
         return e;
     err = h2::Transfer(h2::CommFromF(comm), hs.data(), sbytes, dest, stag, hr.data(), rbytes, src, rtag, timeout_s,
-                       op, std::string(desc));
+                       op, desc);
     if (err.empty() && has_recv && rbytes)
       if (auto e = CudaCheck(cudaMemcpy(rbuf, hr.data(), rbytes, cudaMemcpyHostToDevice), "copy to device");
           e.failure())

@@ -26,8 +26,10 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -40,6 +42,8 @@ struct Engine {
   std::mutex mu;
   // (communicator, source rank, tag) -> messages that arrived before their recv
   std::map<std::tuple<MPI_Comm, int, int>, std::deque<std::vector<char>>> stash;
+  // communicators whose error handler is already MPI_ERRORS_RETURN
+  std::set<MPI_Comm> errors_return;
 
   static Engine& get() {
     static Engine engine;
@@ -57,26 +61,46 @@ inline std::string MpiError(int code) {
 }
 
 // Rank and tag must be valid for comm (they may come from device data, so check here).
+// The common (valid) case builds no string.
 inline std::string CheckRoute(MPI_Comm comm, int peer, int tag, const char* what) {
-  int size = 0, flag = 0, rank = -1;
+  int size = 0, flag = 0;
   int* tag_ub = nullptr;
   MPI_Comm_size(comm, &size);
-  MPI_Comm_rank(comm, &rank);
   MPI_Comm_get_attr(comm, MPI_TAG_UB, &tag_ub, &flag);
+  const int ub = flag ? *tag_ub : 32767;
+  if (peer >= 0 && peer < size && tag >= 0 && tag <= ub) return {};
+  int rank = -1;
+  MPI_Comm_rank(comm, &rank);
   std::ostringstream s;
   if (peer < 0 || peer >= size)
     s << "h2jax ffi on rank " << rank << ": " << what << " rank " << peer << " is not in 0.." << size - 1;
-  else if (tag < 0 || (flag && tag > *tag_ub))
-    s << "h2jax ffi on rank " << rank << ": tag " << tag << " is outside 0.." << (flag ? *tag_ub : 32767);
+  else
+    s << "h2jax ffi on rank " << rank << ": tag " << tag << " is outside 0.." << ub;
   return s.str();
+}
+
+// Errors on the handlers' communicator come back as return codes (a truncated receive must
+// become an error message, not an abort of the job). Set once per communicator.
+inline void ReturnErrors(Engine& eng, MPI_Comm comm) {
+  if (eng.errors_return.insert(comm).second) MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
 }
 
 // One transfer: an optional send of `sbytes` from `sbuf` to `dest` with `stag`, and an
 // optional receive of exactly `rbytes` into `rbuf` from `src` with `rtag`. Returns "" on
 // success, else a one-line error. `desc` names the tensor (dtype[shape]) for errors.
+//
+// The receive is posted as a real MPI_Irecv straight into `rbuf` (unless an earlier
+// message of (src, rtag) already sits in the stash), so MPI matches it the moment it
+// arrives and copies once. Posting and stashing both happen under the engine's mutex, and
+// MPI matches posted receives before a probe can see a message, so a message is never
+// both stashed and received. While waiting, the loop first spins on MPI_Test alone (a
+// ping-pong answers within microseconds), and only then also drains every other message
+// on the communicator into the stash (deadlock freedom: a peer blocked in a large send to
+// us completes even though we wait on something else), yielding the core, and finally
+// sleeping, so a long wait costs no core.
 inline std::string Transfer(MPI_Comm comm, const void* sbuf, size_t sbytes, int dest, int stag,
                             void* rbuf, size_t rbytes, int src, int rtag, double timeout_s,
-                            const std::string& op, const std::string& desc) {
+                            std::string_view op, std::string_view desc) {
   Engine& eng = Engine::get();
   const bool want_send = op != "recv";
   const bool want_recv = op != "send";
@@ -85,42 +109,77 @@ inline std::string Transfer(MPI_Comm comm, const void* sbuf, size_t sbytes, int 
   if (want_recv)
     if (std::string e = CheckRoute(comm, src, rtag, "source"); !e.empty()) return e;
   if ((want_send && sbytes > size_t(INT_MAX)) || (want_recv && rbytes > size_t(INT_MAX)))
-    return op + ": " + desc + " is over 2 GiB; split it into several transfers";
-  int rank = -1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Request sreq = MPI_REQUEST_NULL;
+    return std::string(op) + ": " + std::string(desc) + " is over 2 GiB; split it into several transfers";
+  MPI_Request sreq = MPI_REQUEST_NULL, rreq = MPI_REQUEST_NULL;
   bool send_done = !want_send, recv_done = !want_recv;
+  std::string error;
   auto fail_prefix = [&]() {
+    int rank = -1;
+    MPI_Comm_rank(comm, &rank);
     std::ostringstream s;
     s << "h2jax ffi " << op << " on rank " << rank << ": ";
     return s.str();
   };
-  if (want_send) {
+  auto wrong_size = [&](size_t got) {
+    std::ostringstream s;
+    s << fail_prefix() << "message from peer " << src << " tag " << rtag << " has " << got << " bytes, expected "
+      << rbytes << " (" << desc << ")";
+    return s.str();
+  };
+  {
     std::lock_guard<std::mutex> lock(eng.mu);
-    // MPI wants a non-const pointer in old headers; the buffer is never written
-    int rc = MPI_Isend(const_cast<void*>(sbuf), int(sbytes), MPI_BYTE, dest, stag, comm, &sreq);
-    if (rc != MPI_SUCCESS) return fail_prefix() + "MPI_Isend failed: " + MpiError(rc);
+    ReturnErrors(eng, comm);
+    if (want_recv) {  // an older message of (src, rtag) may sit in the stash: MPI order
+      auto it = eng.stash.find({comm, src, rtag});
+      if (it != eng.stash.end() && !it->second.empty()) {
+        std::vector<char>& msg = it->second.front();
+        if (msg.size() != rbytes)
+          error = wrong_size(msg.size());
+        else
+          std::memcpy(rbuf, msg.data(), rbytes);
+        it->second.pop_front();
+        recv_done = true;
+      } else {
+        int rc = MPI_Irecv(rbuf, int(rbytes), MPI_BYTE, src, rtag, comm, &rreq);
+        if (rc != MPI_SUCCESS) return fail_prefix() + "MPI_Irecv failed: " + MpiError(rc);
+      }
+    }
+    if (want_send && error.empty()) {
+      // MPI wants a non-const pointer in old headers; the buffer is never written
+      int rc = MPI_Isend(const_cast<void*>(sbuf), int(sbytes), MPI_BYTE, dest, stag, comm, &sreq);
+      if (rc != MPI_SUCCESS) error = fail_prefix() + "MPI_Isend failed: " + MpiError(rc);
+      send_done = rc != MPI_SUCCESS;
+    }
   }
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s));
-  const auto spin_until = Clock::now() + std::chrono::milliseconds(5);
-  std::string error;
-  while (true) {
+  const auto t_start = Clock::now();
+  const auto spin_until = t_start + std::chrono::microseconds(20);
+  const auto yield_until = t_start + std::chrono::milliseconds(5);
+  const auto deadline = t_start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  for (uint64_t iter = 0; error.empty() && !(send_done && recv_done); ++iter) {
+    const auto now = Clock::now();
+    const bool spinning = now < spin_until;
     {
       std::lock_guard<std::mutex> lock(eng.mu);
-      if (!recv_done) {  // an older message of (src, rtag) may sit in the stash
-        auto it = eng.stash.find({comm, src, rtag});
-        if (it != eng.stash.end() && !it->second.empty()) {
-          std::vector<char>& msg = it->second.front();
-          if (msg.size() != rbytes) {
-            std::ostringstream s;
-            s << fail_prefix() << "message from peer " << src << " tag " << rtag << " has " << msg.size()
-              << " bytes, expected " << rbytes << " (" << desc << ")";
-            error = s.str();
-          } else {
-            std::memcpy(rbuf, msg.data(), rbytes);
-          }
-          it->second.pop_front();
+      if (!recv_done) {
+        int flag = 0;
+        MPI_Status st;
+        int rc = MPI_Test(&rreq, &flag, &st);
+        // (MPI_Test reports a failed receive in its return code; status.MPI_ERROR is
+        // set only by the multiple-completion calls)
+        if (rc != MPI_SUCCESS) {
+          int code = rc;
+          int cls = 0;
+          MPI_Error_class(code, &cls);
+          error = cls == MPI_ERR_TRUNCATE ? fail_prefix() + "message from peer " + std::to_string(src) + " tag " +
+                                                std::to_string(rtag) + " is larger than the expected " +
+                                                std::to_string(rbytes) + " bytes (" + std::string(desc) + ")"
+                                          : fail_prefix() + "receive failed: " + MpiError(code);
+          recv_done = true;
+          rreq = MPI_REQUEST_NULL;
+        } else if (flag) {
+          int count = 0;
+          MPI_Get_count(&st, MPI_BYTE, &count);
+          if (size_t(count) != rbytes) error = wrong_size(size_t(count));
           recv_done = true;
         }
       }
@@ -129,38 +188,24 @@ inline std::string Transfer(MPI_Comm comm, const void* sbuf, size_t sbytes, int 
         MPI_Test(&sreq, &flag, MPI_STATUS_IGNORE);
         send_done = flag != 0;
       }
-      // take everything that has arrived: ours into rbuf, the rest into the stash
-      while (error.empty() && !(send_done && recv_done)) {
-        int flag = 0;
-        MPI_Message msg;
-        MPI_Status st;
-        MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm, &flag, &msg, &st);
-        if (!flag) break;
-        int count = 0;
-        MPI_Get_count(&st, MPI_BYTE, &count);
-        if (!recv_done && st.MPI_SOURCE == src && st.MPI_TAG == rtag && size_t(count) == rbytes) {
-          MPI_Mrecv(rbuf, count, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
-          recv_done = true;
-        } else {
+      // past the spin: take every other message that has arrived into the stash (our own
+      // receive is posted, so MPI never hands it to this probe)
+      if (!spinning) {
+        while (error.empty() && !(send_done && recv_done)) {
+          int flag = 0;
+          MPI_Message msg;
+          MPI_Status st;
+          MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm, &flag, &msg, &st);
+          if (!flag) break;
+          int count = 0;
+          MPI_Get_count(&st, MPI_BYTE, &count);
           std::vector<char> buf(static_cast<size_t>(count));
           MPI_Mrecv(buf.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
-          if (!recv_done && st.MPI_SOURCE == src && st.MPI_TAG == rtag) {
-            std::ostringstream s;
-            s << fail_prefix() << "message from peer " << src << " tag " << rtag << " has " << count
-              << " bytes, expected " << rbytes << " (" << desc << ")";
-            error = s.str();
-            recv_done = true;
-          } else {
-            eng.stash[{comm, st.MPI_SOURCE, st.MPI_TAG}].push_back(std::move(buf));
-          }
-        }
-        if (!send_done) {
-          MPI_Test(&sreq, &flag, MPI_STATUS_IGNORE);
-          send_done = flag != 0;
+          eng.stash[{comm, st.MPI_SOURCE, st.MPI_TAG}].push_back(std::move(buf));
         }
       }
       if (!error.empty() || (send_done && recv_done)) break;
-      if (Clock::now() > deadline) {
+      if (now > deadline) {
         std::ostringstream s;
         s << fail_prefix() << "timed out after " << timeout_s << " s:";
         if (!send_done) s << " send of " << desc << " (" << sbytes << " bytes) to peer " << dest << " tag " << stag
@@ -179,18 +224,23 @@ inline std::string Transfer(MPI_Comm comm, const void* sbuf, size_t sbytes, int 
         break;
       }
     }
-    // poll with yields for latency (measured: a pure busy-poll loses badly once the cores are
-    // oversubscribed, the peer cannot run), then sleep so a long wait costs no core
-    if (Clock::now() < spin_until)
+    // spin first (a neighbour's answer usually comes within microseconds), then yield the
+    // core (measured: a long pure busy-poll loses badly once the cores are oversubscribed,
+    // the peer cannot run), then sleep so a long wait costs no core
+    if (spinning) continue;
+    if (now < yield_until)
       std::this_thread::yield();
     else
       std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
-  if (!send_done) {
-    // XLA frees the send buffer once we return: withdraw the request if MPI still can
+  if (!send_done || !recv_done) {
+    // XLA frees the buffers once we return: withdraw what MPI still can
     std::lock_guard<std::mutex> lock(eng.mu);
-    MPI_Cancel(&sreq);
-    MPI_Request_free(&sreq);
+    for (MPI_Request* r : {&sreq, &rreq}) {
+      if (*r == MPI_REQUEST_NULL) continue;
+      MPI_Cancel(r);
+      MPI_Request_free(r);
+    }
   }
   return error;
 }

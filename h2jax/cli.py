@@ -76,6 +76,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     console.print(_plan_table(cfg))
     console.print(f"[green]config ok[/]: {cfg.name}, model {cfg.model.n_layers} layers x d_model "
                   f"{cfg.model.d_model} ({cfg.model.num_params() / 1e6:.2f} M parameters)")
+    from h2jax._hostmem import host_memory_line
+
+    console.print(host_memory_line(), highlight=False)
     return 0
 
 
@@ -187,5 +190,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.func(args)
 
 
+def entry() -> int:
+    """The ``h2jax`` console command: main(), in a process whose malloc gives XLA's host
+    buffers transparent huge pages (re-executed once to set that; see h2jax._hostmem)."""
+    from h2jax._hostmem import reexec_with_hugepages
+
+    reexec_with_hugepages(["-m", "h2jax.cli", *sys.argv[1:]])
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -212,6 +212,17 @@ def mismatch(comm) -> None:
         errors["ffi_size"] = str(e)[-600:]
     tok.block_until_ready()
 
+    # ... and a larger one (MPI would truncate it) too, without aborting the job
+    recv = jax.jit(lambda: hc.recv((2, 4), jnp.float32, peer=OTHER, tag=9, comm=comm, timeout_s=20.0)[0])
+    tok = jax.jit(lambda x: hc.send(x, peer=OTHER, tag=9, comm=comm))(x)
+    try:
+        recv().block_until_ready()
+        errors["ffi_size_larger"] = "no error"
+    except Exception as e:
+        checks["ffi_size_larger"] = "larger than the expected 32 bytes" in str(e) and "float32[2,4]" in str(e)
+        errors["ffi_size_larger"] = str(e)[-600:]
+    tok.block_until_ready()
+
     t = hc.HostTransport(comm, timeout_s=1.5)
     t.send(x, peer=OTHER, tag=5)
     try:

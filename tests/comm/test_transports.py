@@ -60,6 +60,6 @@ def test_1f1b_large_tensors_never_deadlock(tmp_path):
 def test_mismatched_tag_times_out_with_message(tmp_path):
     results = run_worker("mismatch", tmp_path)
     for r, res in enumerate(results):
-        for name in ("ffi_tag", "ffi_size", "host_tag"):
+        for name in ("ffi_tag", "ffi_size", "ffi_size_larger", "host_tag"):
             assert res["checks"].get(name), f"rank {r} {name}: {res['errors'].get(name)}"
     assert "timed out after 1.5 s: no message from peer 1 with tag 6" in results[0]["errors"]["ffi_tag"]
