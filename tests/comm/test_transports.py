@@ -63,3 +63,23 @@ def test_mismatched_tag_times_out_with_message(tmp_path):
         for name in ("ffi_tag", "ffi_size", "ffi_size_larger", "host_tag"):
             assert res["checks"].get(name), f"rank {r} {name}: {res['errors'].get(name)}"
     assert "timed out after 1.5 s: no message from peer 1 with tag 6" in results[0]["errors"]["ffi_tag"]
+
+
+def _have_cuda() -> bool:
+    import jax
+
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+def test_cuda_handlers_move_device_buffers_between_processes(tmp_path, monkeypatch):
+    if not _have_cuda():
+        pytest.skip("no CUDA device")
+    # two processes share the one GPU here: neither may take most of its memory up front
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    results = run_worker("cuda", tmp_path, timeout_s=300)
+    assert_all_ok(results, at_least=12)
+    print({k: v for k, v in results[0]["errors"].items() if k.startswith("cuda")})
