@@ -41,6 +41,7 @@ import numpy as np
 DEFAULT_TIMEOUT_S = 60.0
 _TOKEN = jax.ShapeDtypeStruct((1,), jnp.uint8)
 _MODULES = {"cpu": "_mpi_ffi_cpu", "cuda": "_mpi_ffi_cuda"}
+_XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 _lock = threading.Lock()
 _registered: set[str] = set()
 
@@ -73,7 +74,9 @@ def register(platform: str = "cpu") -> None:
             return
         ext = _extension(platform)
         for target, capsule in ext.registrations().items():
-            jax.ffi.register_ffi_target(target, capsule, platform=platform)
+            # XLA's own platform name: jax 0.11 no longer maps "cuda" to "CUDA" here, and a
+            # target registered under "cuda" waits forever for a handler (seen on an H200)
+            jax.ffi.register_ffi_target(target, capsule, platform=_XLA_PLATFORM.get(platform, platform))
         _registered.add(platform)
 
 
