@@ -3,7 +3,7 @@
 // The stream XLA hands us orders the buffers: we synchronise it before MPI reads a send
 // buffer, and MPI has finished writing a receive buffer before we return. With a
 // CUDA-aware MPI (Open MPI's MPIX_Query_cuda_support() == 1) device pointers go straight
-// to MPI; otherwise the bytes are staged through host memory (the slow, always-correct
+// to MPI; otherwise the bytes are staged through page-locked host memory (the always-correct
 // path). Compiled only where the CUDA toolkit is present; never run on CPU-only machines.
 #include <cuda_runtime_api.h>
 
@@ -42,6 +42,22 @@ ffi::Error CudaCheck(cudaError_t e, const char* what) {
   return ffi::Error::Internal(std::string("h2jax ffi (cuda): ") + what + ": " + cudaGetErrorString(e));
 }
 
+// A grow-only page-locked host buffer (never freed: it lives as long as its thread, and
+// freeing at thread exit could run after the CUDA context is gone).
+struct Pinned {
+  void* ptr = nullptr;
+  size_t size = 0;
+  ffi::Error Reserve(size_t n) {
+    if (n <= size) return ffi::Error::Success();
+    if (ptr != nullptr) cudaFreeHost(ptr);
+    ptr = nullptr;
+    size = 0;
+    if (auto e = CudaCheck(cudaMallocHost(&ptr, n), "cudaMallocHost (staging buffer)"); e.failure()) return e;
+    size = n;
+    return ffi::Error::Success();
+  }
+};
+
 // One transfer on device buffers. route = (peer, tag) for a one-sided operation,
 // (dest, send_tag, source, recv_tag) for sendrecv.
 ffi::Error DeviceTransfer(cudaStream_t stream, int64_t comm, const void* sbuf, size_t sbytes, const int32_t* route,
@@ -62,17 +78,28 @@ ffi::Error DeviceTransfer(cudaStream_t stream, int64_t comm, const void* sbuf, s
     err = h2::Transfer(h2::CommFromF(comm), sbuf, sbytes, dest, stag, rbuf, rbytes, src, rtag, timeout_s, op,
                        desc);
   } else {
-    std::vector<char> hs(has_send ? sbytes : 0), hr(has_recv ? rbytes : 0);
-    if (has_send && sbytes)
-      if (auto e = CudaCheck(cudaMemcpy(hs.data(), sbuf, sbytes, cudaMemcpyDeviceToHost), "copy to host");
+    // staged through page-locked host buffers (reused; one pair per calling thread, i.e.
+    // per device): pageable staging ran at 0.78 GB/s one-way for 64 MiB on an H200
+    thread_local Pinned hs, hr;
+    if (has_send)
+      if (auto e = hs.Reserve(sbytes); e.failure()) return e;
+    if (has_recv)
+      if (auto e = hr.Reserve(rbytes); e.failure()) return e;
+    if (has_send && sbytes) {
+      if (auto e = CudaCheck(cudaMemcpyAsync(hs.ptr, sbuf, sbytes, cudaMemcpyDeviceToHost, stream), "copy to host");
           e.failure())
         return e;
-    err = h2::Transfer(h2::CommFromF(comm), hs.data(), sbytes, dest, stag, hr.data(), rbytes, src, rtag, timeout_s,
-                       op, desc);
-    if (err.empty() && has_recv && rbytes)
-      if (auto e = CudaCheck(cudaMemcpy(rbuf, hr.data(), rbytes, cudaMemcpyHostToDevice), "copy to device");
+      if (auto e = CudaCheck(cudaStreamSynchronize(stream), "copy to host"); e.failure()) return e;
+    }
+    err = h2::Transfer(h2::CommFromF(comm), hs.ptr, sbytes, dest, stag, hr.ptr, rbytes, src, rtag, timeout_s, op,
+                       desc);
+    if (err.empty() && has_recv && rbytes) {
+      if (auto e = CudaCheck(cudaMemcpyAsync(rbuf, hr.ptr, rbytes, cudaMemcpyHostToDevice, stream), "copy to device");
           e.failure())
         return e;
+      // hr is reused by this thread's next transfer, which may be on another stream
+      if (auto e = CudaCheck(cudaStreamSynchronize(stream), "copy to device"); e.failure()) return e;
+    }
   }
   if (auto e = CudaCheck(cudaMemsetAsync(token, 0, 1, stream), "token"); e.failure()) return e;
   return ToFfi(err);
