@@ -2,7 +2,9 @@
 
 ``h2jax train`` resumes from the latest committed checkpoint of its run when there is one
 (``--restore-step N`` picks another, ``--init-from DIR`` starts from another run's
-weights); SIGTERM/SIGINT save at the next step boundary and exit 0.
+weights); SIGTERM/SIGINT save at the next step boundary and exit 0. The same holds under
+``mpirun``/``srun`` (one process per stage), where SIGUSR1 to ``mpirun`` is the signal
+that reaches every rank without the launcher killing them (h2jax.launch.FailFast).
 
 Configs are YAML files (``configs/*.yaml``) or nothing (the embedded default job),
 followed by dotted ``key=value`` overrides. A bad config exits with code 2 and one line
@@ -99,7 +101,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if launch is not None and launch.size > 1:  # mpirun/srun: this process runs one stage
         from h2jax.runtime._multiproc import run_multiprocess
 
-        return run_multiprocess(cfg, launch, fail_fast=fail_fast, run_dir=args.run_dir, console=console)
+        return run_multiprocess(cfg, launch, fail_fast=fail_fast, run_dir=args.run_dir, console=console,
+                                restore_step=args.restore_step, init_from=args.init_from)
     if cfg.train.transport != "local":
         console.print(f"[bold red]h2jax: config error:[/] train.transport: {cfg.train.transport!r} moves tensors "
                       f"between processes; run one process per stage (mpirun -np {cfg.plan.num_stages} h2jax "

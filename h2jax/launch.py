@@ -83,39 +83,135 @@ def find_mpirun() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("mpirun")
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+"""What asks a run to stop: SIGTERM and SIGINT as anywhere, and SIGUSR1 because ``mpirun``
+forwards it to every rank without ending the job (module docstring of FailFast)."""
+STOP_GRACE_ENV = "H2JAX_STOP_GRACE_S"
+DEFAULT_STOP_GRACE_S = 30.0
+SAVE_GRACE_S = 600.0
+
+
+def stop_grace_s(env: Mapping[str, str] | None = None) -> float:
+    """Seconds a stop signal gives the job to reach its next step boundary (``$H2JAX_STOP_GRACE_S``,
+    default 30): longer than a step, shorter than the launcher's kill timeout."""
+    env = os.environ if env is None else env
+    raw = env.get(STOP_GRACE_ENV)
+    if raw is None:
+        return DEFAULT_STOP_GRACE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise LauncherError(f"${STOP_GRACE_ENV}={raw!r}: expected a number of seconds > 0 "
+                            f"(default {DEFAULT_STOP_GRACE_S:g})")
+    return value
+
+
 class FailFast:
     """One line and a non-zero exit when the launcher ends this process (SIGTERM).
 
     When one rank dies, the launcher SIGTERMs the others. A Python signal handler runs
     only when the main thread is between bytecodes -- never while it waits inside XLA or
-    MPI -- so SIGTERM is blocked in every thread and a dedicated thread waits for it with
-    ``sigwait``. Call :meth:`start` before JAX creates its thread pools (they inherit the
-    mask).
+    MPI -- so the stop signals (SIGTERM, SIGINT, SIGUSR1) are blocked in every thread and
+    a dedicated thread waits for them with ``sigwait``. Call :meth:`start` before JAX
+    creates its thread pools (they inherit the mask).
+
+    Graceful stop (a run that writes checkpoints turns it on, :meth:`allow_graceful_stop`):
+    the first stop signal prints the one line saying so and sets :attr:`stop_signal`; the
+    trainer's ranks agree on it at the next step boundary, save, and exit 0. If the job
+    reaches no step boundary within the grace period -- a peer died, so the step's
+    collectives never complete -- or a second signal arrives, the process still ends with
+    its one line and exit status 1. What the launchers do (Open MPI 5, measured):
+    ``mpirun`` forwards SIGTERM and SIGINT to every rank and SIGKILLs them about 0.25 s
+    later, so a SIGTERM *to mpirun* (or a rank that dies) ends the job without a save;
+    SIGUSR1 to ``mpirun`` is forwarded to every rank and nothing else happens, so it is the
+    signal that makes an ``mpirun`` job save and stop. A SIGTERM sent to the ranks
+    themselves (``srun`` on cancellation, with KillWait before SIGKILL; a scheduler that
+    signals every process; ``kill`` on one rank's pid) saves and stops the whole job.
     """
 
     def __init__(self, launch: LaunchInfo, *, stage: int | None = None):
         self.launch = launch
         self.stage = launch.rank if stage is None else stage
         self.last_completed_step = -1
+        self.stop_signal: str | None = None  # the first stop signal, once graceful stop is allowed
+        self._grace_s: float | None = None  # None: a signal ends the process at once
+        self._deadline: float | None = None  # time.monotonic() by which the process must be done
+        self._finished = False
 
     def line(self, why: str) -> str:
         lc = self.launch
         return (f"h2jax: stage {self.stage} (rank {lc.rank}/{lc.size}, {lc.launcher}) {why}; "
                 f"last completed step {self.last_completed_step}")
 
+    @staticmethod
+    def signals() -> set:
+        import signal
+
+        return {getattr(signal, name) for name in STOP_SIGNALS}
+
     def start(self) -> None:
         import signal
         import threading
 
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.signals())
         threading.Thread(target=self._wait, name="h2jax-failfast", daemon=True).start()
+
+    def allow_graceful_stop(self, grace_s: float) -> None:
+        """From now on the first stop signal asks for a save at the next step boundary
+        (:attr:`stop_signal`) instead of ending the process; ``grace_s`` bounds the wait."""
+        self._grace_s = grace_s
+
+    def stopping(self, within_s: float = SAVE_GRACE_S) -> None:
+        """No more step boundaries: the ranks agreed to stop (or the run is over) and save.
+        A stop signal, past or future, now gives the process ``within_s`` to finish."""
+        if self._grace_s is not None:
+            self._grace_s = within_s
+            if self._deadline is not None:
+                import time
+
+                self._deadline = time.monotonic() + within_s
+
+    def finish(self) -> None:
+        """This process is about to exit on its own: a late signal ends it without a line."""
+        self._finished = True
+
+    def _exit(self, why: str) -> None:
+        import sys
+
+        sys.stderr.write(self.line(why) + "\n")
+        sys.stderr.flush()
+        os._exit(1)
 
     def _wait(self) -> None:
         import signal
-        import sys
+        import time
 
-        signum = signal.sigwait({signal.SIGTERM})
-        sys.stderr.write(self.line(f"stopped by {signal.Signals(signum).name} (another process of the job "
-                                   "failed, or the job was cancelled)") + "\n")
-        sys.stderr.flush()
-        os._exit(1)
+        sigs = self.signals()
+        while True:
+            deadline = self._deadline
+            if deadline is None:
+                signum = signal.sigwait(sigs)
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._exit(f"stopped by {self.stop_signal}: the job reached no step boundary (or did not "
+                               f"finish its save) in time (another process of the job failed or hangs)")
+                info = signal.sigtimedwait(sigs, min(left, 1.0))
+                if info is None:
+                    continue
+                signum = info.si_signo
+            name = signal.Signals(signum).name
+            if self._finished:
+                os._exit(1)
+            if self._grace_s is None or self.stop_signal is not None:
+                self._exit(f"stopped by {name} (another process of the job failed, or the job was cancelled)")
+            self.stop_signal = name
+            self._deadline = time.monotonic() + self._grace_s
+            import sys
+
+            sys.stderr.write(self.line(f"{name} received: saving a checkpoint at the next step boundary, then "
+                                       f"exiting 0 (exit 1 if the job reaches none within {self._grace_s:g} s)")
+                             + "\n")
+            sys.stderr.flush()

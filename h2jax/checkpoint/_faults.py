@@ -5,7 +5,10 @@
 
 - ``save_started``: orbax has the arrays and is writing them (in the background, if async);
 - ``save_finalized``: orbax has finalised the step directory, no commit marker yet;
-- ``committed``: the commit marker is written, retention has not run.
+- ``committed``: the commit marker is written, retention has not run;
+- ``committed_all`` (multi-process runs): at the first step boundary where every rank has
+  committed ``<step>``, every rank kills itself -- the whole job dies right after a step
+  that counts, as in a power cut.
 
 SIGKILL cannot be caught: nothing after the point runs, as in a real node failure.
 """
@@ -16,7 +19,7 @@ import os
 import signal
 
 ENV = "H2JAX_FAULT"
-POINTS = ("save_started", "save_finalized", "committed")
+POINTS = ("save_started", "save_finalized", "committed", "committed_all")
 
 
 def failpoint(point: str, step: int) -> None:

@@ -8,10 +8,10 @@ Directory layout (``<dir>`` is ``checkpoint.dir``, by default ``<run folder>/che
     <dir>/config.yaml                  the resolved config of the run that last saved here
 
 A *part* is what one writer saves: in a single-controller run there is one part
-(``main``) holding every stage; in a multi-process run each process saves its own stages
-as its own part. Every tree inside a part is keyed by model path
-(``params/blocks/5/attn/wq``), never by stage, so any plan restores any checkpoint: a
-reader collects the keys it needs from whichever parts hold them.
+(``main``) holding every stage; in a multi-process run each process saves its own stage
+as its own part (``stage0``, ``stage1``, ...). Every tree inside a part is keyed by model
+path (``params/blocks/5/attn/wq``), never by stage, so any plan restores any checkpoint,
+in either mode: a reader collects the keys it needs from whichever parts hold them.
 
 A step counts (is *committed*) only when every part listed in its markers has written its
 marker, and a part writes its marker only after orbax has finalised that part's save
@@ -23,7 +23,13 @@ removes them, so the next save of that step number starts clean.
 Retention (keep the last K committed steps, and every M-th for good) runs here, after a
 commit, never inside orbax: orbax would delete an old step as soon as the new one is
 finalised, before its commit marker exists, and a kill in between could leave nothing to
-restore.
+restore. With several writers each one deletes its own part of a step, judged against
+the newest step that every part has committed and this writer saved (so the step a
+restart would read is never the one deleted); a part whose peers already deleted their
+share of a step is removed by the next retention pass. The *lead* writer (the only one
+in one process; rank 0 in a multi-process run) also removes the parts of other writer
+sets -- a directory that a run of the other mode, or another process count, wrote
+before -- when retention or a re-save of the same step number replaces them.
 """
 
 from __future__ import annotations
@@ -94,6 +100,15 @@ def _handlers() -> dict[str, ocp.CheckpointHandler]:
     return {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
 
 
+def _rmdir_if_empty(d: Path) -> None:
+    """Remove an empty directory; another writer may be emptying (or removing) it at the same time."""
+    try:
+        if not any(d.iterdir()):
+            d.rmdir()
+    except OSError:
+        pass
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -114,18 +129,23 @@ class CheckpointStore:
         async_save: ``save`` returns once the arrays are copied off the devices and the
             files are written in the background (orbax's async checkpointing); commit
             happens at a later ``poll``/``wait``. False: ``save`` returns after the commit.
+        lead: this writer also removes what writers of *other* part sets left in the
+            directory (module docstring). Exactly one writer of a run should lead.
     """
 
     def __init__(self, directory: str | Path, *, part: str = DEFAULT_PART, parts: Sequence[str] = (DEFAULT_PART,),
-                 keep_last: int = 3, keep_every: int = 0, async_save: bool = True):
+                 keep_last: int = 3, keep_every: int = 0, async_save: bool = True, lead: bool = True):
         self.dir = Path(directory).absolute()
         self.part, self.parts = part, tuple(parts)
         if part not in self.parts:
             raise ValueError(f"part {part!r} is not one of the parts {self.parts}")
         self.keep_last, self.keep_every = keep_last, keep_every
         self.async_save = async_save
+        self.lead = lead
         self._mgr: ocp.CheckpointManager | None = None
         self._pending: int | None = None  # a step saved but not yet committed
+        self._committed_here: dict[int, int] = {}  # step -> order of its (last) commit by this writer
+        self._commits = 0
         self._readers: dict[str, ocp.CheckpointManager] = {}
         self.last_commit_s = 0.0  # time the last commit waited for the background write
 
@@ -171,16 +191,28 @@ class CheckpointStore:
         return out
 
     def step_parts(self, step: int) -> tuple[str, ...] | None:
-        """The parts of a committed ``step`` (None: the step is not committed)."""
+        """The parts of a committed ``step`` (None: the step is not committed).
+
+        Markers of two writer sets may share a step number (a run of the other mode wrote
+        into this directory); the newest complete set counts."""
         markers = self._markers(step)
-        if not markers:
-            return None
-        parts = tuple(next(iter(markers.values())).get("parts", ()))
-        if not parts or any(p not in markers for p in parts):
-            return None
-        if any(step not in self._part_steps(p) for p in parts):
-            return None
-        return parts
+        best, best_time = None, None
+        for parts in {tuple(m.get("parts", ())) for m in markers.values()}:
+            if not parts or any(p not in markers for p in parts):
+                continue
+            if any(step not in self._part_steps(p) for p in parts):
+                continue
+            t = max(float(markers[p].get("time", 0.0)) for p in parts)
+            if best is None or t > best_time:
+                best, best_time = parts, t
+        return best
+
+    def _foreign_parts(self) -> list[str]:
+        """Parts in the directory that are not this run's (another mode or process count)."""
+        d = self.dir / PARTS_DIR
+        if not d.is_dir():
+            return []
+        return sorted(p.name for p in d.iterdir() if p.is_dir() and p.name not in self.parts)
 
     def committed_steps(self) -> list[int]:
         """Steps every part has committed, ascending."""
@@ -194,6 +226,11 @@ class CheckpointStore:
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
+    @property
+    def last_committed_here(self) -> int | None:
+        """The step this writer committed last (its own part; other parts may lag)."""
+        return max(self._committed_here, key=self._committed_here.get) if self._committed_here else None
+
     # -- saving -----------------------------------------------------------------------------
     def cleanup(self) -> list[str]:
         """Remove this part's leftovers of interrupted saves; returns what was removed.
@@ -202,30 +239,31 @@ class CheckpointStore:
         directories, finalised steps that were never committed, markers whose step data
         is gone."""
         removed = []
-        part_dir = self.part_dir()
         committed = set(self.committed_steps())
-        if part_dir.is_dir():
+        tidy = [self.part, *(self._foreign_parts() if self.lead else ())]
+        for part in tidy:
+            part_dir = self.part_dir(part)
+            if not part_dir.is_dir():
+                continue
             for p in sorted(part_dir.iterdir()):
                 if not p.is_dir():
                     continue
-                if not p.name.isdigit():  # orbax's "<step>.orbax-checkpoint-tmp-<n>"
-                    shutil.rmtree(p, ignore_errors=True)
-                    removed.append(str(p))
-                elif int(p.name) not in committed:
+                # orbax's "<step>.orbax-checkpoint-tmp-<n>", or a step that never committed
+                if not p.name.isdigit() or int(p.name) not in committed:
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(str(p))
         commits = self.dir / COMMITS_DIR
         if commits.is_dir():
-            for d in commits.iterdir():
-                mine = d / f"{self.part}.json"
-                if d.name.isdigit() and int(d.name) not in committed and (mine.exists() or not any(d.iterdir())):
-                    if mine.exists():
-                        mine.unlink()
-                        removed.append(str(mine))
-                    for tmp in d.glob("*.tmp"):
-                        tmp.unlink()
-                    if not any(d.iterdir()):
-                        d.rmdir()
+            for d in list(commits.iterdir()):
+                if not d.name.isdigit() or int(d.name) in committed:
+                    continue
+                for part in tidy:
+                    marker = d / f"{part}.json"
+                    if marker.exists():
+                        marker.unlink(missing_ok=True)
+                        removed.append(str(marker))
+                    (d / f"{part}.json.tmp").unlink(missing_ok=True)
+                _rmdir_if_empty(d)
         self._mgr = None  # orbax caches the step list; reopen after the files changed
         return removed
 
@@ -274,26 +312,71 @@ class CheckpointStore:
         except Exception as e:  # noqa: BLE001
             raise CheckpointSaveError(self.part_dir() / str(step), step, e) from e
         self.last_commit_s = time.perf_counter() - t0
+        self._commits += 1
+        self._committed_here[step] = self._commits
         failpoint("committed", step)
-        self._apply_retention()
+        self.apply_retention()
         return step
 
+    def _holders(self) -> list[str]:
+        """The parts whose files this writer may delete: its own, and (the lead) other writer sets'."""
+        return [self.part, *(self._foreign_parts() if self.lead else ())]
+
+    def holds(self, step: int) -> bool:
+        """Whether this writer (the lead: or another writer set) has anything of ``step`` on disk."""
+        return any(step in self._part_steps(p) or (self._commit_dir(step) / f"{p}.json").exists()
+                   for p in self._holders())
+
     def delete(self, step: int) -> None:
-        """Remove this part of ``step``: its commit marker first, so a half-deleted step is never chosen."""
+        """Remove this part of ``step`` (the lead: and other writer sets' parts): the commit
+        markers first, so a half-deleted step is never chosen."""
         d = self._commit_dir(step)
-        (d / f"{self.part}.json").unlink(missing_ok=True)
-        shutil.rmtree(self.part_dir() / str(step), ignore_errors=True)
-        if d.is_dir() and not any(d.iterdir()):
-            d.rmdir()
+        holders = self._holders()
+        for part in holders:
+            (d / f"{part}.json").unlink(missing_ok=True)
+        for part in holders:
+            shutil.rmtree(self.part_dir(part) / str(step), ignore_errors=True)
+        if d.is_dir():
+            _rmdir_if_empty(d)
         if self._mgr is not None and self._pending is None:
             self._mgr.reload()  # orbax caches the step list
 
-    def _apply_retention(self) -> None:
+    def clear(self, step: int) -> bool:
+        """Before saving ``step`` again (a run resumed from an earlier step reaches it): remove
+        what this writer holds of it. Returns whether there was anything."""
+        if not self.holds(step):
+            return False
+        self.delete(step)
+        return True
+
+    def apply_retention(self) -> list[int]:
+        """Delete this writer's share of the committed steps retention does not keep; returns them.
+
+        Judged up to the newest step that every part of this writer's set has committed, this
+        writer in this process: with several writers, a step this one committed may not count
+        yet, and steps of an older run's future (``--restore-step``) are not this run's to
+        judge. Shares of older steps that no longer count (a peer deleted its share first) go
+        as well."""
         committed = self.committed_steps()
-        keep = retained(committed, keep_last=self.keep_last, keep_every=self.keep_every)
-        for step in committed:
-            if step not in keep:
-                self.delete(step)
+        mine = [s for s in committed if s in self._committed_here and self.step_parts(s) == self.parts]
+        if not mine:
+            return []
+        horizon = max(mine)
+        view = [s for s in committed if s <= horizon]
+        keep = retained(view, keep_last=self.keep_last, keep_every=self.keep_every)
+        gone = [s for s in view if s not in keep]
+        # orphans: shares of steps below the horizon that no longer count
+        shares = self._part_steps(self.part)
+        commits = self.dir / COMMITS_DIR
+        if commits.is_dir():
+            shares |= {int(d.name) for d in commits.iterdir()
+                       if d.name.isdigit() and (d / f"{self.part}.json").exists()}
+        order = self._committed_here
+        gone += [s for s in shares if s < horizon and s not in committed and s != self._pending
+                 and order.get(s, -1) < order[horizon]]  # not one this writer saved again after the horizon
+        for step in sorted(set(gone)):
+            self.delete(step)
+        return sorted(set(gone))
 
     def close(self) -> None:
         """Commit the save in flight, then release orbax's threads."""

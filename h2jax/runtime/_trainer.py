@@ -10,6 +10,12 @@ steps and at the end, and on SIGTERM/SIGINT saves at the next step boundary and 
 Checkpoint step N is the state after N optimizer steps: parameters, optimizer state,
 the data position (the next step; a batch is a pure function of (seed, step,
 microbatch)), the seed, and the count of skipped steps.
+
+The module-level checkpoint helpers (``stage_state_by_layer``, ``restore_targets``,
+``load_state_by_layer``, ``checkpoint_meta``, ``check_checkpoint``, ``data_position``,
+``nonfinite_error``) take a list of stages and the plan they belong to -- every stage of
+the plan here, one stage with a one-stage plan (``one_stage_plan``) in a multi-process
+run -- so both modes write and read the same plan-independent layout.
 """
 
 from __future__ import annotations
@@ -59,15 +65,17 @@ class NonFiniteLossError(RuntimeError):
         self.step, self.stages = step, stages
 
 
-def _one_stage_plan(spec: Any) -> Any:
+def one_stage_plan(spec: Any) -> Any:
     """A stand-in plan of one stage, for mapping that stage's trees to model paths."""
     from types import SimpleNamespace
 
     return SimpleNamespace(stages=(spec,))
 
 
+
 @jax.jit
-def _poison(tree: Any) -> Any:
+def poison(tree: Any) -> Any:
+    """``train.inject_nonfinite_steps``: the tree made NaN, as a diverging step would."""
     return jax.tree.map(lambda a: a * jnp.float32(jnp.nan), tree)
 
 
@@ -100,6 +108,136 @@ class StepStats:
     tokens_per_s: float
     skipped: bool = False  # non-finite, policy "skip": nothing was updated
     extra: dict[str, float] = field(default_factory=dict)
+
+
+# -- checkpoint helpers shared by the single-controller and the multi-process trainer ----------
+def stage_state_by_layer(stages: list[StageProgram], plan: Any, *, stage_wide: bool = True) -> dict[str, jax.Array]:
+    """Parameters and optimizer state of ``stages`` (the stages of ``plan``, in order), keyed by
+    model path (plan-independent). ``stage_wide=False`` leaves out the optimizer leaves every
+    stage holds alike (step counts): in a multi-process run stage 0 alone saves them."""
+    params = [st.params for st in stages]
+    out = {f"params/{k}": v for k, v in model_layout(params, plan).items()}
+    opt = opt_state_layout([st.opt_state for st in stages], params, plan)
+    if not stage_wide:
+        wide = {name for st, spec in zip(stages, plan.stages)
+                for name, param in opt_state_names(st.opt_state, st.params, spec) if param is None}
+        opt = {k: v for k, v in opt.items() if k not in wide}
+    out.update({f"opt_state/{k}": v for k, v in opt.items()})
+    return out
+
+
+def opt_state_shardings(stage: StageProgram, spec: Any) -> Any:
+    """Where a stage's optimizer state belongs: per-parameter leaves (mu, nu) with their
+    parameter's sharding, stage-wide leaves (counts) replicated over the stage mesh."""
+    by_param = model_layout([stage.param_shardings], one_stage_plan(spec))
+    leaves = [by_param[p] if p is not None else stage.scalar_sharding
+              for _, p in opt_state_names(stage.opt_state, stage.params, spec)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stage.opt_state), leaves)
+
+
+def restore_targets(stages: list[StageProgram], plan: Any, *, params_only: bool) -> dict[str, jax.ShapeDtypeStruct]:
+    """What a restore onto ``stages`` reads: every array with its shape, dtype and target
+    sharding (stage-wide optimizer leaves onto the first of ``stages``; load_state_by_layer
+    copies them to the others)."""
+    params = [st.params for st in stages]
+    sh = model_layout([st.param_shardings for st in stages], plan)
+    out = {f"params/{k}": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
+           for k, v in model_layout(params, plan).items()}
+    if not params_only:
+        opt_sh = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
+        sh = opt_state_layout(opt_sh, params, plan)
+        for k, v in opt_state_layout([st.opt_state for st in stages], params, plan).items():
+            out[f"opt_state/{k}"] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
+    return out
+
+
+def load_state_by_layer(stages: list[StageProgram], plan: Any, flat: dict[str, jax.Array], *,
+                        params_only: bool = False) -> None:
+    """Place a model-layout state (``stage_state_by_layer``'s keys) onto ``stages``; the
+    accumulated gradients start from zero."""
+    params = {k[len("params/"):]: v for k, v in flat.items() if k.startswith("params/")}
+    new_params = stage_trees(params, [st.params for st in stages], plan)
+    if not params_only:
+        opt = {k[len("opt_state/"):]: v for k, v in flat.items() if k.startswith("opt_state/")}
+        new_opt = opt_state_trees(opt, [st.opt_state for st in stages], [st.params for st in stages], plan)
+        opt_shardings = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
+    for s, st in enumerate(stages):
+        st.params = jax.device_put(new_params[s], st.param_shardings)
+        if not params_only:
+            st.opt_state = jax.device_put(new_opt[s], opt_shardings[s])
+        st.acc = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=st.param_shardings)(st.acc)
+
+
+def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int) -> dict[str, Any]:
+    """What a checkpoint records besides the arrays (the same in every part)."""
+    return {"format": CHECKPOINT_FORMAT, "step": step, "skipped_steps": skipped_steps,
+            # a batch is a pure function of (seed, step, microbatch): the position is the next step
+            "data": {"seed": cfg.seed, "next_step": step, "global_batch": cfg.plan.global_batch,
+                     "num_microbatches": cfg.plan.num_microbatches},
+            # the model has no stochastic layers: the seed made the initial parameters and the data
+            "rng": {"seed": cfg.seed},
+            "model": config_to_dict(cfg)["model"], "plan": cfg.plan.to_dict(),
+            "config": config_to_dict(cfg)}
+
+
+def check_checkpoint(store: CheckpointStore, step: int, cfg: ExperimentConfig, model_keys: Any, *,
+                     params_only: bool) -> dict[str, Any]:
+    """The meta of committed ``step`` after checking that it holds this run's model: the same
+    shapes, and no arrays ``model_keys`` (every restore target of the whole model) lacks."""
+    meta = store.read_meta(step)
+    have, want = meta.get("model"), config_to_dict(cfg)["model"]
+    shape_keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff")
+    if have is not None and any(have.get(k) != want.get(k) for k in shape_keys):
+        diff = ", ".join(f"{k} {have.get(k)} vs {want.get(k)}" for k in shape_keys if have.get(k) != want.get(k))
+        raise CheckpointError(f"{store.dir} step {step} holds another model (checkpoint vs this run: {diff})")
+    model_keys = set(model_keys)
+    extra = sorted(n for n in store.shapes(step) if n not in model_keys and
+                   (n.startswith("params/") or not params_only))
+    if extra:
+        raise CheckpointError(f"{store.dir} step {step} holds {len(extra)} arrays this model lacks, e.g. {extra[:3]}")
+    return meta
+
+
+def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tuple[int, int, str | None]:
+    """(the step the run continues at, skipped steps so far, a warning or None) from a
+    checkpoint's meta; a data stream that cannot continue (another seed) is an error."""
+    step = int(meta["step"])
+    data = meta.get("data", {})
+    if data.get("seed", cfg.seed) != cfg.seed:
+        raise CheckpointError(f"{where} was written with seed {data['seed']}, this run has "
+                              f"seed {cfg.seed}: the data stream would not continue")
+    warning = None
+    batch = (data.get("global_batch"), data.get("num_microbatches"))
+    if batch != (cfg.plan.global_batch, cfg.plan.num_microbatches):
+        warning = (f"the checkpoint's run used global batch {batch[0]} in {batch[1]} microbatches, this run "
+                   f"{cfg.plan.global_batch} in {cfg.plan.num_microbatches}: the data stream continues from "
+                   f"step {step} but its batches differ")
+    return step, int(meta.get("skipped_steps", 0)), warning
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metric rows of steps >= ``step``: the lost future of an interrupted run."""
+    path = run_dir / METRICS_FILENAME
+    if not path.exists():
+        return
+    rows = [r for r in read_metrics(path) if r["step"] < step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def nonfinite_error(step: int, loss: float, grad_norm: float, sqnorms: list[float]) -> NonFiniteLossError:
+    """Policy ``abort``: the error naming the step and where the non-finite values are
+    (``sqnorms``: every stage's squared gradient norm, in stage order)."""
+    last = len(sqnorms) - 1
+    bad = [s for s, x in enumerate(sqnorms) if not math.isfinite(x)]
+    where = []
+    if not math.isfinite(loss):
+        where.append(f"the loss of the last stage, stage {last}")
+    if bad:
+        where.append(f"the gradients of stage{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}")
+    return NonFiniteLossError(
+        f"step {step}: non-finite loss={loss}, grad_norm={grad_norm} ({'; '.join(where)}); "
+        "nothing was updated (train.nonfinite=skip would skip such steps)",
+        step=step, stages=bad or [last])
 
 
 class Trainer:
@@ -224,7 +362,7 @@ class Trainer:
         loss_dev = self.forward_backward(step)
         if step in self.cfg.train.inject_nonfinite_steps:
             for st in self.stages:
-                st.acc = _poison(st.acc)
+                st.acc = poison(st.acc)
             loss_dev = loss_dev * jnp.float32(jnp.nan)
         loss = float(loss_dev)
         sq = self._grad_sqnorms()
@@ -237,16 +375,7 @@ class Trainer:
             self.skipped_steps += 1
             skipped = True
         else:
-            bad = [s for s, x in enumerate(sq) if not math.isfinite(x)]
-            where = []
-            if not math.isfinite(loss):
-                where.append(f"the loss of the last stage, stage {len(self.stages) - 1}")
-            if bad:
-                where.append(f"the gradients of stage{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}")
-            raise NonFiniteLossError(
-                f"step {step}: non-finite loss={loss}, grad_norm={grad_norm} ({'; '.join(where)}); "
-                "nothing was updated (train.nonfinite=skip would skip such steps)",
-                step=step, stages=bad or [len(self.stages) - 1])
+            raise nonfinite_error(step, loss, grad_norm, sq)
         dt = time.perf_counter() - t0
         self.step += 1
         return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=float(self.lr_schedule(step)),
@@ -381,22 +510,10 @@ class Trainer:
 
     def state_by_layer(self) -> dict[str, jax.Array]:
         """Parameters and optimizer state of every stage, keyed by model path (plan-independent)."""
-        params = [st.params for st in self.stages]
-        out = {f"params/{k}": v for k, v in model_layout(params, self.cfg.plan).items()}
-        opt = opt_state_layout([st.opt_state for st in self.stages], params, self.cfg.plan)
-        out.update({f"opt_state/{k}": v for k, v in opt.items()})
-        return out
+        return stage_state_by_layer(self.stages, self.cfg.plan)
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        cfg = self.cfg
-        return {"format": CHECKPOINT_FORMAT, "step": self.step, "skipped_steps": self.skipped_steps,
-                # a batch is a pure function of (seed, step, microbatch): the position is the next step
-                "data": {"seed": cfg.seed, "next_step": self.step, "global_batch": cfg.plan.global_batch,
-                         "num_microbatches": cfg.plan.num_microbatches},
-                # the model has no stochastic layers: the seed made the initial parameters and the data
-                "rng": {"seed": cfg.seed},
-                "model": config_to_dict(cfg)["model"], "plan": cfg.plan.to_dict(),
-                "config": config_to_dict(cfg)}
+        return checkpoint_meta(self.cfg, self.step, self.skipped_steps)
 
     def save_checkpoint(self) -> None:
         """Start saving the current state as checkpoint ``self.step`` (async if configured)."""
@@ -407,52 +524,19 @@ class Trainer:
                 save_config(self.cfg, store.dir / "config.yaml")
             except OSError:
                 pass  # the save below reports an unwritable directory with the step
-        if self.step in store.committed_steps():  # an older future of this run (--restore-step)
-            store.delete(self.step)
+        store.clear(self.step)  # an older future of this run (--restore-step)
         store.save(self.step, self.state_by_layer(), self.checkpoint_meta())
         self._saved_step = self.step
 
     def _opt_shardings(self, s: int) -> Any:
-        """Where stage ``s``'s optimizer state belongs: per-parameter leaves (mu, nu) with their
-        parameter's sharding, stage-wide leaves (counts) replicated over the stage mesh."""
-        st, spec = self.stages[s], self.cfg.plan.stages[s]
-        by_param = model_layout([st.param_shardings], _one_stage_plan(spec))
-        leaves = [by_param[p] if p is not None else st.scalar_sharding
-                  for _, p in opt_state_names(st.opt_state, st.params, spec)]
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(st.opt_state), leaves)
+        return opt_state_shardings(self.stages[s], self.cfg.plan.stages[s])
 
     def load_state_by_layer(self, flat: dict[str, jax.Array], *, params_only: bool = False) -> None:
         """Place a model-layout state (``state_by_layer``'s keys) onto this trainer's stages."""
-        plan = self.cfg.plan
-        params = {k[len("params/"):]: v for k, v in flat.items() if k.startswith("params/")}
-        new_params = stage_trees(params, [st.params for st in self.stages], plan)
-        if not params_only:
-            opt = {k[len("opt_state/"):]: v for k, v in flat.items() if k.startswith("opt_state/")}
-            new_opt = opt_state_trees(opt, [st.opt_state for st in self.stages],
-                                      [st.params for st in self.stages], plan)
-            opt_shardings = [self._opt_shardings(s) for s in range(len(self.stages))]
-        for s, st in enumerate(self.stages):
-            st.params = jax.device_put(new_params[s], st.param_shardings)
-            if not params_only:
-                st.opt_state = jax.device_put(new_opt[s], opt_shardings[s])
-            st.acc = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=st.param_shardings)(st.acc)
+        load_state_by_layer(self.stages, self.cfg.plan, flat, params_only=params_only)
 
     def _targets(self, *, params_only: bool) -> dict[str, jax.ShapeDtypeStruct]:
-        """What a restore reads: every array with its shape, dtype and target sharding on this plan
-        (stage-wide optimizer leaves onto stage 0; load_state_by_layer copies them to the others)."""
-        plan = self.cfg.plan
-        params = [st.params for st in self.stages]
-        shardings = [st.param_shardings for st in self.stages]
-        sh = model_layout(shardings, plan)
-        out = {f"params/{k}": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
-               for k, v in model_layout(params, plan).items()}
-        if not params_only:
-            opt_states = [st.opt_state for st in self.stages]
-            opt_sh = [self._opt_shardings(s) for s in range(len(self.stages))]
-            sh = opt_state_layout(opt_sh, params, plan)
-            for k, v in opt_state_layout(opt_states, params, plan).items():
-                out[f"opt_state/{k}"] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
-        return out
+        return restore_targets(self.stages, self.cfg.plan, params_only=params_only)
 
     def restore(self, directory: str | Path, step: int | None = None, *, params_only: bool = False) -> int:
         """Load checkpoint ``step`` (default: the latest committed) of ``directory`` onto this
@@ -463,31 +547,13 @@ class Trainer:
             step = store.latest_committed()
             if step is None:
                 raise CheckpointError(f"{store.dir} holds no committed checkpoint")
-        meta = store.read_meta(step)
-        have, want = meta.get("model"), config_to_dict(self.cfg)["model"]
-        shape_keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff")
-        if have is not None and any(have.get(k) != want.get(k) for k in shape_keys):
-            diff = ", ".join(f"{k} {have.get(k)} vs {want.get(k)}" for k in shape_keys if have.get(k) != want.get(k))
-            raise CheckpointError(f"{store.dir} step {step} holds another model (checkpoint vs this run: {diff})")
         targets = self._targets(params_only=params_only)
-        extra = sorted(n for n in store.shapes(step) if n not in targets and
-                       (n.startswith("params/") or not params_only))
-        if extra:
-            raise CheckpointError(f"{store.dir} step {step} holds {len(extra)} arrays this model lacks, e.g. {extra[:3]}")
+        meta = check_checkpoint(store, step, self.cfg, targets, params_only=params_only)
         self.load_state_by_layer(store.restore(step, targets), params_only=params_only)
         if not params_only:
-            self.step = int(meta["step"])
-            self.skipped_steps = int(meta.get("skipped_steps", 0))
-            data = meta.get("data", {})
-            if data.get("seed", self.cfg.seed) != self.cfg.seed:
-                raise CheckpointError(f"{store.dir} step {step} was written with seed {data['seed']}, this run has "
-                                      f"seed {self.cfg.seed}: the data stream would not continue")
-            batch = (data.get("global_batch"), data.get("num_microbatches"))
-            if batch != (self.cfg.plan.global_batch, self.cfg.plan.num_microbatches):
-                self.console.print(f"[yellow]h2jax: the checkpoint's run used global batch {batch[0]} in "
-                                   f"{batch[1]} microbatches, this run {self.cfg.plan.global_batch} in "
-                                   f"{self.cfg.plan.num_microbatches}: the data stream continues from step "
-                                   f"{self.step} but its batches differ[/]")
+            self.step, self.skipped_steps, warning = data_position(meta, self.cfg, f"{store.dir} step {step}")
+            if warning:
+                self.console.print(f"[yellow]h2jax: {warning}[/]")
         return step
 
     def resume(self, *, restore_step: int | None = None, init_from: str | Path | None = None) -> str | None:
@@ -522,12 +588,7 @@ class Trainer:
         return msg
 
     def _truncate_metrics(self, step: int) -> None:
-        """Drop metric rows of steps >= ``step``: the lost future of an interrupted run."""
-        path = self.run_dir / METRICS_FILENAME
-        if not path.exists():
-            return
-        rows = [r for r in read_metrics(path) if r["step"] < step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        truncate_metrics(self.run_dir, step)
 
     # -- inspection (tests, tools) -------------------------------------------------------------
     def params_by_layer(self) -> dict[str, Any]:

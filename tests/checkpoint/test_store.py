@@ -93,3 +93,62 @@ def test_leftovers_of_a_killed_save_are_removed(tmp_path):
     assert sorted(p.name for p in (tmp_path / "commits").iterdir()) == ["1"]
     store.save(2, _state(2.5), {})  # the step number is free again
     assert store.committed_steps() == [1, 2]
+
+
+def _share(state: dict, part: str) -> dict:
+    """What one of two writers saves: p0 the embedding and the stage-wide count, p1 the rest."""
+    return {k: v for k, v in state.items() if ("embed" in k or "count" in k) == (part == "p0")}
+
+
+def _on_disk(tmp_path, part: str) -> list[int]:
+    d = tmp_path / "parts" / part
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def test_retention_with_two_writers_never_leaves_nothing_and_leaves_no_orphans(tmp_path):
+    """keep_last=1 with two writers committing at different times: whenever a writer judges, the
+    newest step that counts survives; a share whose peer deleted its own first goes next time."""
+    kw = dict(parts=("p0", "p1"), keep_last=1, async_save=False)
+    a, b = CheckpointStore(tmp_path, part="p0", lead=True, **kw), CheckpointStore(tmp_path, part="p1", lead=False, **kw)
+    for step in (1, 2, 3):
+        a.save(step, _share(_state(step), "p0"), {"step": step})
+        # a has committed `step`, b not yet: the previous step is still the one that counts
+        assert a.committed_steps() == ([step - 1] if step > 1 else [])
+        b.save(step, _share(_state(step), "p1"), {"step": step})
+        assert a.committed_steps() == [step]
+    # b's retention deleted its share of step 2 after step 3 counted; a's share is an orphan until a judges again
+    assert _on_disk(tmp_path, "p1") == [3] and _on_disk(tmp_path, "p0") == [2, 3]
+    assert a.apply_retention() == [2]
+    assert _on_disk(tmp_path, "p0") == [3] and sorted(p.name for p in (tmp_path / "commits").iterdir()) == ["3"]
+    got = CheckpointStore(tmp_path).restore(3, _targets(_state(0)))
+    assert all(np.array_equal(got[k], v) for k, v in _state(3).items())
+
+
+def test_the_lead_replaces_what_another_writer_set_left(tmp_path):
+    """A directory a single-process run wrote (part main), continued by a two-writer run: a step
+    number both wrote counts as the newest complete set; the lead removes the other set's share
+    when it saves that step again and when retention drops its steps; cleanup removes its leftovers."""
+    single = CheckpointStore(tmp_path, async_save=False, keep_last=5)
+    for step in (1, 2, 3):
+        single.save(step, _state(step), {"step": step})
+    (tmp_path / "parts" / "main" / "4").mkdir()  # a finalised, never committed step of the single run
+    kw = dict(parts=("p0", "p1"), keep_last=2, async_save=False)
+    a, b = CheckpointStore(tmp_path, part="p0", lead=True, **kw), CheckpointStore(tmp_path, part="p1", lead=False, **kw)
+    assert a.cleanup() == [str(tmp_path / "parts" / "main" / "4")] and b.cleanup() == []
+    # step 3 again, without clearing first: both sets complete, the newer counts
+    a.save(3, _share(_state(30.0), "p0"), {"step": 3})
+    b.save(3, _share(_state(30.0), "p1"), {"step": 3})
+    assert a.step_parts(3) == ("p0", "p1")
+    assert float(CheckpointStore(tmp_path).restore(3, _targets(_state(0)))["params/embed/table"][0, 0]) == 30.0
+    # step 2 again, as a run resumed from step 1 does: the lead's clear removes main's share
+    assert a.clear(2) and not b.clear(2)
+    assert a.committed_steps() == [1, 3] and _on_disk(tmp_path, "main") == [1, 3]
+    a.save(2, _share(_state(20.0), "p0"), {"step": 2})
+    b.save(2, _share(_state(20.0), "p1"), {"step": 2})
+    assert a.committed_steps() == [1, 2, 3]
+    # retention (keep 2) drops steps 1 and 2 when step 4 counts: the lead deletes main's step 1 as well
+    for w in (a, b):
+        w.save(4, _share(_state(4.0), w.part), {"step": 4})
+    a.apply_retention()
+    assert a.committed_steps() == [3, 4] and _on_disk(tmp_path, "main") == [3]
+    assert _on_disk(tmp_path, "p0") == [3, 4] and _on_disk(tmp_path, "p1") == [3, 4]
