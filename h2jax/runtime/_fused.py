@@ -15,6 +15,7 @@ indexed by the device's mesh coordinates, so one SPMD body serves every device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,9 +64,29 @@ def _device_index(mesh_shape: tuple[int, int]) -> jax.Array:
     return jax.lax.axis_index("data") * mesh_shape[1] + jax.lax.axis_index("tensor")
 
 
-def send_boundary(y: jax.Array, mesh: Mesh, b: Boundary, *, peer: int, tag_base: Any, comm: Any,
+def _peer_table(peer: int | Sequence[int], other: tuple[int, int], by_dev: list[list[tuple[int, Any]]],
+                slots: int, side: str) -> Any:
+    """The rank each (device, slot) talks to: ``peer`` (one process holds the other stage) or
+    ``peer[device index on the other mesh]`` (the other stage spans several processes)."""
+    if isinstance(peer, (int, np.integer)):
+        return int(peer)
+    ranks = [int(r) for r in peer]
+    if len(ranks) != other[0] * other[1]:
+        raise ValueError(f"peer ranks: {len(ranks)} given for a {other[0]}x{other[1]} mesh ({ranks})")
+    if len(set(ranks)) == 1:  # one process: a static rank, as before
+        return ranks[0]
+    table = np.zeros((len(by_dev), slots), np.int32)
+    for d, items in enumerate(by_dev):
+        for k, (_, t) in enumerate(items):
+            table[d, k] = ranks[_lin(getattr(t, side), other)]
+    return table
+
+
+def send_boundary(y: jax.Array, mesh: Mesh, b: Boundary, *, peer: int | Sequence[int], tag_base: Any, comm: Any,
                   timeout_s: float) -> jax.Array:
-    """Inside a jit: send ``y`` (sharded P("data") on ``mesh``, shape ``b.shape``) to ``peer``.
+    """Inside a jit: send ``y`` (sharded P("data") on ``mesh``, shape ``b.shape``) to the
+    destination stage: ``peer`` is its rank, or the rank of each of its devices (row-major
+    over its (data, tensor) mesh) when it spans several processes.
     Returns a per-device token array (keep it alive as a program output)."""
     pattern = b.pattern()
     piece = b.piece_shape()
@@ -85,6 +106,7 @@ def send_boundary(y: jax.Array, mesh: Mesh, b: Boundary, *, peer: int, tag_base:
             tags[d, k] = t_idx
             row[d, k] = t.index[0][0] - t.src[0] * rows_src
             col[d, k] = t.index[-1][0]
+    peers = _peer_table(peer, b.dst, by_dev, slots, "dst")
     has, tags, row, col = (jnp.asarray(a) for a in (has, tags, row, col))
 
     def body(local):
@@ -95,8 +117,9 @@ def send_boundary(y: jax.Array, mesh: Mesh, b: Boundary, *, peer: int, tag_base:
             x = jax.lax.dynamic_slice(local, start, piece)
             token = jax.lax.cond(
                 has[i, k],
-                lambda x_, tok: _ffi.send(x_, peer=peer, tag=(tag_base + tags[i, k]) % TAG_SPACE, comm=comm,
-                                          token=tok, timeout_s=timeout_s),
+                lambda x_, tok: _ffi.send(x_, peer=peers if isinstance(peers, int) else jnp.asarray(peers)[i, k],
+                                          tag=(tag_base + tags[i, k]) % TAG_SPACE, comm=comm, token=tok,
+                                          timeout_s=timeout_s),
                 lambda x_, tok: tok, x, token)
         return token[None]
 
@@ -104,9 +127,10 @@ def send_boundary(y: jax.Array, mesh: Mesh, b: Boundary, *, peer: int, tag_base:
     return jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=P(("data", "tensor")))(y)
 
 
-def recv_boundary(mesh: Mesh, b: Boundary, dtype: Any, *, peer: int, tag_base: Any, comm: Any,
+def recv_boundary(mesh: Mesh, b: Boundary, dtype: Any, *, peer: int | Sequence[int], tag_base: Any, comm: Any,
                   timeout_s: float) -> jax.Array:
-    """Inside a jit: receive the boundary tensor from ``peer``, laid out P("data") on ``mesh``."""
+    """Inside a jit: receive the boundary tensor from the source stage, laid out P("data") on
+    ``mesh``; ``peer`` as in :func:`send_boundary` (ranks of the source stage's devices)."""
     pattern = b.pattern()
     piece = b.piece_shape()
     ndev = b.dst[0] * b.dst[1]
@@ -124,6 +148,7 @@ def recv_boundary(mesh: Mesh, b: Boundary, dtype: Any, *, peer: int, tag_base: A
         for k, (t_idx, t) in enumerate(items):
             tags[d, k] = t_idx
             row[d, k] = t.index[0][0] - t.dst[0] * rows_dst
+    peers = _peer_table(peer, b.src, by_dev, slots, "src")
     tags, row = jnp.asarray(tags), jnp.asarray(row)
     block = (rows_dst, *b.shape[1:-1], piece[-1])
     split_whole = piece[-1] == b.shape[-1]
@@ -133,8 +158,9 @@ def recv_boundary(mesh: Mesh, b: Boundary, dtype: Any, *, peer: int, tag_base: A
         token = _ffi.new_token()
         local = jnp.zeros(block, dtype)
         for k in range(slots):
-            x, token = _ffi.recv(piece, dtype, peer=peer, tag=(tag_base + tags[i, k]) % TAG_SPACE, comm=comm, token=token,
-                                 timeout_s=timeout_s)
+            src = peers if isinstance(peers, int) else jnp.asarray(peers)[i, k]
+            x, token = _ffi.recv(piece, dtype, peer=src, tag=(tag_base + tags[i, k]) % TAG_SPACE, comm=comm,
+                                 token=token, timeout_s=timeout_s)
             local = jax.lax.dynamic_update_slice(local, x, [row[i, k]] + [0] * (len(block) - 1))
         if not split_whole:  # the 1/tp pieces of this data slice, gathered over the fast axis
             local = jax.lax.all_gather(local, "tensor", axis=len(block) - 1, tiled=True)
@@ -152,10 +178,18 @@ class FusedStage:
 
     ``forward(m, tokens, targets)`` / ``backward(m, saved, targets)`` dispatch one
     program each; nothing crosses the boundary outside them.
+
+    Where the neighbours live: ``rank_of_stage[s]`` (one process per stage), or
+    ``rank_of_device[s][i]``, the rank owning device ``i`` (row-major over (data, tensor))
+    of stage ``s`` -- for stages that span several processes (see ``_procgroup``). Each
+    piece of the resharding pattern then goes to (comes from) the rank of its peer device.
+    The stage's own mesh may span several processes (a ``jax.distributed`` cluster): the
+    programs are SPMD over it and each process moves only its own devices' pieces.
     """
 
-    def __init__(self, st: Any, *, plan: Any, seq_len: int, d_model: int, dtype: Any, rank_of_stage: list[int],
-                 comm: Any, timeout_s: float):
+    def __init__(self, st: Any, *, plan: Any, seq_len: int, d_model: int, dtype: Any,
+                 rank_of_stage: Sequence[int] | None = None, comm: Any,
+                 timeout_s: float, rank_of_device: Sequence[Sequence[int]] | None = None):
         self.st = st
         s = st.stage_idx
         n = plan.num_stages
@@ -163,8 +197,19 @@ class FusedStage:
         mesh_of = [(x.data, x.tensor) for x in plan.stages]
         me = mesh_of[s]
         self.dtype = dtype
-        self.prev = rank_of_stage[s - 1] if s > 0 else None
-        self.next = rank_of_stage[s + 1] if s < n - 1 else None
+        if (rank_of_stage is None) == (rank_of_device is None):
+            raise TypeError("FusedStage: pass exactly one of rank_of_stage and rank_of_device")
+        if rank_of_device is None:
+            ranks: list[Any] = [int(r) for r in rank_of_stage]
+        else:  # a stage in one process keeps a plain rank (the same programs as rank_of_stage)
+            ranks = [int(r[0]) if len(set(r)) == 1 else [int(x) for x in r] for r in rank_of_device]
+            for i, (r, (dp, tp)) in enumerate(zip(rank_of_device, mesh_of)):
+                if len(r) != dp * tp:
+                    raise ValueError(f"rank_of_device[{i}]: {len(r)} ranks for stage {i}'s {dp}x{tp} mesh")
+        if len(ranks) != n:
+            raise ValueError(f"FusedStage: ranks for {len(ranks)} stages, the plan has {n}")
+        self.prev = ranks[s - 1] if s > 0 else None
+        self.next = ranks[s + 1] if s < n - 1 else None
         # activations go s -> s+1, their gradients s+1 -> s
         self.recv_fwd = Boundary(shape, mesh_of[s - 1], me) if s > 0 else None
         self.send_fwd = Boundary(shape, me, mesh_of[s + 1]) if s < n - 1 else None

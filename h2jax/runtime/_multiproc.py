@@ -1,13 +1,16 @@
-"""Multi-controller training: ``mpirun -np N h2jax train CONFIG``, one process per stage.
+"""Multi-controller training: ``mpirun -np N h2jax train CONFIG``, one process per stage
+(N = stages) or one process per device (N = the plan's devices; see h2jax.runtime._procgroup).
 
 Every process belongs to exactly one stage and one chip type (its local backend; an
-emulated chip is registered in the process as one node holding that stage's devices).
-MPI ``COMM_WORLD`` (mpi4py) is the glue: rank s runs stage s, boundary tensors go
+emulated chip is registered in the process as one node holding that stage's devices, or,
+in a stage over several processes, is the default cpu backend of that stage's
+``jax.distributed`` cluster). MPI ``COMM_WORLD`` (mpi4py) is the glue: boundary tensors go
 through a multi-process transport (``host``: numpy + mpi4py; ``ffi``: the XLA FFI
 send/recv), the gradient norm and the loss are reduced over MPI, rank 0 prints progress
 and writes the metrics and the merged timeline.
 
-Checkpoints work as in one process, in the same plan-independent layout: every rank saves
+Checkpoints (one process per stage; refused, naming the key, when a stage spans several
+processes) work as in one process, in the same plan-independent layout: every rank saves
 its own stage's parameters and optimizer state, keyed by model layer, as its own part
 (``stage<s>``) of the step (stage 0 alone also saves the stage-wide optimizer leaves), and a
 step counts only when every part has committed it. A checkpoint written by a run of one
@@ -60,6 +63,7 @@ from h2jax.plan import get_schedule, stage_tasks
 from h2jax.launch import FailFast, LaunchInfo, stop_grace_s
 from h2jax.runtime._layout import model_layout
 from h2jax.runtime._metrics import MetricsLogger
+from h2jax.runtime._procgroup import fetch, global_array, local_value
 from h2jax.runtime._stage import StageProgram
 from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
 from h2jax.runtime._trainer import (NonFiniteLossError, StepStats, check_checkpoint, checkpoint_meta, clip_scale,
@@ -106,12 +110,24 @@ class MultiProcessTrainer:
         if self.comm.Get_size() != launch.size:
             raise RuntimeError(f"{launch.launcher} says {launch.size} processes, MPI COMM_WORLD has "
                                f"{self.comm.Get_size()}")
-        if launch.size != n:
-            raise ConfigError("plan.stages", f"the job has {launch.size} processes and the plan {n} stages; "
-                                             "this version runs exactly one process per stage (mpirun -np "
-                                             f"{n})")
+        from h2jax.runtime._procgroup import ProcessLayout, StageGroup
+
+        if ProcessLayout.from_plan(plan, launch.size).any_group and cfg.checkpoint.enabled:
+            # a stage's state is then sharded over several processes: its part of a step would
+            # need orbax across that stage's jax.distributed cluster, which is not built
+            raise ConfigError("checkpoint.enabled", "true: checkpoints are not written when a stage spans "
+                                                    "several processes (one process per device); set "
+                                                    "checkpoint.enabled=false, or run one process per stage "
+                                                    f"(mpirun -np {n})")
+
+        # rank -> stage from the plan (one process per stage, or per device); a stage over several
+        # processes becomes its own jax.distributed cluster here, before JAX's backends start
+        self.group = StageGroup(plan, cfg.cluster.chips, self.comm)
+        self.layout = self.group.layout
         self.rank = launch.rank
-        self.stage_idx = s = self.rank
+        self.stage_idx = s = self.group.stage_idx
+        if fail_fast is not None:
+            fail_fast.stage = s
         self.first, self.last = s == 0, s == n - 1
         self.console = console or Console(stderr=True)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
@@ -124,24 +140,10 @@ class MultiProcessTrainer:
         self._all_committed = -1  # the newest step every rank has committed in this run
         spec = plan.stages[s]
         self.plan1 = one_stage_plan(spec)  # this stage alone, for mapping its trees to model paths
-        chip = cfg.cluster.chips[spec.chip]
-        # this process is one node of its chip type, holding exactly this stage's devices
-        if chip.emulated:
-            from xla_plugins import register_emulated_chips
-
-            backend = register_emulated_chips({spec.chip: (1, spec.num_devices)})[spec.chip][0]
-        else:
-            backend = chip.platform
-        self.backend = backend
-        devices = jax.devices(backend)[: spec.num_devices]
-        if len(devices) < spec.num_devices:
-            raise RuntimeError(f"stage {s} (rank {self.rank}) needs {spec.num_devices} devices of {backend}, "
-                               f"this process has {len(devices)}")
-        from jax.sharding import Mesh
-
+        self.backend = self.group.backend
+        mesh = self.group.mesh  # spans the stage's processes' devices
         from h2jax.models import StageModule, build_model, check_stageable
 
-        mesh = Mesh(np.array(devices, dtype=object).reshape(spec.data, spec.tensor), ("data", "tensor"))
         self.dataset = load_dataset(corpus=cfg.data.corpus, token_file=cfg.data.token_file,
                                     tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype)
         model = model if model is not None else build_model(cfg.model, seed=cfg.seed)
@@ -160,16 +162,28 @@ class MultiProcessTrainer:
 
             try:  # transfers inside the stage programs (collective: every rank reaches this)
                 self.fused = FusedStage(self.stage, plan=plan, seq_len=cfg.model.seq_len, d_model=cfg.model.d_model,
-                                        dtype=jnp.dtype(cfg.model.dtype), rank_of_stage=list(range(n)),
+                                        dtype=jnp.dtype(cfg.model.dtype),
+                                        rank_of_device=[self.layout.device_ranks(i) for i in range(n)],
                                         comm=self.comm.Dup(), timeout_s=60.0)
             except FusedUnsupported as e:
+                if self.layout.any_group:
+                    raise ConfigError("train.transport", f"'ffi' across stages over several processes needs "
+                                      f"even per-device pieces: {e}") from e
                 self.console.print(f"h2jax: stage {s}: transfers run as programs of their own ({e})")
-        self.transport = None if self.fused is not None else make_peer_transport(cfg.train.transport, self.comm)
+        self.boundary = None  # per-device host transfers, when some stage spans several processes
+        if self.fused is None and self.layout.any_group:
+            from h2jax.runtime._procgroup import HostBoundary
+
+            self.boundary = HostBoundary(self.group, self.stage, shape=(plan.microbatch_size, cfg.model.seq_len,
+                                                                        cfg.model.d_model),
+                                         dtype=jnp.dtype(cfg.model.dtype), comm=self.comm)
+        self.transport = (None if self.fused is not None or self.boundary is not None
+                          else make_peer_transport(cfg.train.transport, self.comm))
         self.tasks = stage_tasks(get_schedule(plan.schedule, n, plan.num_microbatches).tasks(), s)
         mb = plan.microbatch_size
         self.act_like = jax.ShapeDtypeStruct((mb, cfg.model.seq_len, cfg.model.d_model),
                                              jnp.dtype(cfg.model.dtype))
-        self.dloss = jax.device_put(jnp.float32(1.0 / plan.num_microbatches), self.stage.scalar_sharding)
+        self.dloss = global_array(np.float32(1.0 / plan.num_microbatches), self.stage.scalar_sharding)
         self.tokens_per_step = plan.global_batch * cfg.model.seq_len
         # one time origin for every rank's events: time.perf_counter is the host's monotonic
         # clock, shared by the processes of one host (across hosts this is approximate)
@@ -178,7 +192,7 @@ class MultiProcessTrainer:
 
     # -- one step ------------------------------------------------------------------------------
     def _record(self, kind: str, m: int | None, t0: float, t1: float, **extra: Any) -> None:
-        if self.timeline is not None:
+        if self.timeline is not None and self.group.is_leader:
             self.timeline.add(kind, stage=self.stage_idx, step=self.step, microbatch=m, start=t0, end=t1,
                               chip=self.stage.spec.chip, **extra)
 
@@ -191,8 +205,8 @@ class MultiProcessTrainer:
             tok, tgt = get_global_batch(self.dataset, seed=cfg.seed, step=self.step,
                                         num_microbatches=cfg.plan.num_microbatches,
                                         microbatch_size=cfg.plan.microbatch_size, seq_len=cfg.model.seq_len)
-            tokens = [jax.device_put(t, st.act_sharding) for t in tok] if self.first else None
-            targets = [jax.device_put(t, st.act_sharding) for t in tgt] if self.last else None
+            tokens = [global_array(t, st.act_sharding) for t in tok] if self.first else None
+            targets = [global_array(t, st.act_sharding) for t in tgt] if self.last else None
         if self.fused is not None:
             return self._forward_backward_fused(tokens, targets)
         saved: dict[int, Any] = {}
@@ -204,8 +218,9 @@ class MultiProcessTrainer:
                     x = tokens[m]
                 else:
                     t0 = time.perf_counter()
-                    x = self.transport.recv(self.act_like, peer=self.rank - 1, tag=_tag(m, FWD),
-                                            sharding=st.act_sharding)
+                    x = (self.boundary.recv(m, FWD) if self.boundary is not None else
+                         self.transport.recv(self.act_like, peer=self.rank - 1, tag=_tag(m, FWD),
+                                             sharding=st.act_sharding))
                     if timed:
                         x.block_until_ready()
                         self._record("recv", m, t0, time.perf_counter(), peer=s - 1, phase="F")
@@ -218,15 +233,19 @@ class MultiProcessTrainer:
                     losses.append(y)
                 else:
                     t0 = time.perf_counter()
-                    self.transport.send(y, peer=self.rank + 1, tag=_tag(m, FWD))
+                    if self.boundary is not None:
+                        self.boundary.send(y, m, FWD)
+                    else:
+                        self.transport.send(y, peer=self.rank + 1, tag=_tag(m, FWD))
                     self._record("send", m, t0, time.perf_counter(), peer=s + 1, phase="F")
             else:
                 if self.last:
                     dy = self.dloss
                 else:
                     t0 = time.perf_counter()
-                    dy = self.transport.recv(self.act_like, peer=self.rank + 1, tag=_tag(m, BWD),
-                                             sharding=st.act_sharding)
+                    dy = (self.boundary.recv(m, BWD) if self.boundary is not None else
+                          self.transport.recv(self.act_like, peer=self.rank + 1, tag=_tag(m, BWD),
+                                              sharding=st.act_sharding))
                     if timed:
                         dy.block_until_ready()
                         self._record("recv", m, t0, time.perf_counter(), peer=s + 1, phase="B")
@@ -237,10 +256,13 @@ class MultiProcessTrainer:
                     self._record("bwd", m, t0, time.perf_counter())
                 if not self.first:
                     t0 = time.perf_counter()
-                    self.transport.send(dx, peer=self.rank - 1, tag=_tag(m, BWD))
+                    if self.boundary is not None:
+                        self.boundary.send(dx, m, BWD)
+                    else:
+                        self.transport.send(dx, peer=self.rank - 1, tag=_tag(m, BWD))
                     self._record("send", m, t0, time.perf_counter(), peer=s - 1, phase="B")
-        self.transport.flush()  # every send of this step has left
-        return float(jnp.mean(jnp.stack(losses))) if self.last else None
+        (self.boundary or self.transport).flush()  # every send of this step has left
+        return float(local_value(jnp.mean(jnp.stack(losses)))) if self.last else None
 
     def _forward_backward_fused(self, tokens: Any, targets: Any) -> float | None:
         """The same walk with every transfer inside the stage programs (``ffi``)."""
@@ -262,7 +284,7 @@ class MultiProcessTrainer:
                 self._record("fwd" if task.kind == "F" else "bwd", m, t0, time.perf_counter(),
                              transfers="in-program")
         jax.block_until_ready(pending)  # every send of this step has left
-        return float(jnp.mean(jnp.stack(losses))) if self.last else None
+        return float(local_value(jnp.mean(jnp.stack(losses)))) if self.last else None
 
     def train_step(self) -> StepStats:
         """One optimizer step of this stage. Every rank learns the loss and every stage's
@@ -275,10 +297,12 @@ class MultiProcessTrainer:
             self.stage.acc = poison(self.stage.acc)
             if self.last:
                 local_loss = float("nan")
-        sq = float(self.stage.grad_sqnorm())
-        sqs = self.comm.allgather(sq)
+        sq = float(local_value(self.stage.grad_sqnorm()))
+        # one value per stage, in stage order (a stage's other processes hold the same value)
+        by_rank = self.comm.allgather(sq)
+        sqs = [by_rank[self.layout.leader(i)] for i in range(cfg.plan.num_stages)]
         grad_norm = math.sqrt(sum(sqs))
-        loss = self.comm.bcast(local_loss, root=cfg.plan.num_stages - 1)
+        loss = self.comm.bcast(local_loss, root=self.layout.leader(cfg.plan.num_stages - 1))
         skipped = False
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.stage.apply_update(clip_scale(grad_norm, cfg.optimizer.clip_norm))
@@ -484,7 +508,8 @@ class MultiProcessTrainer:
                 (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         # who is where: operators (and the killed-rank test) find each stage's process here
         ranks = self.comm.gather({"rank": self.rank, "stage": self.stage_idx, "pid": os.getpid(),
-                                  "host": os.uname().nodename, "backend": self.backend}, root=0)
+                                  "host": os.uname().nodename, "backend": self.backend,
+                                  "group_rank": self.group.group_rank}, root=0)
         if lead:
             (self.run_dir / "ranks.json").write_text(json.dumps(ranks, indent=2))
         self.comm.Barrier()
@@ -528,9 +553,10 @@ class MultiProcessTrainer:
 
     def _write_outputs(self, history: list[StepStats], wall_s: float) -> None:
         # every rank's parameters by model layer (the multi-process == single-process tests read them)
-        params = {k: np.asarray(v) for k, v in model_layout([self.stage.params], self.plan1).items()}
+        params = fetch(model_layout([self.stage.params], self.plan1))  # collective over the stage's processes
         self.comm.Barrier()
-        np.savez(self.run_dir / f"params_stage{self.stage_idx}.npz", **params)
+        if self.group.is_leader:
+            np.savez(self.run_dir / f"params_stage{self.stage_idx}.npz", **params)
         events = self.timeline.events() if self.timeline is not None else []
         gathered = self.comm.gather(events, root=0)
         if self.rank != 0:
@@ -571,7 +597,7 @@ def run_multiprocess(cfg: ExperimentConfig, launch: LaunchInfo, *, fail_fast: Fa
     lead = launch.rank == 0
     if lead:
         console.print(f"h2jax train: {cfg.name} on {launch.size} processes ({launch.launcher}), transport "
-                      f"{cfg.train.transport}; rank s runs stage s")
+                      f"{cfg.train.transport}")
     try:
         trainer = MultiProcessTrainer(cfg, launch, run_dir=run_dir, console=console, fail_fast=fail_fast)
         resumed = trainer.resume(restore_step=restore_step, init_from=init_from)
@@ -579,6 +605,7 @@ def run_multiprocess(cfg: ExperimentConfig, launch: LaunchInfo, *, fail_fast: Fa
             console.print(f"[green]h2jax:[/] {escape(resumed)}", highlight=False, soft_wrap=True)
         start = trainer.step
         history = trainer.run()
+        trainer.group.close()  # leave the stage's jax.distributed cluster (collective over the stage)
     except (JobError, NonFiniteLossError) as e:  # every rank is here, at the same point
         what, code = (e.what, e.code) if isinstance(e, JobError) else ("training failed", 1)
         if lead:

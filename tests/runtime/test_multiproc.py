@@ -34,7 +34,13 @@ PLANS = {
             "plan.stages=[{chip: sim_a, data: 1, tensor: 2, layers: [0, 1]}, "
             "{chip: sim_b, data: 2, tensor: 1, layers: [1, 3], recompute: true}, "
             "{chip: sim_c, data: 1, tensor: 4, layers: [3, 4]}]"],
+    # one process per device (-np 4): stage 0 (tensor 2) and stage 1 (data 2) each span two
+    # processes, each stage its own jax.distributed cluster
+    "2st-per-device": ["cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}", "checkpoint.enabled=false",
+                       "plan.stages=[{chip: sim_a, data: 1, tensor: 2, layers: [0, 2]}, "
+                       "{chip: sim_b, data: 2, tensor: 1, layers: [2, 4]}]"],
 }
+NPROC = {"2st": 2, "3st": 3, "2st-per-device": 4}
 OVERRIDES = BASE + PLANS["2st"]
 
 
@@ -65,10 +71,11 @@ def single_process_run(plan: str, tmp_path: Path):
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
-@pytest.mark.parametrize("plan,transport", [("2st", "host"), ("2st", "ffi"), ("3st", "ffi")])
+@pytest.mark.parametrize("plan,transport", [("2st", "host"), ("2st", "ffi"), ("3st", "ffi"),
+                                            ("2st-per-device", "ffi"), ("2st-per-device", "host")])
 def test_multiprocess_equals_single_process(plan, transport, tmp_path):
     want_losses, want_params = single_process_run(plan, tmp_path)
-    nproc = 3 if plan == "3st" else 2
+    nproc = NPROC[plan]
     proc = _mpirun(nproc, [*BASE, *PLANS[plan], f"train.transport={transport}", "--run-dir", str(tmp_path / "run")],
                    tmp_path)
     out, err = proc.communicate(timeout=600)
@@ -77,8 +84,13 @@ def test_multiprocess_equals_single_process(plan, transport, tmp_path):
     assert summary["processes"] == nproc and summary["transport"] == transport
     np.testing.assert_allclose(summary["losses"], want_losses, atol=1e-6, rtol=0)
     got = {}
-    for s in range(nproc):
+    for s in range(load_config(None, BASE + PLANS[plan]).plan.num_stages):
         got.update(dict(np.load(tmp_path / "run" / f"params_stage{s}.npz")))
+    ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
+    assert [r["stage"] for r in ranks] == ([0, 0, 1, 1] if plan == "2st-per-device" else list(range(nproc)))
+    if plan == "2st-per-device":  # each stage one jax.distributed cluster on the default cpu backend
+        assert [r["group_rank"] for r in ranks] == [0, 1, 0, 1]
+        assert {r["backend"] for r in ranks} == {"cpu"}
     assert sorted(got) == sorted(want_params)
     for k, v in want_params.items():
         np.testing.assert_allclose(got[k], v, atol=1e-6, rtol=0, err_msg=k)
@@ -114,3 +126,19 @@ def test_killed_rank_ends_the_job_promptly(tmp_path):
     assert "last completed step" in lines[0]
     step = int(lines[0].rsplit("last completed step", 1)[1].strip())
     assert step >= 1
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
+def test_process_counts_the_plan_cannot_use_fail_with_the_key(tmp_path):
+    per_device = [o for o in PLANS["2st-per-device"] if not o.startswith("checkpoint.")]
+    # 3 processes for 2 stages of 2 devices each: neither one per stage nor one per device
+    proc = _mpirun(3, [*BASE, *per_device, "checkpoint.enabled=false", "--run-dir", str(tmp_path / "a")], tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "the job has 3 processes" in err and "(-np 2)" in err and "(-np 4)" in err, err[-3000:]
+    # one process per device with checkpoints on: refused before anything is trained or written
+    proc = _mpirun(4, [*BASE, *per_device, "checkpoint.enabled=true", "--run-dir", str(tmp_path / "b")], tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "checkpoint.enabled" in err and "spans several processes" in err, err[-3000:]
+    assert not (tmp_path / "b" / "checkpoints").exists()

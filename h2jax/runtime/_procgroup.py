@@ -1,0 +1,380 @@
+"""Stages that span several processes: rank -> stage mapping, one ``jax.distributed`` cluster
+per stage, the global stage mesh, and per-device boundary transfers.
+
+Two ways to lay a plan over the processes of an ``mpirun`` / ``srun`` job (world size W):
+
+- ``W == num_stages``: one process per stage; rank s runs stage s and holds all of its
+  devices (an emulated chip type is registered in the process as one node).
+- ``W == total devices of the plan``: one process per device, as on GPU nodes. Stage s gets
+  ``data * tensor`` consecutive ranks, stages in plan order. A stage with more than one
+  process is its own ``jax.distributed`` cluster: the processes of the stage
+  (``COMM_WORLD.Split(color=stage)``) elect their first rank as coordinator, which picks a
+  free port and broadcasts it; every process then sees the stage's *global* devices, and the
+  stage mesh spans them. Stages never share a cluster (backends of different vendors never
+  share one), so a cluster is as homogeneous as its stage.
+
+Anything else is a :class:`~h2jax.config.ConfigError` naming both valid counts.
+
+Emulated chips in a stage over several processes: ``jax.distributed`` wires only the
+*default* backend of a process, so such a process does not register an emulated PJRT client
+(``sim_a:0``); its chip is the plain ``cpu`` backend with ``jax_num_cpu_devices`` set to the
+process's device count (cross-process collectives: gloo). It is still the emulated chip
+type of the plan (memory checks, labels, profiles use the plan's name); only the backend
+name differs (``cpu`` instead of ``sim_a:0``). A stage in one process keeps the emulated
+backend, as before.
+
+Device -> rank map: the stage mesh orders its devices by (process, local id), so device
+``i`` (row-major over ``(data, tensor)``) belongs to group rank ``i // devices_per_process``.
+:meth:`ProcessLayout.device_ranks` gives the world rank of every device of a stage; the
+``ffi`` transport (:class:`h2jax.runtime._fused.FusedStage` ``rank_of_device``) and
+:class:`HostBoundary` address each piece of :func:`h2jax.plan.reshard_pattern` to the rank
+that owns its peer device.
+
+Reductions over the whole pipeline (loss, squared grad norm) go over MPI ``COMM_WORLD``;
+every process of a stage holds the same (replicated) value, so only the stage's leader
+(first rank) contributes: :meth:`StageGroup.stage_share`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from h2jax.config import ConfigError
+
+FWD, BWD = 0, 1
+
+
+# -- where every rank sits (pure: no jax, no MPI) ------------------------------------------------
+@dataclass(frozen=True)
+class ProcessLayout:
+    """The plan's stages over the job's processes (see the module docstring)."""
+
+    world_size: int
+    ranks_of_stage: tuple[tuple[int, ...], ...]  # world ranks of each stage, group-rank order
+    devices_per_process: tuple[int, ...]  # per stage
+    devices_of_stage: tuple[int, ...]  # data * tensor per stage
+
+    @classmethod
+    def from_plan(cls, plan: Any, world_size: int) -> ProcessLayout:
+        n = plan.num_stages
+        ndev = tuple(st.data * st.tensor for st in plan.stages)
+        total = sum(ndev)
+        if world_size == n:  # one process per stage (checked first: n == total is both)
+            return cls(world_size, tuple((s,) for s in range(n)), ndev, ndev)
+        if world_size == total:  # one process per device, stages in plan order
+            ranks, start = [], 0
+            for k in ndev:
+                ranks.append(tuple(range(start, start + k)))
+                start += k
+            return cls(world_size, tuple(ranks), (1,) * n, ndev)
+        shapes = ", ".join(f"stage {s}: {st.data}x{st.tensor}" for s, st in enumerate(plan.stages))
+        raise ConfigError(
+            "plan.stages",
+            f"the job has {world_size} processes; the plan has {n} stages and {total} devices ({shapes}): "
+            f"run one process per stage (-np {n}) or one process per device (-np {total})")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranks_of_stage)
+
+    @property
+    def mode(self) -> str:
+        """'stage' (one process per stage) or 'device' (one process per device)."""
+        return "stage" if self.world_size == self.num_stages else "device"
+
+    def stage_of(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the job's 0..{self.world_size - 1}")
+        for s, ranks in enumerate(self.ranks_of_stage):
+            if rank in ranks:
+                return s
+        raise AssertionError(rank)  # unreachable: the stages' ranks cover the world
+
+    def group_rank(self, rank: int) -> int:
+        return self.ranks_of_stage[self.stage_of(rank)].index(rank)
+
+    def leader(self, stage: int) -> int:
+        """The world rank that speaks for ``stage`` (its first process)."""
+        return self.ranks_of_stage[stage][0]
+
+    def processes(self, stage: int) -> int:
+        return len(self.ranks_of_stage[stage])
+
+    @property
+    def any_group(self) -> bool:
+        """Whether some stage spans several processes."""
+        return any(len(r) > 1 for r in self.ranks_of_stage)
+
+    def device_ranks(self, stage: int) -> list[int]:
+        """World rank owning each device of ``stage``'s mesh (row-major over (data, tensor))."""
+        k = self.devices_per_process[stage]
+        return [self.ranks_of_stage[stage][i // k] for i in range(self.devices_of_stage[stage])]
+
+
+# -- this process's stage ------------------------------------------------------------------------
+def _node_index(comm: Any, chip: str) -> int:
+    """This rank's index among the ranks of ``chip`` on its host (collective over ``comm``)."""
+    from mpi4py import MPI
+
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        chips = host.allgather(chip)
+        return chips[: host.Get_rank()].count(chip)
+    finally:
+        host.Free()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class StageGroup:
+    """This process's stage: its process group, its backend, its (global) stage mesh.
+
+    Collective over ``comm`` (every rank constructs one at the same point), and it must come
+    before anything initialises JAX's backends in this process (``jax.distributed`` and the
+    emulated chips register backends).
+    """
+
+    def __init__(self, plan: Any, chips: Mapping[str, Any], comm: Any = None, *, init_timeout_s: int = 120):
+        from mpi4py import MPI
+
+        self.comm = comm = MPI.COMM_WORLD if comm is None else comm
+        self.plan = plan
+        self.layout = layout = ProcessLayout.from_plan(plan, comm.Get_size())
+        self.rank = comm.Get_rank()
+        self.stage_idx = s = layout.stage_of(self.rank)
+        self.group = comm.Split(color=s, key=self.rank)  # collective over comm
+        if self.group.Get_rank() != layout.group_rank(self.rank):
+            raise AssertionError(f"rank {self.rank}: group rank {self.group.Get_rank()}, layout says "
+                                 f"{layout.group_rank(self.rank)}")
+        self.group_rank, self.group_size = self.group.Get_rank(), self.group.Get_size()
+        self.is_leader = self.group_rank == 0
+        self.spec = spec = plan.stages[s]
+        self.chip = chip = chips[spec.chip]
+        self.local_devices = k = layout.devices_per_process[s]
+        # this process's index among the processes of its chip type on its host: which of the
+        # host's devices it takes (real chips; e.g. one GPU per process)
+        self.node_index = _node_index(comm, spec.chip)
+        self.distributed = self.group_size > 1
+        if self.distributed:
+            self.backend = self._init_distributed(chip, k, init_timeout_s)
+        elif chip.emulated:
+            from xla_plugins import register_emulated_chips
+
+            self.backend = register_emulated_chips({spec.chip: (1, k)})[spec.chip][0]
+        else:
+            self.backend = chip.platform
+        self.mesh = self._mesh()
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _init_distributed(self, chip: Any, k: int, timeout_s: int) -> str:
+        import jax
+        from jax._src import xla_bridge as xb
+
+        if xb.backends_are_initialized():
+            raise RuntimeError(f"stage {self.stage_idx} (rank {self.rank}) spans {self.group_size} processes and "
+                               "needs its own jax.distributed cluster, but JAX's backends are already "
+                               "initialised in this process; build the StageGroup before touching JAX")
+        nodes = self.group.allgather(socket.gethostname())
+        host = None
+        if self.is_leader:  # the coordinator of this stage's cluster: a free port on the leader's host
+            host = "127.0.0.1" if len(set(nodes)) == 1 else os.environ.get("H2JAX_COORDINATOR_HOST",
+                                                                             socket.getfqdn())
+            host = f"{host}:{_free_port()}"
+        self.coordinator = self.group.bcast(host, root=0)
+        if chip.emulated:
+            # the emulated chip type as the default backend: jax.distributed wires only that one
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", k)
+            local_ids = None
+            backend = "cpu"
+        else:  # one host's processes of this chip type take consecutive local devices
+            local_ids = list(range(self.node_index * k, (self.node_index + 1) * k))
+            backend = chip.platform
+        jax.distributed.initialize(coordinator_address=self.coordinator, num_processes=self.group_size,
+                                   process_id=self.group_rank, local_device_ids=local_ids,
+                                   initialization_timeout=int(timeout_s))
+        return backend
+
+    def _mesh(self) -> Any:
+        import jax
+        from jax.sharding import Mesh
+
+        spec, k = self.spec, self.local_devices
+        if self.distributed:  # the cluster's devices: process 0's, then process 1's, ...
+            devices = sorted(jax.devices(self.backend), key=lambda d: (d.process_index, d.id))
+        elif self.chip.emulated:  # a client of its own, holding exactly this stage's devices
+            devices = jax.devices(self.backend)[:k]
+        else:
+            devices = jax.devices(self.backend)[self.node_index * k:(self.node_index + 1) * k]
+        where = f"stage {self.stage_idx} (rank {self.rank}, {spec.chip} on backend {self.backend})"
+        if len(devices) != spec.num_devices:
+            raise RuntimeError(f"{where} needs {spec.num_devices} devices ({spec.data}x{spec.tensor}), "
+                               f"its {self.group_size} process(es) have {len(devices)}")
+        owners = [d.process_index for d in devices]
+        want = [i // k for i in range(spec.num_devices)] if self.distributed else owners
+        if owners != want:
+            raise RuntimeError(f"{where}: devices belong to processes {owners}, expected {want} "
+                               f"({k} per process)")
+        return Mesh(np.array(devices, dtype=object).reshape(spec.data, spec.tensor), ("data", "tensor"))
+
+    def close(self) -> None:
+        """Leave the stage's jax.distributed cluster (collective over the stage's processes)."""
+        if self.distributed:
+            import jax
+
+            jax.distributed.shutdown()
+            self.distributed = False
+
+    # -- reductions over the pipeline -------------------------------------------------------------
+    def stage_share(self, value: float) -> float:
+        """``value`` from the stage's leader, 0 from its other processes: sum over COMM_WORLD counts
+        each stage once."""
+        return float(value) if self.is_leader else 0.0
+
+    @property
+    def label(self) -> str:
+        sp = self.spec
+        where = (f"{self.group_size} processes, backend {self.backend}" if self.group_size > 1
+                 else f"backend {self.backend}")
+        return (f"stage {self.stage_idx} · {sp.chip} ({sp.data}x{sp.tensor}) layers {sp.layers[0]}-{sp.layers[1] - 1}"
+                f" [{where}]")
+
+
+# -- arrays that span the stage's processes -------------------------------------------------------
+def global_array(x: Any, sharding: Any) -> Any:
+    """A global array laid out as ``sharding`` from ``x``, the whole value, present on every
+    process of the stage (tokens, targets). Each process puts only its own devices' slices."""
+    import jax
+
+    x = np.asarray(x)
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def local_value(x: Any) -> np.ndarray:
+    """A fully replicated array (loss, squared norm) as numpy, on any process of its mesh."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if not x.is_fully_replicated:
+        raise ValueError(f"local_value: {x.shape} {x.sharding} is neither fully addressable nor replicated; "
+                         "use fetch()")
+    return np.asarray(x.addressable_data(0))
+
+
+def fetch(tree: Any) -> Any:
+    """Every leaf as a whole numpy array on every process (collective over the stage's
+    processes when a leaf is sharded across them: call it on all of them, same order)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    def one(x: Any) -> np.ndarray:
+        if x.is_fully_addressable or x.is_fully_replicated:
+            return local_value(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
+# -- host transport, per device -------------------------------------------------------------------
+class HostBoundary:
+    """The ``host`` transport for stages over several processes: every process sends the
+    pieces its own devices hold and receives those for its own devices, as
+    :func:`h2jax.plan.reshard_pattern` says; the destination stage then all-gathers the
+    ``1/tp`` pieces over its ``tensor`` axis (across its processes if it spans several).
+
+    Tags: ``FusedStage.tag_base(microbatch, direction) + transfer index``, as the ``ffi`` path.
+    Collective over ``comm`` (duplicates it).
+    """
+
+    def __init__(self, group: StageGroup, st: Any, *, shape: Sequence[int], dtype: Any, comm: Any = None,
+                 timeout_s: float = 60.0):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from h2jax.comm import HostTransport
+        from h2jax.runtime._fused import TAGS_PER_TRANSFER, Boundary
+
+        self.group, self.st = group, st
+        self.transport = HostTransport(group.comm if comm is None else comm, timeout_s=timeout_s)
+        self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+        plan, s, layout = group.plan, group.stage_idx, group.layout
+        n = plan.num_stages
+        mesh_of = [(x.data, x.tensor) for x in plan.stages]
+        me = mesh_of[s]
+        shp = self.shape
+        # (boundary, ranks of the other stage's devices) per (direction, send|recv)
+        self.links = {
+            ("recv", FWD): (Boundary(shp, mesh_of[s - 1], me), layout.device_ranks(s - 1)) if s > 0 else None,
+            ("send", FWD): (Boundary(shp, me, mesh_of[s + 1]), layout.device_ranks(s + 1)) if s < n - 1 else None,
+            ("recv", BWD): (Boundary(shp, mesh_of[s + 1], me), layout.device_ranks(s + 1)) if s < n - 1 else None,
+            ("send", BWD): (Boundary(shp, me, mesh_of[s - 1]), layout.device_ranks(s - 1)) if s > 0 else None,
+        }
+        self.patterns = {key: link[0].pattern() for key, link in self.links.items() if link is not None}
+        for key, pattern in self.patterns.items():
+            if len(pattern) > TAGS_PER_TRANSFER:
+                b = self.links[key][0]
+                raise ValueError(f"stage {s}: {len(pattern)} transfers across one boundary ({b.src[0]}x{b.src[1]} -> "
+                                 f"{b.dst[0]}x{b.dst[1]}); at most {TAGS_PER_TRANSFER} (tags per microbatch)")
+        self.coord = {d: idx for idx, d in np.ndenumerate(st.mesh.devices)}  # device -> (data, tensor)
+        local = set(st.mesh.local_devices)
+        self._local = [d for d in st.mesh.devices.flat if d in local]  # this process's devices, mesh order
+        nd = len(shp)
+        self._pieces_sharding = NamedSharding(st.mesh, P("data", *([None] * (nd - 2)), "tensor"))
+        self._gather = jax.jit(lambda x: x, out_shardings=st.act_sharding)
+
+    def send(self, y: Any, microbatch: int, direction: int) -> None:
+        """Start sending this process's pieces of ``y`` (laid out as the stage's activations)."""
+        from h2jax.runtime._fused import TAG_SPACE, FusedStage, _lin
+
+        b, peers = self.links[("send", direction)]
+        base = FusedStage.tag_base(microbatch, direction)
+        shards = {self.coord[sh.device]: sh for sh in y.addressable_shards}
+        host: dict[tuple[int, int], np.ndarray] = {}
+        for t_idx, t in enumerate(self.patterns[("send", direction)]):
+            sh = shards.get(t.src)
+            if sh is None:
+                continue  # another process's device sends this one
+            if t.src not in host:
+                host[t.src] = np.asarray(sh.data)
+            off = [sl.start or 0 for sl in sh.index]
+            piece = host[t.src][tuple(slice(a - o, z - o) for (a, z), o in zip(t.index, off))]
+            self.transport.send(piece, peer=peers[_lin(t.dst, b.dst)], tag=(base + t_idx) % TAG_SPACE)
+
+    def recv(self, microbatch: int, direction: int) -> Any:
+        """This stage's copy of the boundary tensor, laid out as its activations."""
+        import jax
+        import jax.numpy as jnp
+
+        from h2jax.runtime._fused import TAG_SPACE, FusedStage, _lin
+
+        b, peers = self.links[("recv", direction)]
+        base = FusedStage.tag_base(microbatch, direction)
+        pattern = list(enumerate(self.patterns[("recv", direction)]))
+        split = pattern[0][1].index[-1] != (0, self.shape[-1])  # 1/tp pieces, all-gathered below
+        arrays = []
+        for dev in self._local:
+            mine = sorted(((t.index[0][0], t_idx, t) for t_idx, t in pattern if t.dst == self.coord[dev]))
+            parts = []
+            for _, t_idx, t in mine:
+                like = jax.ShapeDtypeStruct(tuple(z - a for a, z in t.index), self.dtype)
+                parts.append(self.transport.recv(like, peer=peers[_lin(t.src, b.src)],
+                                                 tag=(base + t_idx) % TAG_SPACE,
+                                                 sharding=jax.sharding.SingleDeviceSharding(dev)))
+            arrays.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
+        sharding = self._pieces_sharding if split else self.st.act_sharding
+        x = jax.make_array_from_single_device_arrays(self.shape, sharding, arrays)
+        return self._gather(x) if split else x
+
+    def flush(self) -> None:
+        self.transport.flush()
