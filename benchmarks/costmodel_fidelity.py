@@ -1,18 +1,40 @@
 """Cost-model fidelity: predicted vs measured step time of several plans, run for real.
 
-A small GPT is profiled on the emulated chips (``h2jax profile --measure``'s code: the
-real stage programs, timed alone), then >= 6 plans (2-3 stages, uneven splits, data and
-tensor degrees, recompute, GPipe and 1F1B) are trained for a few steps on the emulated
-chips and their median step time is compared with the cost model (``h2jax.plan.estimate``
-with the measured profiles; the runtime reduces gradients every microbatch, so
-``grad_sync="microbatch"``) and with the simulator.
+Measured (on this machine, by this script):
+  1. per-part costs of every chip type the plans use, with ``h2jax profile --measure``'s
+     code (``h2jax.runtime._profile.profile_chip``): the real stage programs timed alone
+     -- per-block / embedding / head forward, backward and optimizer step, the fixed cost
+     of one program call -- and how much of the host each takes (copies run together on
+     as many emulated nodes as the host has cores), the time of a boundary tensor moved
+     between two clients, and the runtime driver's own costs (a null model through the
+     real trainer: per step, per op, per boundary tensor); the host's core count is this
+     process's CPU affinity;
+  2. the step time of every plan, trained for real on the emulated chips: the median of
+     ``--rounds`` x ``--steps`` steps after 2 warm-up steps, the plans interleaved round by
+     round (every plan sees the machine's slow and fast phases alike); in each round a
+     plan's first step after the other plans ran is not timed (caches, memory), so the
+     steps timed are steady-state steps.
+Modelled (``h2jax.plan``, no fitting to the step times): ``estimate`` -- the pipeline
+formula, and the shared-host bound (every emulated chip computes on this machine's cores:
+a step needs the core-seconds of all its programs) -- and the discrete-event simulator with
+processor sharing of the host's cores. The runtime reduces gradients in every backward,
+so both use ``grad_sync="microbatch"``. The column "no host" is the estimate with the
+shared-host terms switched off (``CostOptions(host_contention=False)``: no contention, no
+driver CPU; the measured transfers kept), for comparison.
 
-Emulated chips share this host's cores: stages that the model treats as independent
-chips slow each other down here, which the cost model does not know. The table shows
-how much that matters.
+The plan set is fixed by a rule, not picked by outcome: global batch 16 sequences of the
+model below, 1F1B, chips sim_a, sim_b, sim_c in stage order;
+  - the grid {1, 2, 3 stages, layers split evenly} x {2, 8 microbatches}, 1x1 meshes,
+    no recompute (6 plans);
+  - one-factor variants of the 2-stage, 8-microbatch plan: recompute on every stage;
+    tensor degree 2 on every stage; data degree 2 on every stage; the uneven split 5 + 1
+    (4 plans).
 
-    python benchmarks/costmodel_fidelity.py [--steps 5]
+    python benchmarks/costmodel_fidelity.py [--rounds 5] [--steps 3] [--repeats 15]
 
+Prints the load average before and after (other work on the machine slows every step;
+while it runs, the benchmark itself keeps about 1.5-2 of the 2 cores busy, so the "after"
+figures count it too).
 Last line: ``RESULT {"median_abs_err": ..., "kendall_tau": ..., ...}``.
 """
 
@@ -21,28 +43,38 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
+import time
 
 MODEL = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_heads": 4, "n_layers": 6, "d_ff": 512,
          "dtype": "float32"}
 CLUSTER = {"sim_a": {"nodes": 1}, "sim_b": {"nodes": 1}, "sim_c": {"nodes": 1}}
+GLOBAL_BATCH = 16
+CHIPS = ("sim_a", "sim_b", "sim_c")
 
 
 def S(chip, layers, data=1, tensor=1, recompute=False):
     return {"chip": chip, "layers": list(layers), "data": data, "tensor": tensor, "recompute": recompute}
 
 
-PLANS = {
-    "2st even 1x1": ("1f1b", [S("sim_a", (0, 3)), S("sim_b", (3, 6))]),
-    "2st uneven 1x1": ("1f1b", [S("sim_a", (0, 5)), S("sim_b", (5, 6))]),
-    "2st tp2 / dp2": ("1f1b", [S("sim_a", (0, 3), 1, 2), S("sim_b", (3, 6), 2, 1)]),
-    "2st recompute": ("1f1b", [S("sim_a", (0, 3), recompute=True), S("sim_b", (3, 6), recompute=True)]),
-    "2st gpipe": ("gpipe", [S("sim_a", (0, 2)), S("sim_b", (2, 6))]),
-    "3st 1x1": ("1f1b", [S("sim_a", (0, 2)), S("sim_b", (2, 4)), S("sim_c", (4, 6))]),
-    "3st mixed": ("1f1b", [S("sim_a", (0, 1), 2, 1), S("sim_b", (1, 4), 1, 2), S("sim_c", (4, 6))]),
-    "1st 1x1": ("1f1b", [S("sim_a", (0, 6))]),
-}
-GLOBAL_BATCH, MICROBATCHES = 16, 8
+def even(n_stages: int, **kw) -> list[dict]:
+    L = MODEL["n_layers"]
+    cuts = [round(i * L / n_stages) for i in range(n_stages + 1)]
+    return [S(CHIPS[i], (cuts[i], cuts[i + 1]), **kw) for i in range(n_stages)]
+
+
+def plans() -> dict[str, tuple[int, list[dict]]]:
+    """name -> (num_microbatches, stages), by the rule of the module docstring."""
+    out: dict[str, tuple[int, list[dict]]] = {}
+    for n in (1, 2, 3):
+        for m in (2, 8):
+            out[f"{n}st m{m}"] = (m, even(n))
+    out["2st m8 recompute"] = (8, even(2, recompute=True))
+    out["2st m8 tp2"] = (8, even(2, tensor=2))
+    out["2st m8 dp2"] = (8, even(2, data=2))
+    out["2st m8 split 5+1"] = (8, [S("sim_a", (0, 5)), S("sim_b", (5, 6))])
+    return out
 
 
 def kendall_tau(a, b) -> float:
@@ -52,66 +84,129 @@ def kendall_tau(a, b) -> float:
     return s / len(pairs)
 
 
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per plan (after 2 warm-up steps)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds over all plans (interleaved)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
+    ap.add_argument("--repeats", type=int, default=15, help="profiler rounds per program (lower quartile kept)")
     args = ap.parse_args()
+    t_start = time.perf_counter()
+    load_before = load()
+    print(f"load average before: {load_before}", flush=True)
 
     from h2jax.config import load_config
     from h2jax.runtime import setup_backends
 
     overrides = [f"model={json.dumps(MODEL)}", f"cluster.chips={json.dumps(CLUSTER)}", "train.progress=false",
                  "train.tensorboard=false", "train.timeline=false", "checkpoint.enabled=false",
-                 f"plan.global_batch={GLOBAL_BATCH}", f"plan.num_microbatches={MICROBATCHES}"]
+                 f"plan.global_batch={GLOBAL_BATCH}"]
     cfgs = {}
-    for name, (schedule, stages) in PLANS.items():
-        cfgs[name] = load_config(None, overrides + [f"plan.schedule={schedule}", f"plan.stages={json.dumps(stages)}"])
+    for name, (m, stages) in plans().items():
+        cfgs[name] = load_config(None, overrides + [f"plan.num_microbatches={m}", "plan.schedule=1f1b",
+                                                    f"plan.stages={json.dumps(stages)}"])
+    from h2jax.plan._profiles import local_cores
+    from h2jax.runtime._profile import MAX_PROBE_COPIES
+    from xla_plugins import register_emulated_chips
+
+    # the profiler's contention probe runs one copy of a program per host core, each on an
+    # emulated node of its own: register that many nodes per chip type before JAX starts
+    probe = max(1, min(local_cores(), MAX_PROBE_COPIES))
+    register_emulated_chips({c: (probe, any_spec.devices_per_node)
+                             for c, any_spec in next(iter(cfgs.values())).cluster.chips.items()})
     setup_backends(next(iter(cfgs.values())).cluster)
 
-    from h2jax.plan import Cluster, CostOptions, ModelShape, ProfileTable, estimate, simulate_plan
+    from h2jax.plan import Cluster, CostOptions, ModelShape, ProfileTable, estimate, load_chip, simulate_plan
     from h2jax.runtime import Trainer
-    from h2jax.runtime._profile import profile_chip
+    from h2jax.runtime._profile import profile_chip, profile_driver
 
     any_cfg = next(iter(cfgs.values()))
     shape = ModelShape.from_config(MODEL)
     table = ProfileTable()
-    mb = GLOBAL_BATCH // MICROBATCHES
-    per_device = sorted({mb // st.data for c in cfgs.values() for st in c.plan.stages})
-    tensors = sorted({st.tensor for c in cfgs.values() for st in c.plan.stages})
-    for chip in CLUSTER:
-        rows = profile_chip(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=tensors,
-                            microbatches=per_device, repeats=5)
-        for (t, b), parts in rows.items():
-            table.add(chip, shape.key(), t, b, parts)
+    cores = local_cores()
+    # (chip, tensor) -> per-device microbatches the plans need
+    need: dict[tuple[str, int], set[int]] = {}
+    for c in cfgs.values():
+        for st in c.plan.stages:
+            need.setdefault((st.chip, st.tensor), set()).add(c.plan.microbatch_size // st.data)
+    t0 = time.perf_counter()
+    for (chip, t), mbs in sorted(need.items()):
+        rows = profile_chip(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=[t],
+                            microbatches=sorted(mbs), repeats=args.repeats)
+        for (tt, b), parts in rows.items():
+            table.add(chip, shape.key(), tt, b, parts, host_cores=cores)
+    # the runtime driver's own costs on this host (null model through the real trainer)
+    host = load_chip(CHIPS[0])[0].host
+    table.driver[host] = profile_driver(CHIPS[0])
+    profile_s = time.perf_counter() - t0
+    print(f"profiled {len(table.entries)} (chip, tensor, microbatch) rows in {profile_s:.0f} s on a "
+          f"{cores}-core host", flush=True)
+    d = table.driver[host]
+    print(f"  driver on host {host!r}: {1e3 * d.step_s:.2f} ms per step outside the ops, CPU "
+          f"{1e3 * d.step_cpu_s:.2f} ms per step, {1e3 * d.op_cpu_s:.3f} ms per op beyond its call, "
+          f"{1e3 * d.transfer_cpu_s:.3f} ms per boundary tensor")
+    for (chip, _, t, b), parts in sorted(table.entries.items()):
+        print(f"  {chip} t={t} b={b}: " + "; ".join(
+            f"{k} f {1e3 * p.fwd_s:.2f} ms x{p.fwd_cores:.2f} b {1e3 * p.bwd_s:.2f} ms x{p.bwd_cores:.2f} "
+            f"u {1e3 * p.update_s:.2f} ms" for k, p in parts.items()))
+
     cluster = Cluster.from_dict({"chips": CLUSTER})
     opts = CostOptions(grad_sync="microbatch")
+    no_host = CostOptions(grad_sync="microbatch", host_contention=False)
 
-    names, measured, predicted, simulated = [], [], [], []
+    trainers = {}
     for name, cfg in cfgs.items():
-        trainer = Trainer(cfg, run_dir="runs/bench_costmodel")
-        for _ in range(2):
-            trainer.train_step()
-        times = [trainer.train_step().step_time_s for _ in range(args.steps)]
-        trainer.pipeline.close()
+        tr = Trainer(cfg, run_dir="runs/bench_costmodel")
+        for _ in range(2):  # compile, warm up
+            tr.train_step()
+        trainers[name] = tr
+    times: dict[str, list[float]] = {n: [] for n in cfgs}
+    names = list(cfgs)
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
+        for name in order:
+            trainers[name].train_step()  # back to this plan after the others ran: one step untimed
+            for _ in range(args.steps):
+                times[name].append(trainers[name].train_step().step_time_s)
+    for tr in trainers.values():
+        tr.pipeline.close()
+    load_after = load()
+
+    rows = []
+    for name, cfg in cfgs.items():
         cost = estimate(cfg.plan, shape, cluster, table=table, opts=opts)
         sim, _ = simulate_plan(cfg.plan, shape, cluster, table=table, opts=opts)
-        names.append(name)
-        measured.append(statistics.median(times))
-        predicted.append(cost.iteration_s)
-        simulated.append(sim.iteration_s)
-
-    errs = [abs(p - m) / m for p, m in zip(predicted, measured)]
-    sim_errs = [abs(s - m) / m for s, m in zip(simulated, measured)]
-    print(f"\nmodel {MODEL}; global batch {GLOBAL_BATCH} = {MICROBATCHES} x {mb}; profiles measured on this host")
-    print(f"{'plan':<18}{'measured ms':>13}{'cost model ms':>15}{'rel err':>9}{'simulator ms':>14}{'rel err':>9}")
-    for n, m, p, s, e, se in zip(names, measured, predicted, simulated, errs, sim_errs):
-        print(f"{n:<18}{1e3 * m:>13.1f}{1e3 * p:>15.1f}{e:>9.2f}{1e3 * s:>14.1f}{se:>9.2f}")
+        flat = estimate(cfg.plan, shape, cluster, table=table, opts=no_host)
+        ts = sorted(times[name])
+        q1, q3 = ts[len(ts) // 4], ts[(3 * len(ts)) // 4]
+        rows.append(dict(name=name, measured=statistics.median(ts), iqr=(q3 - q1), est=cost.iteration_s,
+                         sim=sim.iteration_s, flat=flat.iteration_s, bound=cost.bound_by))
+    meas = [r["measured"] for r in rows]
+    err = lambda key: [abs(r[key] - r["measured"]) / r["measured"] for r in rows]  # noqa: E731
+    e_est, e_sim, e_flat = err("est"), err("sim"), err("flat")
+    print(f"\nmodel {MODEL}; global batch {GLOBAL_BATCH}; {args.rounds} rounds x {args.steps} steps per plan "
+          f"(interleaved); profiles measured on this host ({cores} cores)")
+    print(f"{'plan':<18}{'measured ms':>12}{'IQR':>7}{'estimate':>10}{'err':>6}{'simulator':>11}{'err':>6}"
+          f"{'no host':>9}{'err':>6}  bound by")
+    for r, a, b, c in zip(rows, e_est, e_sim, e_flat):
+        print(f"{r['name']:<18}{1e3 * r['measured']:>12.1f}{1e3 * r['iqr']:>7.1f}{1e3 * r['est']:>10.1f}{a:>6.2f}"
+              f"{1e3 * r['sim']:>11.1f}{b:>6.2f}{1e3 * r['flat']:>9.1f}{c:>6.2f}  {r['bound']}")
+    print(f"load average before {load_before}, after {load_after}; wall {time.perf_counter() - t_start:.0f} s")
     result = {
-        "median_abs_err": round(statistics.median(errs), 4),
-        "kendall_tau": round(kendall_tau(predicted, measured), 4),
-        "median_abs_err_simulator": round(statistics.median(sim_errs), 4),
-        "kendall_tau_simulator": round(kendall_tau(simulated, measured), 4),
-        "plans": len(names),
+        "median_abs_err": round(statistics.median(e_est), 4),
+        "kendall_tau": round(kendall_tau([r["est"] for r in rows], meas), 4),
+        "median_abs_err_simulator": round(statistics.median(e_sim), 4),
+        "kendall_tau_simulator": round(kendall_tau([r["sim"] for r in rows], meas), 4),
+        "median_abs_err_no_host_term": round(statistics.median(e_flat), 4),
+        "kendall_tau_no_host_term": round(kendall_tau([r["flat"] for r in rows], meas), 4),
+        "measured_spread": round(max(meas) / min(meas), 3),
+        "plans": len(rows),
+        "host_cores": cores,
+        "load_avg_before": load_before,
+        "load_avg_after": load_after,
     }
     print("RESULT " + json.dumps(result))
 

@@ -10,21 +10,53 @@ Per stage s (chip c, mesh data x tensor, layers l_s, microbatch mb sequences):
   devices; intra-node link when the stage fits in a node, else inter-node), once per step
   (``grad_sync="step"``) or inside every backward (``"microbatch"``: what the current
   single-controller runtime does);
-- optimizer update: AdamW reads params, grads and both moments, writes three (28 B/param)
-  at the chip's memory bandwidth.
+- optimizer update: as measured by ``h2jax profile`` (gradient norm + AdamW step), else
+  AdamW reads params, grads and both moments, writes three (28 B/param) at the chip's
+  memory bandwidth.
 
 Boundaries: one activation (forward) and one gradient (backward) per microbatch and
 boundary, mb x seq x d_model x act_bytes each, sent over min(devices of either side)
 parallel links (the topology-aware resharding pattern: each destination (data, tensor)
 slot receives a distinct piece), plus the all-gather inside the destination's tensor axis.
+Between chips on one shared host (emulated) the measured host-memory transfer is used.
 
 Iteration time, 1F1B and GPipe alike (they differ in memory, not in time)::
 
-    T = (m - 1) * max_s t_s + sum_s t_s + sum_b (c_fwd_b + c_bwd_b) + max_s g_s
+    T_pipe = (m - 1) * max_s t_s + sum_s t_s + sum_b (c_fwd_b + c_bwd_b) + max_s g_s
+    T      = max(T_pipe, max_h W_h / C_h)
 
 with t_s = fwd_s + bwd_s, c the boundary transfers, g_s = gradient all-reduce + update.
-The first two terms are the classic pipeline estimate (fill/drain plus m - 1 steady-state
-slots of the slowest stage); the simulator replays the schedule event by event to check it.
+The first two terms of T_pipe are the classic pipeline estimate (fill/drain plus m - 1
+steady-state slots of the slowest stage); the simulator replays the schedule event by
+event to check it.
+
+Shared hosts (``ChipProfile.host``; emulated chips all compute on the job's own machine):
+the stages of host h share its C_h cores. A stage's program keeps `cores` of them busy
+on average while it runs alone (measured by ``h2jax profile``: from how much slower
+copies of a program run side by side on the host, else CPU seconds / wall seconds; 1
+when not measured), so it needs ``work = seconds x cores`` core-seconds, and
+one step needs ``W_h = sum_{s on h} (m (work_fwd_s + work_bwd_s) + work_tail_s)`` of
+host h: the step cannot be shorter than W_h / C_h, however the pipeline overlaps. A
+stage with `data` devices on a shared host runs `data` copies of the measured per-device
+program at once, so its work is `data` times theirs and, alone, it is stretched by
+max(1, data x cores / C_h). The simulator models the same sharing event by event
+(processor sharing: when the programs running on a host want more cores than it has,
+each runs slower by C_h / sum of their cores). Chips with hosts of their own (every
+real chip profile) are unaffected. ``CostOptions(host_contention=False)`` turns the
+term off. The search (``h2jax.plan._search``) does not see W_h / C_h yet: it ranks plans
+by T_pipe (per-stage times from :func:`stage_cost`) and the plan it returns is then priced
+here.
+
+The runtime's driver (Python threads that dispatch programs, move boundary tensors and
+run the step) costs host CPU too: where the table holds a measured ``DriverCost`` for a
+shared host, its CPU per forward/backward and per boundary tensor sent is added to each
+op's core-seconds (so to W_h, and to the contention the simulator sees), its per-step CPU
+to W_h, and its per-step seconds to T_pipe.
+
+Program calls: a measured table's ``"program"`` pseudo-part is the fixed cost of one
+program call (dispatch, launch, synchronisation). A stage's forward is one program
+whatever it holds (embedding, blocks, head), so it pays that cost once -- summing the
+separately timed parts would pay it once per part.
 
 Memory per device of stage s: params + grads (fp32) + AdamW moments (2 x fp32) of its
 parts, all divided by the tensor degree where the layout shards them; activations of the
@@ -36,10 +68,22 @@ buffer. A plan that does not fit is rejected with the numbers.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from h2jax.plan._plan import Plan, StageSpec
-from h2jax.plan._profiles import GB, GIB, ChipProfile, Cluster, Efficiency, LayerCost, ModelShape, ProfileTable
+from h2jax.plan._profiles import (
+    GB,
+    GIB,
+    PROGRAM,
+    TRANSFER,
+    ChipProfile,
+    Cluster,
+    Efficiency,
+    LayerCost,
+    ModelShape,
+    ProfileTable,
+    local_cores,
+)
 
 ADAMW_UPDATE_BYTES_PER_PARAM = 28  # reads p, g, m, v (16 B); writes p, m, v (12 B), all fp32
 
@@ -53,10 +97,14 @@ class CostOptions:
         backward reduces (what the single-controller runtime does today: its gradient
         accumulator is replicated over the data axis).
     mem_reserve_gib: memory per device kept free for the framework and fragmentation.
+    host_contention: charge the work of stages that share a host (emulated chips) against
+        its cores, with the runtime driver's CPU where measured (module docstring); False
+        prices every stage as if it had the host alone (measured transfers still apply).
     """
 
     grad_sync: str = "step"
     mem_reserve_gib: float = 0.0
+    host_contention: bool = True
 
     def __post_init__(self) -> None:
         if self.grad_sync not in ("step", "microbatch"):
@@ -95,6 +143,10 @@ class StageCost:
     memory_limit: float
     in_flight: int
     estimated: bool
+    host: str | None = None  # the shared host the stage computes on (None: a host of its own)
+    fwd_cores: float = 1.0  # host cores busy while the forward runs alone (average)
+    bwd_cores: float = 1.0
+    tail_cores: float = 1.0
 
     @property
     def t(self) -> float:
@@ -104,6 +156,15 @@ class StageCost:
     @property
     def tail_s(self) -> float:
         return self.grad_sync_s + self.update_s
+
+    @property
+    def work_s(self) -> float:
+        """Host core-seconds of one microbatch's forward and backward."""
+        return self.fwd_s * self.fwd_cores + self.bwd_s * self.bwd_cores
+
+    @property
+    def tail_work_s(self) -> float:
+        return self.tail_s * self.tail_cores
 
     @property
     def fits(self) -> bool:
@@ -123,10 +184,23 @@ class PlanCost:
     devices_by_chip: dict[str, int]
     cluster_devices_by_chip: dict[str, int]
     reasons: list[str] = field(default_factory=list)
+    pipeline_bound_s: float = 0.0  # T_pipe of the module docstring
+    driver_step_s: float = 0.0  # the runtime driver's seconds per step outside the pipeline (in T_pipe)
+    host_bound_s: dict[str, float] = field(default_factory=dict)  # host -> W_h / C_h
+    host_cores: dict[str, int] = field(default_factory=dict)  # host -> C_h
 
     @property
     def fits(self) -> bool:
         return not self.reasons
+
+    @property
+    def bound_by(self) -> str:
+        """"pipeline", or "host <name>" when a shared host's cores bound the step."""
+        if self.host_bound_s:
+            h, w = max(self.host_bound_s.items(), key=lambda kv: kv[1])
+            if w > self.pipeline_bound_s:
+                return f"host {h}"
+        return "pipeline"
 
     @property
     def tokens_per_s(self) -> float:
@@ -161,6 +235,20 @@ def part_costs(model: ModelShape, chip: ChipProfile, table: ProfileTable | None,
 _DEFAULT_TABLE = ProfileTable()
 
 
+def host_cores(chip: ChipProfile, table: ProfileTable | None = None) -> int:
+    """Cores of the host `chip` computes on: the profile's `host_cores`, else what the
+    profiler recorded for the chip, else this machine's (where emulated chips run)."""
+    if chip.host_cores is not None:
+        return chip.host_cores
+    if table is not None and chip.name in table.host_cores:
+        return table.host_cores[chip.name]
+    return local_cores()
+
+
+def _cores(c: float) -> float:
+    return c if c > 0 else 1.0
+
+
 def allreduce_s(nbytes: float, n: int, bw_gbps: float, eff: Efficiency) -> float:
     """Ring all-reduce of `nbytes` over `n` devices at `bw_gbps` per device."""
     if n <= 1:
@@ -186,41 +274,61 @@ def stage_cost(model: ModelShape, chip: ChipProfile, *, layers: int, first: bool
     eff = table.eff
     parts = part_costs(model, chip, table, tensor=tensor, microbatch_per_device=max(1, microbatch // data))
     blk = parts["block"]
-    fwd = layers * blk.fwd_s
-    bwd = layers * blk.bwd_s
-    pbytes = layers * blk.param_bytes
-    act = layers * blk.act_bytes
-    temp = blk.temp_bytes
-    inp = blk.input_bytes
-    estimated = blk.estimated
-    for name, on in (("embed", first), ("head", last)):
-        if on:
-            p = parts[name]
-            fwd += p.fwd_s
-            bwd += p.bwd_s
-            pbytes += p.param_bytes
-            act += p.act_bytes
-            temp = max(temp, p.temp_bytes)
-            estimated = estimated or p.estimated
-    if first:
-        inp = parts["embed"].input_bytes
-    if recompute:
+    used = [(blk, layers)] + [(parts[name], 1) for name, on in (("embed", first), ("head", last)) if on]
+    fwd = sum(n * p.fwd_s for p, n in used)
+    bwd = sum(n * p.bwd_s for p, n in used)
+    # host core-seconds (per device) of the parts; 1 core where the profile did not measure it
+    fwd_w = sum(n * p.fwd_s * _cores(p.fwd_cores) for p, n in used)
+    bwd_w = sum(n * p.bwd_s * _cores(p.bwd_cores) for p, n in used)
+    pbytes = sum(n * p.param_bytes for p, n in used)
+    act = sum(n * p.act_bytes for p, n in used)
+    temp = max(p.temp_bytes for p, _ in used)
+    estimated = any(p.estimated for p, _ in used)
+    inp = parts["embed"].input_bytes if first else blk.input_bytes
+    if recompute:  # the backward program runs the forward again (inside the same program)
         bwd += fwd
+        bwd_w += fwd_w
         activations = in_flight * inp + act
     else:
         activations = in_flight * act
+    prog = parts.get(PROGRAM)
+    if prog is not None:  # one call per program, whatever it fuses
+        fwd += prog.fwd_s
+        bwd += prog.bwd_s
+        fwd_w += prog.fwd_s * _cores(prog.fwd_cores)
+        bwd_w += prog.bwd_s * _cores(prog.bwd_cores)
     z = data * tensor
     bw = chip.intra_node_gbps if z <= chip.devices_per_node else chip.inter_node_gbps
     sync = allreduce_s(pbytes, data, bw, eff)
     if opts.grad_sync == "microbatch":
         bwd += sync
+        bwd_w += sync
         sync = 0.0
-    update = pbytes / 4 * ADAMW_UPDATE_BYTES_PER_PARAM / (chip.mem_bw_gbps * GB * eff.mem_bw)
+    measured_update = all(p.update_s > 0 for p, _ in used)
+    if measured_update:
+        update = sum(n * p.update_s for p, n in used) + (prog.update_s if prog is not None else 0.0)
+    else:
+        update = pbytes / 4 * ADAMW_UPDATE_BYTES_PER_PARAM / (chip.mem_bw_gbps * GB * eff.mem_bw)
+    tail_w = update + sync
+    fwd_c = fwd_w / fwd if fwd > 0 else 1.0
+    bwd_c = bwd_w / bwd if bwd > 0 else 1.0
+    tail_c = 1.0
+    host = chip.host if opts.host_contention else None
+    if host is not None and data > 1:
+        # `data` devices of the stage each run the measured per-device program at once on the
+        # shared host: `data` times the work; alone, slower once they want more than its cores
+        cap = host_cores(chip, table)
+        fwd *= max(1.0, data * fwd_c / cap)
+        bwd *= max(1.0, data * bwd_c / cap)
+        update *= max(1.0, data * tail_c / cap)
+        fwd_c = data * fwd_w / fwd if fwd > 0 else 1.0
+        bwd_c = data * bwd_w / bwd if bwd > 0 else 1.0
+        tail_c = data * tail_w / (update + sync) if update + sync > 0 else 1.0
     mem = StageMemoryEstimate(params=pbytes, grads=pbytes, opt_state=2 * pbytes, activations=activations,
                               workspace=temp)
     return StageCost(fwd_s=fwd, bwd_s=bwd, grad_sync_s=sync, update_s=update, memory=mem,
                      memory_limit=chip.memory_bytes - opts.mem_reserve_gib * GIB, in_flight=in_flight,
-                     estimated=estimated)
+                     estimated=estimated, host=host, fwd_cores=fwd_c, bwd_cores=bwd_c, tail_cores=tail_c)
 
 
 def transfer_s(model: ModelShape, src_chip: ChipProfile, src: tuple[int, int], dst_chip: ChipProfile,
@@ -272,8 +380,12 @@ def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, Chip
             reasons.append(f"stage {i} ({s.chip} {s.data}x{s.tensor}, {s.num_layers} layers, recompute "
                            f"{'on' if s.recompute else 'off'}, {sc.in_flight} microbatches in flight) needs "
                            f"{sc.memory.describe()} per device; {s.chip} has {sc.memory_limit / GIB:.2f} GiB")
-    fwd_x, bwd_x = boundary_transfers(plan.stages, model, profiles, microbatch=mb, eff=table.eff)
-    t = iteration_time([s.t for s in stages], sum(fwd_x) + sum(bwd_x), [s.tail_s for s in stages], m)
+    fwd_x, bwd_x = boundary_transfers(plan.stages, model, profiles, microbatch=mb, eff=table.eff, table=table)
+    stages, step_s, step_cpu = with_driver(stages, table)
+    t_pipe = iteration_time([s.t for s in stages], sum(fwd_x) + sum(bwd_x), [s.tail_s for s in stages], m) + step_s
+    cores = shared_host_cores(plan.stages, [s.host for s in stages], profiles, table)
+    bounds = host_bounds(stages, m, cores, extra=step_cpu)
+    t = max([t_pipe, *bounds.values()])
     used: dict[str, int] = {}
     for s in plan.stages:
         used[s.chip] = used.get(s.chip, 0) + s.num_devices
@@ -281,15 +393,72 @@ def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, Chip
              else dict(used))
     return PlanCost(plan=plan, stages=stages, transfers_fwd=fwd_x, transfers_bwd=bwd_x, iteration_s=t,
                     tokens_per_step=plan.global_batch * model.seq_len, devices_by_chip=used,
-                    cluster_devices_by_chip=total, reasons=reasons)
+                    cluster_devices_by_chip=total, reasons=reasons, pipeline_bound_s=t_pipe,
+                    host_bound_s=bounds, host_cores=cores, driver_step_s=step_s)
+
+
+def with_driver(stages: list[StageCost], table: ProfileTable) -> tuple[list[StageCost], float, dict[str, float]]:
+    """The stages with the runtime driver's host CPU folded into their work (per forward and
+    backward, and per boundary tensor they send), the driver's per-step seconds, and its
+    per-step CPU seconds per shared host -- where the table measured the driver there."""
+    out, step_s, step_cpu = [], 0.0, {}
+    n = len(stages)
+    for i, s in enumerate(stages):
+        d = table.driver.get(s.host) if s.host is not None else None
+        if d is None:
+            out.append(s)
+            continue
+        extra_f = d.op_cpu_s + (d.transfer_cpu_s if i < n - 1 else 0.0)
+        extra_b = d.op_cpu_s + (d.transfer_cpu_s if i > 0 else 0.0)
+        out.append(replace(s, fwd_cores=(s.fwd_s * s.fwd_cores + extra_f) / s.fwd_s if s.fwd_s > 0 else s.fwd_cores,
+                           bwd_cores=(s.bwd_s * s.bwd_cores + extra_b) / s.bwd_s if s.bwd_s > 0 else s.bwd_cores))
+        step_s = max(step_s, d.step_s)
+        step_cpu[s.host] = d.step_cpu_s
+    return out, step_s, step_cpu
+
+
+def shared_host_cores(specs: Sequence[StageSpec], hosts: Sequence[str | None],
+                      profiles: Mapping[str, ChipProfile], table: ProfileTable | None = None) -> dict[str, int]:
+    """Cores of every shared host the stages use (the fewest any of its chips reports)."""
+    out: dict[str, int] = {}
+    for spec, h in zip(specs, hosts):
+        if h is not None:
+            c = host_cores(profiles[spec.chip], table)
+            out[h] = min(out.get(h, c), c)
+    return out
+
+
+def host_bounds(stages: Sequence[StageCost], num_microbatches: int, cores: Mapping[str, float], *,
+                extra: Mapping[str, float] | None = None) -> dict[str, float]:
+    """host -> W_h / C_h: the core-seconds one step needs of a shared host (its stages', plus
+    `extra[host]` per step) over its cores."""
+    work: dict[str, float] = {}
+    for s in stages:
+        if s.host is not None:
+            work[s.host] = work.get(s.host, 0.0) + num_microbatches * s.work_s + s.tail_work_s
+    for h, w in (extra or {}).items():
+        if h in work:
+            work[h] += w
+    return {h: w / cores[h] for h, w in work.items()}
 
 
 def boundary_transfers(stages: Sequence[StageSpec], model: ModelShape, profiles: Mapping[str, ChipProfile], *,
-                       microbatch: int, eff: Efficiency = Efficiency()) -> tuple[list[float], list[float]]:
-    """Per boundary: seconds of the forward activation and of the backward gradient transfer."""
+                       microbatch: int, eff: Efficiency = Efficiency(),
+                       table: ProfileTable | None = None) -> tuple[list[float], list[float]]:
+    """Per boundary: seconds of the forward activation and of the backward gradient transfer.
+
+    Between two chips on one shared host (emulated chips) the tensor crosses that host's
+    memory, not a link: the profiler's measured ``"transfer"`` of the sending stage's chip
+    (at its tensor degree and per-device microbatch) is used where the table has one, else
+    the link model of :func:`transfer_s`."""
     fwd, bwd = [], []
     for a, b in zip(stages, stages[1:]):
         ca, cb = profiles[a.chip], profiles[b.chip]
-        fwd.append(transfer_s(model, ca, (a.data, a.tensor), cb, (b.data, b.tensor), microbatch=microbatch, eff=eff))
-        bwd.append(transfer_s(model, cb, (b.data, b.tensor), ca, (a.data, a.tensor), microbatch=microbatch, eff=eff))
+        same_host = ca.host is not None and ca.host == cb.host
+        for src, dst, cs, cd, out, kind in ((a, b, ca, cb, fwd, "fwd_s"), (b, a, cb, ca, bwd, "bwd_s")):
+            hit = (table.costs(model, cs, tensor=src.tensor, microbatch=max(1, microbatch // src.data)).get(TRANSFER)
+                   if same_host and table is not None else None)
+            out.append(getattr(hit, kind) if hit is not None else
+                       transfer_s(model, cs, (src.data, src.tensor), cd, (dst.data, dst.tensor),
+                                  microbatch=microbatch, eff=eff))
     return fwd, bwd

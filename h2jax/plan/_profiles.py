@@ -11,7 +11,15 @@ Everything the cost model needs to price a stage, and nothing that needs a devic
 - :class:`LayerCost` / :class:`ProfileTable` -- per-layer forward/backward seconds and
   bytes for one (chip, model shape, tensor degree, microbatch): measured by
   ``h2jax profile`` (cached as JSON) or estimated from the roofline here and marked
-  ``estimated``.
+  ``estimated``; a measured table also holds the fixed cost of one program call (the
+  pseudo-part ``"program"``), how many host cores each part keeps busy, and the core
+  count of the host it was measured on.
+
+Shared hosts: an emulated chip type is CPU clients of the machine that runs the job, so
+every emulated chip node shares that machine's cores (``ChipProfile.host``, default
+``"local"`` for ``emulated: true``); real chips have hosts of their own (``host`` None)
+and never slow each other down. The cost model and the simulator charge the work of all
+stages on one host against its ``host_cores`` (see ``h2jax.plan._cost``).
 
 Units: seconds, bytes, FLOPs; GiB = 2**30 bytes; bandwidths in the YAML are GB/s (1e9 B/s).
 """
@@ -33,7 +41,17 @@ GIB = 2**30
 GB = 1e9
 
 _CHIP_FIELDS = ("nodes", "devices_per_node", "memory_gib", "peak_tflops", "mem_bw_gbps",
-                "intra_node_gbps", "inter_node_gbps", "platform", "emulated", "profile")
+                "intra_node_gbps", "inter_node_gbps", "platform", "emulated", "profile", "host", "host_cores")
+
+LOCAL_HOST = "local"  # the machine that runs the job: where every emulated chip computes
+
+
+def local_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; the planner's machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,12 @@ class ChipProfile:
     `inter_node_gbps` is the bandwidth one device gets to a device of another node or
     another chip type (its share of the node's NICs); `intra_node_gbps` the bandwidth
     between two devices of one node (NVLink, Infinity Fabric, ICI, HCCS...).
+
+    `host`: the machine whose CPU cores the chip's devices compute on, when several chip
+    nodes share one (emulated chips: ``"local"``, the machine running the job -- every
+    emulated node is a CPU client of it); None for a chip with hosts of its own, which no
+    other stage slows down. `host_cores`: that machine's cores; None = as measured by
+    ``h2jax profile`` (:attr:`ProfileTable.host_cores`), else this machine's.
     """
 
     name: str
@@ -54,6 +78,14 @@ class ChipProfile:
     devices_per_node: int = 8
     platform: str = "cpu"
     emulated: bool = False
+    host: str | None = None
+    host_cores: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.emulated and self.host is None:
+            object.__setattr__(self, "host", LOCAL_HOST)
+        if self.host_cores is not None and self.host_cores < 1:
+            raise ProfileError(f"chip {self.name}: host_cores={self.host_cores}; expected >= 1")
 
     @property
     def memory_bytes(self) -> float:
@@ -110,6 +142,9 @@ def chip_from_dict(name: str, raw: Mapping[str, Any], *, where: str = "chip") ->
         devices_per_node=int(_num(raw, "devices_per_node", where, integer=True)),
         platform=str(raw.get("platform", "cpu")),
         emulated=bool(raw.get("emulated", False)),
+        host=None if raw.get("host") is None else str(raw["host"]),
+        host_cores=(None if raw.get("host_cores") is None
+                    else int(_num(raw, "host_cores", where, integer=True))),
     )
     nodes = int(raw.get("nodes", 1))
     return prof, nodes
@@ -262,6 +297,8 @@ class ModelShape:
 
 
 PART_KINDS = ("embed", "block", "head")
+PROGRAM = "program"  # pseudo-part of a measured table: the fixed cost of one program call
+TRANSFER = "transfer"  # pseudo-part: one boundary tensor moved to another client of the same host
 
 
 @dataclass(frozen=True)
@@ -273,6 +310,17 @@ class LayerCost:
     (already inside fwd_s/bwd_s). Bytes are per device: `param_bytes` of the fp32
     parameters, `act_bytes` kept from forward to backward per microbatch, `input_bytes`
     the stage input (what recompute keeps), `temp_bytes` the largest transient buffer.
+
+    Measured only (0 = not measured): `fwd_cores` / `bwd_cores`, the host CPU cores the
+    part keeps busy on average while it runs alone (CPU seconds of the process / wall
+    seconds) -- what it takes from a host that other stages share; `update_s`, seconds of
+    its share of the optimizer step (gradient norm + AdamW update), else the roofline.
+
+    The pseudo-part ``"program"`` of a measured table holds what one program call costs
+    whatever its layers (dispatch from Python, launch, synchronisation): a stage program
+    pays it once, however many parts it fuses. The pseudo-part ``"transfer"`` (emulated
+    chips) holds the seconds to move one boundary tensor of that microbatch to another
+    client of the same host (``fwd_s`` activation, ``bwd_s`` gradient).
     """
 
     fwd_s: float
@@ -283,6 +331,26 @@ class LayerCost:
     temp_bytes: float
     tp_comm_s: float = 0.0
     estimated: bool = True
+    fwd_cores: float = 0.0
+    bwd_cores: float = 0.0
+    update_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DriverCost:
+    """What the runtime's driver costs on a shared host beyond the programs themselves:
+    measured by ``h2jax.runtime._profile.profile_driver`` with a model whose programs cost
+    next to nothing, through the real trainer.
+
+    `step_s`: seconds a step takes outside its pipeline (batch to devices, threads, loss,
+    gradient norm); `step_cpu_s`, `op_cpu_s`, `transfer_cpu_s`: host CPU seconds per step,
+    per forward or backward beyond its program call, and per boundary transfer.
+    """
+
+    step_s: float = 0.0
+    step_cpu_s: float = 0.0
+    op_cpu_s: float = 0.0
+    transfer_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -360,10 +428,15 @@ class ProfileTable:
 
     entries: dict[tuple[str, str, int, int], dict[str, LayerCost]] = field(default_factory=dict)
     eff: Efficiency = field(default_factory=Efficiency)
+    host_cores: dict[str, int] = field(default_factory=dict)  # chip -> cores of the host it was measured on
+    driver: dict[str, DriverCost] = field(default_factory=dict)  # shared host -> the driver's own costs there
     _estimates: dict[tuple, dict[str, LayerCost]] = field(default_factory=dict, repr=False, compare=False)
 
-    def add(self, chip: str, model_key: str, tensor: int, microbatch: int, parts: Mapping[str, LayerCost]) -> None:
+    def add(self, chip: str, model_key: str, tensor: int, microbatch: int, parts: Mapping[str, LayerCost],
+            *, host_cores: int | None = None) -> None:
         self.entries[(chip, model_key, tensor, microbatch)] = dict(parts)
+        if host_cores is not None:
+            self.host_cores[chip] = int(host_cores)
 
     def costs(self, model: ModelShape, chip: ChipProfile, *, tensor: int, microbatch: int) -> dict[str, LayerCost]:
         if self.entries:
@@ -386,7 +459,12 @@ class ProfileTable:
         for (chip, mkey, t, b), parts in sorted(self.entries.items()):
             rows.append({"chip": chip, "model": mkey, "tensor": t, "microbatch": b,
                          "parts": {k: asdict(v) for k, v in parts.items()}})
-        return {"version": 1, "entries": rows}
+        out: dict[str, Any] = {"version": 1, "entries": rows}
+        if self.host_cores:
+            out["host_cores"] = dict(sorted(self.host_cores.items()))
+        if self.driver:
+            out["driver"] = {h: asdict(d) for h, d in sorted(self.driver.items())}
+        return out
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -397,6 +475,11 @@ class ProfileTable:
         for row in data.get("entries", []):
             parts = {k: LayerCost(**{kk: vv for kk, vv in v.items() if kk in names}) for k, v in row["parts"].items()}
             self.add(row["chip"], row["model"], int(row["tensor"]), int(row["microbatch"]), parts)
+        for chip, cores in (data.get("host_cores") or {}).items():
+            self.host_cores[str(chip)] = int(cores)
+        for host, d in (data.get("driver") or {}).items():
+            self.driver[str(host)] = DriverCost(**{k: float(v) for k, v in d.items()
+                                                   if k in {f.name for f in fields(DriverCost)}})
 
     @classmethod
     def load(cls, *paths: str | os.PathLike[str], eff: Efficiency | None = None) -> ProfileTable:

@@ -10,7 +10,18 @@ input has arrived:
   thread per boundary and direction), so transfers queue behind each other.
 
 After its last backward a stage spends its tail (gradient all-reduce + optimizer update);
-the iteration ends when the last stage finishes. Durations come from the cost model
+the iteration ends when the last stage finishes.
+
+Shared hosts (``hosts``: one name per stage, None for a stage with a host of its own):
+stages on one host share its ``host_cores``. A program that alone runs for d seconds
+keeping c cores busy (``fwd_cores`` / ``bwd_cores`` / ``tail_cores``) needs d x c
+core-seconds; while the programs running on a host want more cores in total than it
+has, each progresses at rate C / (sum of their cores) -- processor sharing, as the OS
+gives every busy thread an equal share -- and otherwise at full speed. Time then
+advances event by event (a program ends, an input arrives) with piecewise-constant
+rates. Without a host shared by two stages this reduces to the plain replay.
+
+Durations come from the cost model
 (:func:`simulate_plan`) or from a real run's trace (per stage, per microbatch), so the
 simulator both checks the analytic formula and replays a measured run.
 
@@ -138,9 +149,12 @@ def _per_mb(value: float | Sequence[float], m: int) -> list[float]:
 def simulate(*, schedule: str, num_microbatches: int, fwd: Sequence[float | Sequence[float]],
              bwd: Sequence[float | Sequence[float]], transfer_fwd: Sequence[float] | None = None,
              transfer_bwd: Sequence[float] | None = None, tail: Sequence[float] | None = None,
-             chips: Sequence[str] = ()) -> SimResult:
-    """Replay one step. `fwd[s]` / `bwd[s]`: seconds per microbatch of stage s (a number, or
-    one per microbatch); `transfer_*[b]`: seconds to cross boundary b (stage b <-> b + 1)."""
+             chips: Sequence[str] = (), hosts: Sequence[str | None] | None = None,
+             host_cores: Mapping[str, float] | None = None, fwd_cores: Sequence[float] | None = None,
+             bwd_cores: Sequence[float] | None = None, tail_cores: Sequence[float] | None = None) -> SimResult:
+    """Replay one step. `fwd[s]` / `bwd[s]`: seconds per microbatch of stage s running alone
+    (a number, or one per microbatch); `transfer_*[b]`: seconds to cross boundary b (stage
+    b <-> b + 1); `hosts[s]`, `host_cores[host]`, `*_cores[s]`: shared hosts (module docstring)."""
     n, m = len(fwd), num_microbatches
     if len(bwd) != n:
         raise ValueError(f"fwd has {n} stages, bwd {len(bwd)}")
@@ -151,6 +165,18 @@ def simulate(*, schedule: str, num_microbatches: int, fwd: Sequence[float | Sequ
     tails = list(tail or [0.0] * n)
     sched = get_schedule(schedule, n, m)
     ops = [sched.stage_ops(s) for s in range(n)]
+    hosts = list(hosts) if hosts is not None else [None] * n
+    if len(hosts) != n:
+        raise ValueError(f"hosts has {len(hosts)} entries, expected one per stage ({n})")
+    shared = {h for h in hosts if h is not None and hosts.count(h) > 1}
+    if shared:
+        missing = sorted(h for h in shared if h not in (host_cores or {}))
+        if missing:
+            raise ValueError(f"host_cores has no entry for shared host(s) {missing}")
+        ones = [1.0] * n
+        return _replay_shared(ops, f, b, xf, xb, tails, n=n, chips=chips,
+                              hosts=[h if h in shared else None for h in hosts], host_cores=dict(host_cores or {}),
+                              cores=(list(fwd_cores or ones), list(bwd_cores or ones), list(tail_cores or ones)))
     cursor = [0] * n
     free = [0.0] * n
     done: dict[tuple[int, str, int], float] = {}  # compute end
@@ -213,12 +239,116 @@ def simulate(*, schedule: str, num_microbatches: int, fwd: Sequence[float | Sequ
     return SimResult(events=events, iteration_s=finish, num_stages=n, chips=tuple(chips))
 
 
+def _replay_shared(ops: list[list[Any]], f: list[list[float]], b: list[list[float]], xf: list[float],
+                   xb: list[float], tails: list[float], *, n: int, chips: Sequence[str], hosts: list[str | None],
+                   host_cores: dict[str, float], cores: tuple[list[float], list[float], list[float]]) -> SimResult:
+    """The replay with processor sharing on shared hosts (module docstring), event by event."""
+    cf, cb, ct = cores
+    cursor = [0] * n
+    done: dict[tuple[int, str, int], float] = {}
+    arrived: dict[tuple[int, str, int], float] = {}
+    link_free: dict[tuple[int, str], float] = {}
+    events: list[SimEvent] = []
+    # stage -> [kind ("F" | "B" | "tail"), microbatch, start, remaining alone-seconds, cores, duration]
+    running: dict[int, list[Any]] = {}
+    finished = [False] * n
+    finish = 0.0
+    now = 0.0
+
+    def ship(src: int, dst: int, kind: str, mb: int, t_ready: float) -> None:
+        key = (min(src, dst), kind)
+        start = max(t_ready, link_free.get(key, 0.0))
+        end = start + (xf[key[0]] if kind == FORWARD else xb[key[0]])
+        link_free[key] = end
+        arrived[(dst, kind, mb)] = end
+        events.append(SimEvent("send", src, mb, start, end, {"peer": dst, "phase": kind}))
+        events.append(SimEvent("recv", dst, mb, start, end, {"peer": src, "phase": kind}))
+
+    def ready_at(s: int) -> float | None:
+        task = ops[s][cursor[s]]
+        mb = task.microbatch
+        if task.kind == FORWARD:
+            return 0.0 if s == 0 else arrived.get((s, FORWARD, mb))
+        own = done.get((s, FORWARD, mb))
+        nxt = 0.0 if s == n - 1 else arrived.get((s, BACKWARD, mb))
+        return None if own is None or nxt is None else max(own, nxt)
+
+    while True:
+        # start whatever can start now (stage order: deterministic)
+        for s in range(n):
+            if s in running or finished[s]:
+                continue
+            if cursor[s] == len(ops[s]):
+                if tails[s] > 0:
+                    running[s] = ["tail", None, now, tails[s], ct[s], tails[s]]
+                    cursor[s] += 1
+                else:
+                    finished[s] = True
+                    finish = max(finish, now)
+                continue
+            if cursor[s] > len(ops[s]):
+                continue
+            r = ready_at(s)
+            if r is not None and r <= now:
+                task = ops[s][cursor[s]]
+                d = (f if task.kind == FORWARD else b)[s][task.microbatch]
+                running[s] = [task.kind, task.microbatch, now, d, (cf if task.kind == FORWARD else cb)[s], d]
+        if all(finished):
+            break
+        pending = [r for s in range(n) if s not in running and not finished[s] and cursor[s] < len(ops[s])
+                   for r in (ready_at(s),) if r is not None and r > now]
+        if not running:
+            if not pending:
+                raise RuntimeError(f"simulation deadlocks; cursors {cursor}")
+            now = min(pending)
+            continue
+        demand: dict[str, float] = {}
+        for s, job in running.items():
+            if hosts[s] is not None:
+                demand[hosts[s]] = demand.get(hosts[s], 0.0) + job[4]
+        rate = {s: 1.0 if hosts[s] is None or demand[hosts[s]] <= 0
+                else min(1.0, host_cores[hosts[s]] / demand[hosts[s]]) for s in running}
+        t_next = min(now + job[3] / rate[s] for s, job in running.items())
+        if pending:
+            t_next = min(t_next, min(pending))
+        dt = t_next - now
+        now = t_next
+        for s in sorted(running):
+            job = running[s]
+            job[3] -= rate[s] * dt
+            if job[3] > 1e-12 + 1e-9 * job[5]:
+                continue
+            kind, mb, start = job[0], job[1], job[2]
+            del running[s]
+            if kind == "tail":
+                events.append(SimEvent("update", s, None, start, now))
+                finished[s] = True
+                finish = max(finish, now)
+                continue
+            done[(s, kind, mb)] = now
+            events.append(SimEvent("fwd" if kind == FORWARD else "bwd", s, mb, start, now))
+            if kind == FORWARD and s < n - 1:
+                ship(s, s + 1, FORWARD, mb, now)
+            if kind == BACKWARD and s > 0:
+                ship(s, s - 1, BACKWARD, mb, now)
+            cursor[s] += 1
+    return SimResult(events=events, iteration_s=finish, num_stages=n, chips=tuple(chips))
+
+
 def simulate_plan(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, ChipProfile], *,
                   table: ProfileTable | None = None, opts: CostOptions = CostOptions()) -> tuple[SimResult, PlanCost]:
-    """Simulate `plan` with the cost model's per-stage durations; returns (simulation, estimate)."""
+    """Simulate `plan` with the cost model's per-stage durations; returns (simulation, estimate).
+
+    Stages on a shared host (emulated chips) share its cores as the cost model says; the
+    runtime driver's measured seconds per step outside the pipeline are added at the end."""
     cost = estimate(plan, model, cluster, table=table, opts=opts)
+    st = cost.stages
     sim = simulate(schedule=plan.schedule, num_microbatches=plan.num_microbatches,
-                   fwd=[s.fwd_s for s in cost.stages], bwd=[s.bwd_s for s in cost.stages],
+                   fwd=[s.fwd_s for s in st], bwd=[s.bwd_s for s in st],
                    transfer_fwd=cost.transfers_fwd, transfer_bwd=cost.transfers_bwd,
-                   tail=[s.tail_s for s in cost.stages], chips=[s.chip for s in plan.stages])
+                   tail=[s.tail_s for s in st], chips=[s.chip for s in plan.stages],
+                   hosts=[s.host for s in st], host_cores=cost.host_cores, fwd_cores=[s.fwd_cores for s in st],
+                   bwd_cores=[s.bwd_cores for s in st], tail_cores=[s.tail_cores for s in st])
+    if cost.driver_step_s > 0:  # the driver's per-step time outside the pipeline (measured)
+        sim.iteration_s += cost.driver_step_s
     return sim, cost

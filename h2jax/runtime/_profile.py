@@ -1,12 +1,41 @@
 """Measured per-part costs of a chip type: what ``h2jax profile --measure`` caches.
 
-For each tensor degree and microbatch size, the embedding, one block and the head are
-each built as a stage (``StageModule`` + ``StageProgram``, the very programs training
-runs) on a (data=1, tensor=t) mesh of the chip type's devices, and their forward and
-backward are timed (median of ``repeats`` after a warm-up, each blocked on its result; a
-backward needs a fresh forward's residuals, so it is timed as forward+backward minus the
-forward).
-Bytes come from the arrays' shardings and XLA's compiled memory analysis. The rows are
+For each tensor degree and microbatch size, stages are built (``StageModule`` +
+``StageProgram``, the very programs training runs) on a (data=1, tensor=t) mesh of the
+chip type's devices: 1 block, 2 blocks, the embedding + 1 block, and 1 block + the head.
+Their forward and forward+backward, and the optimizer step (gradient norm + AdamW update)
+of the block programs, are timed, each call run to completion, round-robin over the programs (so that a slow phase
+of the machine hits them all alike), and the lower quartile of ``repeats`` rounds kept
+(the program with the machine to itself: other work on the machine only adds time). The
+backward is forward+backward minus the forward (it needs a fresh forward's residuals).
+
+One program call costs a fixed amount (dispatch from Python, launch, synchronisation)
+plus its layers' work. With T(k) the time of a k-block program, a block costs
+T(2) - T(1) and the fixed cost of a call is T(1) - block = 2 T(1) - T(2) (clamped at 0),
+stored as the pseudo-part ``"program"``; the embedding costs T(embed + 1 block) -
+T(1 block), the head T(1 block + head) - T(1 block). The optimizer step is elementwise
+over the parameters, so the embedding's and the head's are the block's per parameter
+byte times theirs. A fused stage program (embedding +
+blocks + head) then pays the fixed cost once, as it does in training -- summing parts
+timed as programs of their own would pay it once per part.
+
+How much of a shared host a part takes (``fwd_cores`` / ``bwd_cores``: host cores busy
+on average while it runs alone; every emulated chip shares this machine's cores) is
+measured by contention: on a small host (2-4 cores) as many copies of the 2-block
+program as the host has cores are started together, each on a client of its own (the
+chip type's emulated nodes 0, 1, ...), and their time T_C is taken. C copies keep every
+core busy (each alone keeps at least one busy), so one copy's core-seconds are T_C (C
+cores / C copies), and cores = T_C / T_alone, forward and backward apart; every part of
+that tensor degree and microbatch is taken to share the blocks' figure. This counts
+what contention really costs (the XLA CPU runtime's worker threads, the Python threads
+dispatching, caches), which the CPU time of a program run alone does not; where no
+second client can be had (JAX started before the probe's nodes could be registered) or
+the host is larger, each part's process CPU seconds over wall seconds are used instead.
+With a second client at hand, moving the block's output (one boundary tensor) to it with
+``jax.device_put`` -- what the single-process transport does between stages -- is timed
+too, as the pseudo-part ``"transfer"``: between emulated chips a boundary crosses this
+machine's memory, not the link the chip profile names. Bytes come from the arrays'
+shardings and XLA's compiled memory analysis. The rows are
 ``LayerCost``s with ``estimated=False``, keyed like the planner's roofline estimates.
 
 On emulated chips the times are this host's CPU, not the accelerator the profile names.
@@ -15,84 +44,294 @@ On emulated chips the times are this host's CPU, not the accelerator the profile
 from __future__ import annotations
 
 import dataclasses
-import statistics
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from h2jax.config import ChipSpec
 from h2jax.models import GPTConfig, StageModule, build_model
-from h2jax.plan import LayerCost, StageSpec
-from h2jax.runtime._cluster import stage_mesh, StagePlacement
+from h2jax.plan import DriverCost, LayerCost, StageSpec
+from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
+from h2jax.runtime._cluster import StagePlacement, stage_mesh
 from h2jax.runtime._stage import StageProgram
 from h2jax.runtime._trainer import make_optimizer
 
-
-def _backend_devices(chip_name: str, chip: ChipSpec) -> tuple[str, list]:
-    if chip.emulated:
-        from xla_plugins import register_emulated_chips
-
-        backend = register_emulated_chips({chip_name: (1, chip.devices_per_node)})[chip_name][0]
-    else:
-        backend = chip.platform
-    return backend, jax.devices(backend)
+MAX_PROBE_COPIES = 4  # the contention probe runs one copy per host core, on hosts this small
 
 
-def _timed(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # warm-up (compilation)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _backend_devices(chip_name: str, chip: ChipSpec, nodes: int) -> list[tuple[str, list]]:
+    """(backend, devices) of up to `nodes` nodes of the chip type (emulated: one CPU client
+    each, registered here when JAX has not started yet; fewer when it has)."""
+    if not chip.emulated:
+        return [(chip.platform, jax.devices(chip.platform))]
+    from xla_plugins import emulated_backends, register_emulated_chips
+    from xla_plugins.emulated import EmulatedBackendError, backend_name
+
+    try:
+        names = register_emulated_chips({chip_name: (nodes, chip.devices_per_node)})[chip_name]
+    except EmulatedBackendError:  # JAX already started: the nodes registered before
+        names = register_emulated_chips({chip_name: (1, chip.devices_per_node)})[chip_name]
+        have = emulated_backends()
+        names += [backend_name(chip_name, i) for i in range(1, nodes) if backend_name(chip_name, i) in have]
+    return [(n, jax.devices(n)) for n in names]
+
+
+def _round_robin(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
+    """name -> (wall seconds, process CPU seconds) of one call run to completion (lower quartiles)."""
+    for fn in fns.values():  # warm-up: compilation
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    walls: dict[str, list[float]] = {k: [] for k in fns}
+    cpus: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            jax.block_until_ready(fn())
+            walls[k].append(time.perf_counter() - t0)
+            cpus[k].append(time.process_time() - c0)
+    return {k: (_lower_quartile(walls[k]), _lower_quartile(cpus[k])) for k in fns}
+
+
+def _together(copies: dict[str, list[Callable[[], object]]], repeats: int) -> dict[str, float]:
+    """name -> seconds a program takes while copies of it, started together on different
+    clients, run beside it (each call run to completion; lower quartile over rounds of the
+    copies' mean)."""
+    for fns in copies.values():
+        for fn in fns:
+            jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {k: [] for k in copies}
+    for _ in range(repeats):
+        for k, fns in copies.items():
+            took = [0.0] * len(fns)
+            gate = threading.Barrier(len(fns))
+
+            def run(i: int, fn: Callable[[], object], took=took, gate=gate) -> None:
+                gate.wait()
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                took[i] = time.perf_counter() - t0
+
+            threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns[1:], 1)]
+            for th in threads:
+                th.start()
+            run(0, fns[0])
+            for th in threads:
+                th.join()
+            times[k].append(sum(took) / len(took))
+    return {k: _lower_quartile(v) for k, v in times.items()}
+
+
+def _lower_quartile(xs: list[float]) -> float:
+    """The 25th percentile: the time with the machine to itself, little moved by other work
+    on it (which only ever adds time) and by single outliers."""
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), 25))
+
+
+def _cores(cpu: float, wall: float, cap: int) -> float:
+    """Host cores busy on average: CPU over wall seconds, within [0, cap] (0 when unmeasurable)."""
+    if wall <= 0:
+        return 0.0
+    return min(max(cpu / wall, 0.0), float(cap))
 
 
 def profile_chip(chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_degrees: Sequence[int],
-                 microbatches: Sequence[int], repeats: int = 5, seed: int = 0) -> dict[tuple[int, int], dict[str, LayerCost]]:
-    """{(tensor, microbatch): {"embed" | "block" | "head": LayerCost}} measured on ``chip_name``."""
+                 microbatches: Sequence[int], repeats: int = 5,
+                 seed: int = 0) -> dict[tuple[int, int], dict[str, LayerCost]]:
+    """{(tensor, microbatch): {"embed" | "block" | "head" | "program" [| "transfer"]: LayerCost}}
+    measured on ``chip_name``.
+
+    The host's core count (what ``fwd_cores`` / ``bwd_cores`` are out of) is
+    :func:`h2jax.plan._profiles.local_cores`; record it with ``ProfileTable.add(...,
+    host_cores=...)``.
+    """
     from h2jax.config import ExperimentConfig
 
-    backend, devices = _backend_devices(chip_name, chip)
-    one_layer = dataclasses.replace(model, n_layers=1)
-    gpt = build_model(one_layer, seed=seed)
-    tx, _ = make_optimizer(ExperimentConfig(model=one_layer))
-    parts = {"embed": dict(layers=(0, 0), first=True, last=False),
-             "block": dict(layers=(0, 1), first=False, last=False),
-             "head": dict(layers=(1, 1), first=False, last=True)}
+    cap = local_cores()
+    # contention probe: as many copies as the host has cores, each on a client of its own
+    # (emulated chips on a small host); otherwise CPU time over wall time
+    want = cap if chip.emulated and 2 <= cap <= MAX_PROBE_COPIES else 1
+    nodes = _backend_devices(chip_name, chip, want)
+    copies = len(nodes) if len(nodes) == want else 1
+    two = dataclasses.replace(model, n_layers=2)
+    tx, _ = make_optimizer(ExperimentConfig(model=two))
+    # one model: every stage program puts its own copy of the parameters on its devices
+    gpt = build_model(two, seed=seed)
+    programs = {"b1": dict(layers=(0, 1), first=False, last=False),
+                "b2": dict(layers=(0, 2), first=False, last=False),
+                "eb": dict(layers=(0, 1), first=True, last=False),
+                "bh": dict(layers=(0, 1), first=False, last=True)}
     out: dict[tuple[int, int], dict[str, LayerCost]] = {}
     rng = np.random.default_rng(seed)
     for t in tensor_degrees:
-        if t > len(devices):
-            raise ValueError(f"tensor={t}: chip {chip_name} has {len(devices)} devices in a node")
-        place = StagePlacement(0, chip_name, backend, 0, tuple(devices[:t]))
-        mesh = stage_mesh(place, data=1, tensor=t)
+        if t > len(nodes[0][1]):
+            raise ValueError(f"tensor={t}: chip {chip_name} has {len(nodes[0][1])} devices in a node")
+        meshes = [stage_mesh(StagePlacement(0, chip_name, backend, i, tuple(devs[:t])), data=1, tensor=t)
+                  for i, (backend, devs) in enumerate(nodes[:copies])]
         for b in microbatches:
+            fns: dict[str, Callable[[], object]] = {}
+            together: dict[str, list[Callable[[], object]]] = {}
+            mems, inputs = {}, {}
+            for name, kw in programs.items():
+                # the probe runs copies of the 2-block program; its contention holds for every part
+                for i, mesh in enumerate(meshes if name == "b2" else meshes[:1]):
+                    spec = StageSpec(chip=chip_name, layers=kw["layers"], data=1, tensor=t)
+                    st = StageProgram(0, spec, mesh, StageModule(gpt, **kw), tx, first=kw["first"],
+                                      last=kw["last"], label=f"profile {name}")
+                    shape = (b, two.seq_len)
+                    if kw["first"]:
+                        x = jax.device_put(rng.integers(0, two.vocab_size, shape, dtype=np.int32), st.act_sharding)
+                    else:
+                        x = jax.device_put(jnp.asarray(rng.normal(size=(*shape, two.d_model)),
+                                                       jnp.dtype(two.dtype)), st.act_sharding)
+                    tgt = (jax.device_put(rng.integers(0, two.vocab_size, shape, dtype=np.int32),
+                                          st.act_sharding) if kw["last"] else None)
+                    y, _ = st.forward(x, tgt)
+                    dy = (jax.device_put(jnp.float32(1.0), st.scalar_sharding) if kw["last"]
+                          else jax.device_put(jnp.ones_like(y), st.act_sharding))
+                    f = lambda st=st, x=x, tgt=tgt: st.forward(x, tgt)[0]  # noqa: E731
+                    fb = lambda st=st, x=x, tgt=tgt, dy=dy: st.backward(st.forward(x, tgt)[1], dy)  # noqa: E731
+                    if name == "b2":
+                        together.setdefault("f", []).append(f)
+                        together.setdefault("fb", []).append(fb)
+                    if i:
+                        continue
+                    fns[f"{name}/f"], fns[f"{name}/fb"] = f, fb
+                    if name in ("b1", "b2"):
+
+                        def update(st=st):
+                            float(st.grad_sqnorm())  # the driver syncs on every stage's norm, then updates
+                            st.apply_update(1.0)
+                            return st.params
+
+                        fns[f"{name}/u"] = update
+                    if name != "b2":
+                        mems[name] = st.memory(x, tgt, in_flight=1)
+                    inputs[name] = float(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize)
+            if copies > 1:  # a boundary tensor moved to another client of the host, as the runtime does
+                y1 = fns["b1/f"]()
+                dst = NamedSharding(meshes[1], P("data"))
+                fns["xfer"] = lambda y1=y1, dst=dst: jax.device_put(y1, dst)
+            r = _round_robin(fns, repeats)
+            wall = {k: v[0] for k, v in r.items()}
+            work = {k: v[1] for k, v in r.items()}  # process CPU seconds
+            for d in (wall, work):  # backward = forward+backward - forward
+                for name in programs:
+                    d[f"{name}/b"] = d[f"{name}/fb"] - d[f"{name}/f"]
+            probe: dict[str, float] = {}
+            if copies > 1:
+                # `copies` = host-cores programs at once keep every core busy (each alone keeps
+                # >= 1 busy): one copy's core-seconds are the cores' share of the time it took
+                tog = _together(together, repeats)
+                probe = {"f": tog["f"] * cap / copies / wall["b2/f"],
+                         "b": (tog["fb"] - tog["f"]) * cap / copies / wall["b2/b"]}
+
+            def split(d: dict[str, float], kind: str) -> dict[str, float]:
+                """Per part and the fixed cost of a call (module docstring)."""
+                blk = d[f"b2/{kind}"] - d[f"b1/{kind}"]
+                fixed = max(0.0, d[f"b1/{kind}"] - blk)
+                one = fixed + blk
+                return {"block": blk, PROGRAM: fixed, "embed": d[f"eb/{kind}"] - one, "head": d[f"bh/{kind}"] - one}
+
+            w = {k: split(wall, k) for k in ("f", "b")}
+            c = {k: split(work, k) for k in ("f", "b")}
+            # bytes per part: the block program's, and differences of the programs' memory analyses
+            mb1, me, mh = mems["b1"], mems["eb"], mems["bh"]
+            nbytes = {
+                "block": (float(mb1.params), float(mb1.activations), inputs["b1"], float(mb1.workspace)),
+                "embed": (float(me.params - mb1.params), float(me.activations - mb1.activations), inputs["eb"],
+                          float(me.workspace)),
+                "head": (float(mh.params - mb1.params), float(mh.activations - mb1.activations), inputs["b1"],
+                         float(mh.workspace)),
+                PROGRAM: (0.0, 0.0, 0.0, 0.0),  # holds no parameters or activations of its own
+            }
+            # optimizer step: per block and per call from the two block programs; elementwise, so
+            # the embedding's and the head's are the block's per parameter byte
+            upd_blk = max(wall["b2/u"] - wall["b1/u"], 1e-9)
+            upd = {"block": upd_blk, PROGRAM: max(0.0, wall["b1/u"] - upd_blk),
+                   "embed": upd_blk * nbytes["embed"][0] / nbytes["block"][0],
+                   "head": upd_blk * nbytes["head"][0] / nbytes["block"][0]}
             row: dict[str, LayerCost] = {}
-            for name, kw in parts.items():
-                spec = StageSpec(chip=chip_name, layers=kw["layers"], data=1, tensor=t)
-                st = StageProgram(0, spec, mesh, StageModule(gpt, **kw), tx, first=kw["first"], last=kw["last"],
-                                  label=f"profile {name}")
-                shape = (b, one_layer.seq_len)
-                if kw["first"]:
-                    x = jax.device_put(rng.integers(0, one_layer.vocab_size, shape, dtype=np.int32), st.act_sharding)
-                else:
-                    x = jax.device_put(jnp.asarray(rng.normal(size=(*shape, one_layer.d_model)),
-                                                   jnp.dtype(one_layer.dtype)), st.act_sharding)
-                tgt = (jax.device_put(rng.integers(0, one_layer.vocab_size, shape, dtype=np.int32), st.act_sharding)
-                       if kw["last"] else None)
-                y, saved = st.forward(x, tgt)
-                dy = (jax.device_put(jnp.float32(1.0), st.scalar_sharding) if kw["last"]
-                      else jax.device_put(jnp.ones_like(y), st.act_sharding))
-                fwd_s = _timed(lambda: st.forward(x, tgt)[0], repeats)
-                bwd_s = _timed(lambda: st.backward(st.forward(x, tgt)[1], dy), repeats) - fwd_s
-                mem = st.memory(x, tgt, in_flight=1)
-                shard = x.sharding.shard_shape(x.shape)
-                row[name] = LayerCost(fwd_s=fwd_s, bwd_s=max(bwd_s, 0.0), param_bytes=float(mem.params),
-                                      act_bytes=float(mem.activations), input_bytes=float(np.prod(shard) * x.dtype.itemsize),
-                                      temp_bytes=float(mem.workspace), estimated=False)
+            for part in ("embed", "block", "head", PROGRAM):
+                pb, ab, ib, tb = nbytes[part]
+                row[part] = LayerCost(
+                    fwd_s=max(w["f"][part], 0.0), bwd_s=max(w["b"][part], 0.0), param_bytes=pb,
+                    act_bytes=max(ab, 0.0), input_bytes=ib, temp_bytes=tb, estimated=False,
+                    fwd_cores=_cores(probe["f"], 1.0, cap) if probe else _cores(c["f"][part], w["f"][part], cap),
+                    bwd_cores=_cores(probe["b"], 1.0, cap) if probe else _cores(c["b"][part], w["b"][part], cap),
+                    update_s=upd[part])
+            if "xfer" in wall:
+                row[TRANSFER] = LayerCost(fwd_s=wall["xfer"], bwd_s=wall["xfer"], param_bytes=0.0, act_bytes=0.0,
+                                          input_bytes=0.0, temp_bytes=0.0, estimated=False)
             out[(t, b)] = row
     return out
+
+
+# the driver calibration: a model whose programs cost next to nothing, and microbatch counts
+# of its own (the driver's costs are per step, per op and per boundary tensor, not per plan)
+NULL_MODEL = {"vocab_size": 256, "seq_len": 4, "d_model": 8, "n_heads": 1, "n_layers": 2, "d_ff": 8,
+              "dtype": "float32"}
+DRIVER_RUNS = ((1, 3), (1, 6), (2, 6))  # (stages, microbatches)
+
+
+def profile_driver(chip_name: str, *, steps: int = 30) -> DriverCost:
+    """What the runtime's driver costs on this host beyond its programs (``DriverCost``).
+
+    The real trainer runs a model whose programs cost next to nothing (``NULL_MODEL``) as 1
+    stage with 3 and with 6 microbatches and as 2 stages (two nodes of ``chip_name``, so two
+    clients) with 6, one step of each in turn for `steps` rounds after 2 warm-up steps; the
+    lower quartiles of each step's wall and process CPU seconds give, with the same
+    programs' calls timed alone (``_round_robin``), the driver's CPU per forward/backward
+    beyond the call itself (which the profile's ``"program"`` part already holds), per
+    boundary tensor and per step, and its wall seconds per step outside the ops. Needs two
+    emulated nodes of the chip registered (the profiler's contention probe registers them).
+    """
+    import json
+
+    from h2jax.config import load_config
+    from h2jax.runtime._trainer import Trainer
+
+    def S(layers):
+        return {"chip": chip_name, "layers": list(layers), "data": 1, "tensor": 1, "recompute": False}
+
+    base = [f"model={json.dumps(NULL_MODEL)}", f"cluster.chips={json.dumps({chip_name: {'nodes': 2}})}",
+            "train.progress=false", "train.tensorboard=false", "train.timeline=false", "checkpoint.enabled=false",
+            "train.memory_check=false"]
+    trainers = {}
+    for n, m in DRIVER_RUNS:
+        stages = [S((0, 2))] if n == 1 else [S((0, 1)), S((1, 2))]
+        cfg = load_config(None, base + [f"plan.global_batch={m}", f"plan.num_microbatches={m}",
+                                        f"plan.stages={json.dumps(stages)}"])
+        trainers[(n, m)] = tr = Trainer(cfg, run_dir=None)
+        for _ in range(2):
+            tr.train_step()
+    try:
+        walls: dict[tuple[int, int], list[float]] = {k: [] for k in trainers}
+        cpus: dict[tuple[int, int], list[float]] = {k: [] for k in trainers}
+        for _ in range(steps):
+            for k, tr in trainers.items():
+                c0 = time.process_time()
+                walls[k].append(tr.train_step().step_time_s)
+                cpus[k].append(time.process_time() - c0)
+        st = trainers[(1, 3)].stages[0]
+        tok, tgt = trainers[(1, 3)]._device_batch(0)
+        dloss = trainers[(1, 3)].pipeline._dloss
+        r = _round_robin({"fb": lambda: st.backward(st.forward(tok[0], tgt[0])[1], dloss)}, steps)
+        call_cpu = r["fb"][1] / 2  # one forward or backward call alone
+        st.zero_grads()
+    finally:
+        for tr in trainers.values():
+            tr.pipeline.close()
+    w = {k: _lower_quartile(v) for k, v in walls.items()}
+    c = {k: _lower_quartile(v) for k, v in cpus.items()}
+    per_op_cpu = (c[(1, 6)] - c[(1, 3)]) / (2 * 3)  # 2 ops per microbatch
+    per_op_wall = (w[(1, 6)] - w[(1, 3)]) / (2 * 3)
+    step_cpu = max(0.0, c[(1, 3)] - 2 * 3 * per_op_cpu)
+    step_s = max(0.0, w[(1, 3)] - 2 * 3 * per_op_wall)
+    # 2 stages: twice the ops of 1 stage, plus 2 x 6 boundary tensors
+    transfer_cpu = max(0.0, (c[(2, 6)] - step_cpu - 2 * 2 * 6 * per_op_cpu) / (2 * 6))
+    return DriverCost(step_s=step_s, step_cpu_s=step_cpu, op_cpu_s=max(0.0, per_op_cpu - call_cpu),
+                      transfer_cpu_s=transfer_cpu)

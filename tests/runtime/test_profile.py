@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from h2jax.config import load_config
 from h2jax.models import GPTConfig
-from h2jax.plan import ModelShape, ProfileTable, load_chip
+from h2jax.plan import ModelShape, ProfileTable, estimate, load_chip
+from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
 from h2jax.runtime._profile import profile_chip
 
 
@@ -15,10 +16,20 @@ def test_measured_profile_feeds_the_planner(tmp_path):
     rows = profile_chip("sim_a", chip, model, tensor_degrees=[1, 2], microbatches=[2], repeats=3)
     assert set(rows) == {(1, 2), (2, 2)}
     for parts in rows.values():
-        assert set(parts) == {"embed", "block", "head"}
-        for cost in parts.values():
+        # sim_a has a second node in the tests' cluster: the contention probe and the
+        # transfer between two clients of this host ran
+        assert set(parts) == {"embed", "block", "head", PROGRAM, TRANSFER}
+        assert parts[TRANSFER].fwd_s > 0
+        for name, cost in parts.items():
             assert not cost.estimated
-            assert cost.fwd_s > 0 and cost.bwd_s >= 0 and cost.param_bytes > 0
+            assert cost.fwd_s >= 0 and cost.bwd_s >= 0
+            # host cores busy while it runs: measured, within this machine's cores
+            assert 0 <= cost.fwd_cores <= local_cores() and 0 <= cost.bwd_cores <= local_cores()
+            if name not in (PROGRAM, TRANSFER):
+                assert cost.param_bytes > 0 and cost.update_s > 0
+        blk = parts["block"]
+        assert blk.fwd_s > 0 and blk.bwd_s > 0 and blk.fwd_cores > 0 and blk.bwd_cores > 0
+        assert parts[PROGRAM].param_bytes == 0  # the fixed cost of a call holds no parameters
     # tensor parallelism really shards a block's parameters: half of them per device at t=2
     # (the norm scales, replicated, are the small remainder)
     p1, p2 = rows[(1, 2)]["block"].param_bytes, rows[(2, 2)]["block"].param_bytes
@@ -35,3 +46,21 @@ def test_measured_profile_feeds_the_planner(tmp_path):
     assert got["block"] == rows[(2, 2)]["block"]
     # a shape that was not measured falls back to the roofline estimate, marked as such
     assert loaded.costs(shape, profile, tensor=1, microbatch=4)["block"].estimated
+    # a one-stage plan priced from the measured parts pays one program call per forward and
+    # backward, not one per part
+    from h2jax.plan import Plan, StageSpec
+
+    plan = Plan(stages=(StageSpec("sim_a", (0, 4), 1, 2),), global_batch=4, num_microbatches=2)
+    st = estimate(plan, shape, {"sim_a": profile}, table=loaded).stages[0]
+    p = rows[(2, 2)]
+    assert abs(st.fwd_s - (p[PROGRAM].fwd_s + p["embed"].fwd_s + 4 * p["block"].fwd_s + p["head"].fwd_s)) < 1e-12
+
+
+def test_driver_costs_are_measured_through_the_real_trainer():
+    from h2jax.runtime._profile import profile_driver
+
+    d = profile_driver("sim_a", steps=5)  # sim_a has two nodes in the tests' cluster
+    # every figure is a measured, non-negative time, and the driver costs something
+    figures = (d.step_s, d.step_cpu_s, d.op_cpu_s, d.transfer_cpu_s)
+    assert min(figures) >= 0 and sum(figures) > 0
+    assert max(figures) < 1.0  # a null model's driver: milliseconds, not seconds
