@@ -25,6 +25,15 @@ Per-chip choices are walked depth first; a configuration is pruned when its lowe
 total work over total capability, ``(m - 1) L / sum_s(1 / a_s) + L min_s a_s`` with a_s a
 stage's per-layer time -- cannot beat the best plan found so far. The same bound, over the
 whole space, is the lower bound the result reports the gap to.
+
+Shared hosts (emulated chips, whose stages all compute on one machine's cores): the cost
+model's step is max(T_pipe, W_h / C_h), where W_h, the host's core-seconds, depends on
+the configuration (data degrees, stage count, microbatches: program calls) far more than
+on the layer split. The search finds each configuration's T_pipe-optimal split as above
+and ranks configurations by the full estimate of that plan; pruning stays valid (every
+bound is below T_pipe, which is below the full estimate). Exact for T_pipe; with a
+binding host bound, a split with a worse T_pipe but less host work (fewer recomputed
+layers, say) is not looked for.
 """
 
 from __future__ import annotations
@@ -465,7 +474,8 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
     best_plan: tuple | None = None
     lower = INF
     names = cluster.names
-    stats = {"configs": 0, "solved": 0, "orders": 0}
+    stats = {"configs": 0, "solved": 0, "orders": 0, "host_priced": 0}
+    shared = opts.cost.host_contention and has_shared_host(cluster)
     per_mb = []
     for mb in microbatch_sizes(global_batch, opts):
         m = global_batch // mb
@@ -492,9 +502,18 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
                        for a, b in zip(seq, seq[1:]))
             stats["orders"] += 1
             res = solver.solve(arrays, m, xfer, best)
-            if res is not None and res[0] < best:
-                best = res[0]
-                best_plan = (seq, res[1], res[2], mb, m)
+            if res is None or res[0] >= best:
+                continue
+            value = res[0]
+            if shared:  # the step is max(T_pipe, host bounds): price the split found in full
+                plan = build_plan(seq, res[1], res[2], global_batch=global_batch, num_microbatches=m,
+                                  schedule=opts.schedule)
+                value = estimate(plan, model, cluster, table=table, opts=opts.cost).iteration_s
+                stats["host_priced"] += 1
+                if value >= best:
+                    continue
+            best = value
+            best_plan = (seq, res[1], res[2], mb, m)
 
     for bd in per_mb:
         if bd.root >= best:
@@ -528,6 +547,16 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
     elapsed = time.perf_counter() - t0
     return SearchResult(plan, cost, cost.iteration_s, lower, elapsed, stats["configs"], stats["solved"],
                         stats["orders"], solver.dp_solves, memory_descending=is_memory_descending(plan, cluster))
+
+
+def has_shared_host(cluster: Cluster) -> bool:
+    """Whether stages may share a host's cores (emulated chips: two nodes, or two chip types,
+    on one machine), so that the cost model's host bound can decide the step time."""
+    on_host: dict[str, int] = {}
+    for prof, nodes in cluster.chips:
+        if prof.host is not None:
+            on_host[prof.host] = on_host.get(prof.host, 0) + nodes * prof.devices_per_node
+    return any(n > 1 for n in on_host.values())
 
 
 def build_plan(seq: Sequence[ChipChoice], layers: Sequence[int], recompute: Sequence[bool], *, global_batch: int,

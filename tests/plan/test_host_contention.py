@@ -238,3 +238,29 @@ def test_boundaries_between_chips_of_one_host_use_the_measured_transfer():
     own = estimate(_plan(), MODEL, _chips(), table=table)
     link = transfer_s(MODEL, _chips()["a"], (1, 1), _chips()["b"], (1, 1), microbatch=2)
     assert own.transfers_fwd == [link] and own.transfers_bwd == [link]
+
+
+def test_search_ranks_plans_by_the_host_bound_too():
+    # chips a and b, one device per node, two nodes each, on one 1-core host; 4 layers; every
+    # program call costs 0.1 s more. The pipeline alone prefers 4 stages (shorter slots), but
+    # a 1-core host runs all the work back to back and more stages mean more program calls:
+    # the search must return the 2-stage plan, which the brute force confirms is the fastest.
+    from h2jax.plan import Cluster, SearchOptions, exhaustive, search
+
+    one = {**SPEC, "devices_per_node": 1}
+    cluster = Cluster(tuple((ChipProfile(n, **one, host="h", host_cores=1), 2) for n in ("a", "b")), name="1core")
+    opts = SearchOptions(microbatch_sizes=(1,), max_stages_per_chip=2, allow_recompute=False)
+    got = search(cluster, MODEL, global_batch=4, table=_table(), opts=opts)
+    want_plan, want, _ = exhaustive(cluster, MODEL, global_batch=4, table=_table(), opts=opts)
+    assert len(got.plan.stages) == 2 and math.isclose(got.iteration_s, want, rel_tol=1e-12)
+    assert got.cost.bound_by == "host h"
+    # the 4-stage plan: shorter by the pipeline formula, longer in fact
+    four = Plan(stages=tuple(StageSpec(c, (i, i + 1), 1, 1) for i, c in enumerate("aabb")), global_batch=4,
+                num_microbatches=4, schedule="1f1b")
+    c4 = estimate(four, MODEL, cluster, table=_table())
+    assert c4.fits and c4.pipeline_bound_s < got.cost.pipeline_bound_s and c4.iteration_s > got.iteration_s
+    # without the host term the search goes for the deeper pipeline
+    blind = search(cluster, MODEL, global_batch=4, table=_table(),
+                   opts=SearchOptions(microbatch_sizes=(1,), max_stages_per_chip=2, allow_recompute=False,
+                                      cost=CostOptions(host_contention=False)))
+    assert len(blind.plan.stages) > 2
