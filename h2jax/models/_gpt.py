@@ -99,9 +99,13 @@ class Attention(nnx.Module):
         v = heads(self.wv)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))[None, None, :, :]
-        # a finite minimum, not -inf: exp underflows to exactly 0 and no row is all-masked
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        # the causal mask as an additive [s, s] bias (0 or the fp32 minimum), not a `where` on the
+        # scores: `where` keeps a broadcast [b, h, s, s] mask and the masked scores for the
+        # backward (5 B per score, left unsharded under tensor parallelism), an add keeps
+        # nothing. Same numbers: score + 0 is the score, score + min rounds to min, and exp
+        # underflows to exactly 0 there either way (a finite minimum, not -inf: no row is all-masked)
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        scores = scores + jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)[None, None]
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
         out = out.reshape(b, s, self.n_heads * self.head_dim)

@@ -390,10 +390,22 @@ def roofline_costs(model: ModelShape, chip: ChipProfile, *, tensor: int, microba
         return max(flops / flops_rate, nbytes / bw)
 
     hidden = tokens * d * a  # one [b, s, d] activation
+    h, hd = model.n_heads, d / model.n_heads
     # block: 4 d^2 + 3 d f matmul weights (sharded), attention scores/probs (heads sharded)
     w_block = (4 * d * d + 3 * d * f) / t
     fl_block = 2 * tokens * w_block + 4 * tokens * s * d / t
-    act_block = tokens * a * (4 * d + 6 * d / t + 4 * f / t) + tokens * (4 + a) * model.n_heads * s / t
+    # What the forward keeps for the backward: JAX's residuals of this model's block, counted
+    # array by array (jax.vjp of h2jax.models' Block): per token the two RMSNorms (3 fp32 [d]
+    # arrays + 2 scalars each, the normed input in the compute dtype), the rotary tables, q,
+    # k, v and the attention output, six [d_ff] arrays of the MLP, the softmax's row sums;
+    # per score (h x s per token) the exp (fp32) and the probabilities (compute dtype); and
+    # once per microbatch the weights cast to the compute dtype; plus the block's output (as
+    # the profiler counts: the forward program's outputs). Matches the profiler's measured
+    # bytes on CPU within 1 % at tensor 1, 2 and 4 (docs/LOG.md); the earlier count (no
+    # norms, rotary tables or weight copies) was half of what an H200 kept.
+    per_token = 24 * d + 16 + 8 * hd + 2 * a * d + (4 * a * d + 6 * a * f + 8 * h) / t
+    scores = (4 + a) * h * s / t
+    act_block = tokens * (per_token + scores) + w_block * a + hidden
     by_block = w_block * a + act_block + 2 * hidden
     ar_block = allreduce(hidden, t)
     blk_f = compute(fl_block, by_block) + 2 * ar_block
@@ -411,7 +423,12 @@ def roofline_costs(model: ModelShape, chip: ChipProfile, *, tensor: int, microba
     logits = tokens * v / t * 4
     hd_f = compute(fl_head, d * v / t * a + 2 * logits + hidden) + 2 * allreduce(tokens * 4, t)
     hd_b = compute(2 * fl_head, 2 * (d * v / t * a + 2 * logits + hidden)) + allreduce(hidden, t)
-    head = LayerCost(fwd_s=hd_f, bwd_s=hd_b, param_bytes=4 * (d * v / t + d), act_bytes=hidden + logits,
+    # kept for the backward: the norm (fp32 parts, the normed input), one fp32 [v] array of the
+    # cross-entropy per token, and the weight in the compute dtype (as the block's); less the
+    # last block's output, which the block's count holds and the head consumes (the program
+    # of a last stage outputs a loss, not that [b, s, d] array)
+    act_head = tokens * ((12 + a) * d + 4 * v / t + 20) + d * v / t * a - hidden
+    head = LayerCost(fwd_s=hd_f, bwd_s=hd_b, param_bytes=4 * (d * v / t + d), act_bytes=act_head,
                      input_bytes=hidden, temp_bytes=2 * logits, tp_comm_s=2 * allreduce(tokens * 4, t))
     return {"embed": embed, "block": block, "head": head}
 

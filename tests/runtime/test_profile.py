@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from h2jax.config import load_config
 from h2jax.models import GPTConfig
-from h2jax.plan import ModelShape, ProfileTable, estimate, load_chip
+from h2jax.plan import ModelShape, ProfileTable, estimate, load_chip, roofline_costs
 from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
 from h2jax.runtime._profile import profile_chip
 
@@ -29,6 +29,14 @@ def test_measured_profile_feeds_the_planner(tmp_path):
                 assert cost.param_bytes > 0 and cost.update_s > 0
         blk = parts["block"]
         assert blk.fwd_s > 0 and blk.bwd_s > 0 and blk.fwd_cores > 0 and blk.bwd_cores > 0
+    # the roofline's activation count (what the forward keeps for the backward, array by
+    # array) agrees with what XLA's compiled forward programs really output
+    shape0 = ModelShape.from_config(model)
+    for (t, b), parts in rows.items():
+        est = roofline_costs(shape0, load_chip("sim_a")[0], tensor=t, microbatch=b)
+        for part in ("block", "head"):
+            got, want = parts[part].act_bytes, est[part].act_bytes
+            assert abs(got - want) <= 0.01 * got, (t, part, got, want)
         assert parts[PROGRAM].param_bytes == 0  # the fixed cost of a call holds no parameters
     # tensor parallelism really shards a block's parameters: half of them per device at t=2
     # (the norm scales, replicated, are the small remainder)
