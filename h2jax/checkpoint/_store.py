@@ -30,6 +30,15 @@ share of a step is removed by the next retention pass. The *lead* writer (the on
 in one process; rank 0 in a multi-process run) also removes the parts of other writer
 sets -- a directory that a run of the other mode, or another process count, wrote
 before -- when retention or a re-save of the same step number replaces them.
+
+A part written by several processes (``shared=True``: a stage sharded over the processes
+of its own ``jax.distributed`` cluster, one process per device) is one orbax multi-host
+save: every process of that cluster calls ``save`` and ``wait`` together and writes the
+shards it holds, orbax's primary process (the cluster's process 0) finalises, and that
+process alone keeps the books (commit marker, retention, clean-up); the others only
+write. Reading never coordinates: every reader is a one-process orbax manager, so one
+process may read metadata alone, and each process restores the shards its own devices
+need.
 """
 
 from __future__ import annotations
@@ -100,6 +109,14 @@ def _handlers() -> dict[str, ocp.CheckpointHandler]:
     return {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
 
 
+def _alone() -> ocp.options.MultiprocessingOptions:
+    """orbax options for a manager that only this process uses (no barriers with the other
+    processes of its JAX cluster, if it has any)."""
+    me = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me} if jax.process_count() > 1
+                                              else None)
+
+
 def _rmdir_if_empty(d: Path) -> None:
     """Remove an empty directory; another writer may be emptying (or removing) it at the same time."""
     try:
@@ -131,17 +148,23 @@ class CheckpointStore:
             happens at a later ``poll``/``wait``. False: ``save`` returns after the commit.
         lead: this writer also removes what writers of *other* part sets left in the
             directory (module docstring). Exactly one writer of a run should lead.
+        shared: every process of this JAX cluster writes this part together (module
+            docstring); the cluster's process 0 keeps its books.
     """
 
     def __init__(self, directory: str | Path, *, part: str = DEFAULT_PART, parts: Sequence[str] = (DEFAULT_PART,),
-                 keep_last: int = 3, keep_every: int = 0, async_save: bool = True, lead: bool = True):
+                 keep_last: int = 3, keep_every: int = 0, async_save: bool = True, lead: bool = True,
+                 shared: bool = False):
         self.dir = Path(directory).absolute()
+        self.shared = shared
+        # who keeps the books of this part: its only writer, or the shared part's process 0
+        self.keeper = not shared or jax.process_index() == 0
         self.part, self.parts = part, tuple(parts)
         if part not in self.parts:
             raise ValueError(f"part {part!r} is not one of the parts {self.parts}")
         self.keep_last, self.keep_every = keep_last, keep_every
         self.async_save = async_save
-        self.lead = lead
+        self.lead = lead and self.keeper
         self._mgr: ocp.CheckpointManager | None = None
         self._pending: int | None = None  # a step saved but not yet committed
         self._committed_here: dict[int, int] = {}  # step -> order of its (last) commit by this writer
@@ -167,7 +190,9 @@ class CheckpointStore:
                 max_to_keep=None,  # retention is ours, after the commit (module docstring)
                 enable_async_checkpointing=self.async_save,
                 cleanup_tmp_directories=True,
-                create=True,
+                create=False,  # made above
+                # a shared part: orbax's multi-host save over this JAX cluster; else this process alone
+                multiprocessing_options=(ocp.options.MultiprocessingOptions() if self.shared else _alone()),
             )
             self._mgr = ocp.CheckpointManager(self.part_dir(), item_handlers=_handlers(), options=options)
         return self._mgr
@@ -237,8 +262,12 @@ class CheckpointStore:
 
         Call it when no save of this part is in flight (at start-up): orbax's temporary
         directories, finalised steps that were never committed, markers whose step data
-        is gone."""
-        removed = []
+        is gone. Only the part's keeper removes anything (the other writers of a shared part
+        return [])."""
+        removed: list[str] = []
+        if not self.keeper:
+            self._mgr = None
+            return removed
         committed = set(self.committed_steps())
         tidy = [self.part, *(self._foreign_parts() if self.lead else ())]
         for part in tidy:
@@ -274,6 +303,8 @@ class CheckpointStore:
         are off the devices; :meth:`poll` or :meth:`wait` commits it."""
         self.wait()
         mgr = self._manager()
+        if not self.keeper:
+            mgr.reload()  # the keeper may have deleted steps (retention, a re-save): orbax caches the list
         try:
             mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(nest(state)),
                                                    meta=ocp.args.JsonSave(dict(meta))), force=True)
@@ -299,6 +330,11 @@ class CheckpointStore:
         try:
             self._manager().wait_until_finished()
             self._manager().check_for_errors()
+            if not self.keeper:  # a shared part's other writers: their shards are written
+                self.last_commit_s = time.perf_counter() - t0
+                self._commits += 1
+                self._committed_here[step] = self._commits
+                return step
             if step not in self._part_steps(self.part):
                 raise OSError(f"orbax reported no error, but {self.part_dir() / str(step)} is missing")
             failpoint("save_finalized", step)
@@ -323,8 +359,9 @@ class CheckpointStore:
         return [self.part, *(self._foreign_parts() if self.lead else ())]
 
     def holds(self, step: int) -> bool:
-        """Whether this writer (the lead: or another writer set) has anything of ``step`` on disk."""
-        return any(step in self._part_steps(p) or (self._commit_dir(step) / f"{p}.json").exists()
+        """Whether this writer (the lead: or another writer set) has anything of ``step`` on disk
+        (False for a shared part's writers other than its keeper: they delete nothing)."""
+        return self.keeper and any(step in self._part_steps(p) or (self._commit_dir(step) / f"{p}.json").exists()
                    for p in self._holders())
 
     def delete(self, step: int) -> None:
@@ -356,7 +393,9 @@ class CheckpointStore:
         writer in this process: with several writers, a step this one committed may not count
         yet, and steps of an older run's future (``--restore-step``) are not this run's to
         judge. Shares of older steps that no longer count (a peer deleted its share first) go
-        as well."""
+        as well. Only the part's keeper deletes."""
+        if not self.keeper:
+            return []
         committed = self.committed_steps()
         mine = [s for s in committed if s in self._committed_here and self.step_parts(s) == self.parts]
         if not mine:
@@ -393,10 +432,10 @@ class CheckpointStore:
 
     # -- restoring --------------------------------------------------------------------------
     def _reader(self, part: str) -> ocp.CheckpointManager:
-        if part == self.part and self._mgr is not None:
+        if part == self.part and self._mgr is not None and not self.shared:
             return self._mgr
         if part not in self._readers:
-            options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False, multiprocessing_options=_alone())
             self._readers[part] = ocp.CheckpointManager(self.part_dir(part), item_handlers=_handlers(), options=options)
         else:
             self._readers[part].reload()

@@ -9,11 +9,13 @@ through a multi-process transport (``host``: numpy + mpi4py; ``ffi``: the XLA FF
 send/recv), the gradient norm and the loss are reduced over MPI, rank 0 prints progress
 and writes the metrics and the merged timeline.
 
-Checkpoints (one process per stage; refused, naming the key, when a stage spans several
-processes) work as in one process, in the same plan-independent layout: every rank saves
-its own stage's parameters and optimizer state, keyed by model layer, as its own part
-(``stage<s>``) of the step (stage 0 alone also saves the stage-wide optimizer leaves), and a
-step counts only when every part has committed it. A checkpoint written by a run of one
+Checkpoints work as in one process, in the same plan-independent layout: every stage saves
+its parameters and optimizer state, keyed by model layer, as its own part (``stage<s>``) of
+the step (stage 0 alone also saves the stage-wide optimizer leaves), and a step counts only
+when every part has committed it. With one process per stage the part is that rank's;
+with a stage over several processes it is one orbax multi-host save over the stage's
+``jax.distributed`` cluster (each process writes the shards it holds; the stage's first
+process finalises it and writes the commit marker: ``CheckpointStore(shared=True)``). A checkpoint written by a run of one
 mode restores in a run of the other, under any plan: every rank reads its own layers onto
 its own shardings, from whichever parts hold them. Rank 0 decides what to resume from
 (it reads the directory, then tells the others), so the ranks never disagree.
@@ -110,15 +112,7 @@ class MultiProcessTrainer:
         if self.comm.Get_size() != launch.size:
             raise RuntimeError(f"{launch.launcher} says {launch.size} processes, MPI COMM_WORLD has "
                                f"{self.comm.Get_size()}")
-        from h2jax.runtime._procgroup import ProcessLayout, StageGroup
-
-        if ProcessLayout.from_plan(plan, launch.size).any_group and cfg.checkpoint.enabled:
-            # a stage's state is then sharded over several processes: its part of a step would
-            # need orbax across that stage's jax.distributed cluster, which is not built
-            raise ConfigError("checkpoint.enabled", "true: checkpoints are not written when a stage spans "
-                                                    "several processes (one process per device); set "
-                                                    "checkpoint.enabled=false, or run one process per stage "
-                                                    f"(mpirun -np {n})")
+        from h2jax.runtime._procgroup import StageGroup
 
         # rank -> stage from the plan (one process per stage, or per device); a stage over several
         # processes becomes its own jax.distributed cluster here, before JAX's backends start
@@ -388,7 +382,8 @@ class MultiProcessTrainer:
             c, n = self.cfg.checkpoint, self.cfg.plan.num_stages
             self._store = CheckpointStore(self.checkpoint_dir, part=part_name(self.stage_idx),
                                           parts=[part_name(i) for i in range(n)], keep_last=c.keep_last,
-                                          keep_every=c.keep_every, async_save=c.async_save, lead=self.rank == 0)
+                                          keep_every=c.keep_every, async_save=c.async_save, lead=self.rank == 0,
+                                          shared=self.group.distributed)
         return self._store
 
     def state_by_layer(self) -> dict[str, jax.Array]:

@@ -136,9 +136,3 @@ def test_process_counts_the_plan_cannot_use_fail_with_the_key(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "the job has 3 processes" in err and "(-np 2)" in err and "(-np 4)" in err, err[-3000:]
-    # one process per device with checkpoints on: refused before anything is trained or written
-    proc = _mpirun(4, [*BASE, *per_device, "checkpoint.enabled=true", "--run-dir", str(tmp_path / "b")], tmp_path)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0
-    assert "checkpoint.enabled" in err and "spans several processes" in err, err[-3000:]
-    assert not (tmp_path / "b" / "checkpoints").exists()

@@ -40,17 +40,17 @@ def cache(tmp_path_factory) -> dict[str, str]:
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
-def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+def _start(args: list[str], cwd: Path, env: dict[str, str], np_: int = 2) -> subprocess.Popen:
     """test_multiproc's _mpirun (2 ranks), with extra environment variables for every rank."""
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m", "h2jax.cli",
+    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_), sys.executable, "-m", "h2jax.cli",
            "train", *args]
     return subprocess.Popen(cmd, cwd=cwd, env={**_env(), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
-def _job(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
-    """An mpirun job of 2 ranks to its end; returns (returncode, stderr)."""
-    proc = _start(args, cwd, env)
+def _job(args: list[str], cwd: Path, env: dict[str, str], np_: int = 2) -> tuple[int, str]:
+    """An mpirun job (2 ranks unless told) to its end; returns (returncode, stderr)."""
+    proc = _start(args, cwd, env, np_)
     _, err = proc.communicate(timeout=600)
     return proc.returncode, err
 
@@ -282,3 +282,46 @@ def test_stop_signals_save_or_end_the_process_within_the_grace_period(grace, mod
         assert line.startswith("h2jax: stage 1 (rank 1/2, openmpi-5) ") and want in line, line
         assert line.endswith("; last completed step 7"), line
     assert ("saved" in out) == (code == 0)
+
+
+# one process per device: each stage is sharded over two processes (its own jax.distributed
+# cluster), so its part of a step is one orbax multi-host save of both processes' shards
+PER_DEVICE = [*BASE, *[o for o in PLANS["2st-per-device"] if not o.startswith("checkpoint.")], *QUIET,
+              "train.steps=6", "checkpoint.every_steps=2", "train.transport=ffi"]
+
+
+@needs_mpirun
+def test_one_process_per_device_resumes_bit_exact_and_restores_anywhere(cache, tmp_path):
+    """mpirun -np 4, a stage over two processes: killed right after step 4 counts on every
+    rank, resumed to step 6: losses, parameters and optimizer state == the uninterrupted
+    run's; its checkpoint restores in one process, and onto the one-process-per-stage layout."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    rc, err = _job([*PER_DEVICE, "--run-dir", str(straight)], tmp_path, cache, 4)
+    assert rc == 0, err[-4000:]
+    rc, err = _job([*PER_DEVICE, "--run-dir", str(run)], tmp_path, {**cache, "H2JAX_FAULT": "kill:committed_all:4"}, 4)
+    assert rc != 0, err[-3000:]
+    ckpt = run / "checkpoints"
+    assert CheckpointStore(ckpt).committed_steps() == [2, 4]
+    rc, err = _job([*PER_DEVICE, "--run-dir", str(run)], tmp_path, cache, 4)
+    assert rc == 0, err[-4000:]
+    assert f"resumed from {ckpt} step 4" in " ".join(err.split()), err[-3000:]
+    a, b = _rows(straight), _rows(run)
+    assert sorted(b) == list(range(6))
+    assert [a[s]["loss"] for s in (4, 5)] == [b[s]["loss"] for s in (4, 5)]  # ==, not approx
+    pa, pb = _params(straight), _params(run)
+    assert pa.keys() == pb.keys() and len(pa) > 10
+    for k in pa:
+        assert np.array_equal(pa[k], pb[k]), k
+    # the step-6 checkpoint, read in this one process: both parts, every array, == the straight run's
+    sa, sb = _load(straight / "checkpoints", 6), _load(ckpt, 6)
+    assert sa.keys() == sb.keys() and any(k.startswith("opt_state/0/mu/blocks/3/") for k in sa)
+    for k in sa:
+        assert np.array_equal(sa[k], sb[k]), k
+    for k, v in pa.items():  # the params the job wrote at its end are the checkpoint's
+        assert np.array_equal(sa[f"params/{k}"], v), k
+    # the same directory continued by the one-process-per-stage layout (-np 2): another
+    # sharding of every stage, read from the shards the four processes wrote
+    rc, err = _job([*PER_DEVICE, "train.steps=7", "--run-dir", str(run)], tmp_path, cache, 2)
+    assert rc == 0, err[-4000:]
+    assert f"resumed from {ckpt} step 6" in " ".join(err.split()), err[-3000:]
+    assert sorted(_rows(run)) == list(range(7))
