@@ -30,7 +30,7 @@ model below, 1F1B, chips sim_a, sim_b, sim_c in stage order;
     tensor degree 2 on every stage; data degree 2 on every stage; the uneven split 5 + 1
     (4 plans).
 
-    python benchmarks/costmodel_fidelity.py [--rounds 5] [--steps 3] [--repeats 15]
+    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 15]
 
 Prints the load average before and after (other work on the machine slows every step;
 while it runs, the benchmark itself keeps about 1.5-2 of the 2 cores busy, so the "after"
@@ -90,7 +90,9 @@ def load() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5, help="rounds over all plans (interleaved)")
+    ap.add_argument("--rounds", type=int, default=12,
+                    help="rounds over all plans (interleaved); the plans differ by about their step-to-step "
+                         "spread, so fewer rounds rank them by noise")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
     ap.add_argument("--repeats", type=int, default=15, help="profiler rounds per program (lower quartile kept)")
     args = ap.parse_args()

@@ -77,6 +77,20 @@ def _params(run_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _same_end_state(straight: Path, run: Path, step: int) -> tuple[dict, dict]:
+    """The final parameters (what the jobs wrote) and every array of checkpoint ``step`` of
+    two runs are identical (==); returns (parameters, checkpoint arrays) of ``straight``."""
+    pa, pb = _params(straight), _params(run)
+    assert pa.keys() == pb.keys() and len(pa) > 10
+    for k in pa:
+        assert np.array_equal(pa[k], pb[k]), k
+    sa, sb = _load(straight / "checkpoints", step), _load(run / "checkpoints", step)
+    assert sa.keys() == sb.keys() and any(k.startswith("opt_state/0/mu/blocks/3/") for k in sa)
+    for k in sa:
+        assert np.array_equal(sa[k], sb[k]), k
+    return pa, sa
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, cache) -> Path:
     """8 steps under mpirun without interruption (checkpoints at 4, 6, 8 kept)."""
@@ -106,14 +120,7 @@ def test_bit_exact_resume_after_the_job_is_killed(straight, cache, tmp_path):
     # step 1 was non-finite: skipped on every rank, counted before and after the restart
     assert math.isnan(a[1]["loss"]) and a[1]["skipped"] == 1 and a[2]["skipped"] == 0
     assert [b[s]["skipped_steps"] for s in range(8)] == [0] + [1] * 7
-    pa, pb = _params(straight), _params(run)
-    assert pa.keys() == pb.keys() and len(pa) > 10
-    for k in pa:
-        assert np.array_equal(pa[k], pb[k]), k
-    sa, sb = _load(straight / "checkpoints", 8), _load(ckpt, 8)
-    assert sa.keys() == sb.keys() and any(k.startswith("opt_state/0/mu/blocks/3/") for k in sa)
-    for k in sa:
-        assert np.array_equal(sa[k], sb[k]), k
+    _, sa = _same_end_state(straight, run, 8)
     # 8 steps, one skipped: AdamW counted 7 updates (stage 0's part holds the stage-wide count)
     assert int(sa["opt_state/0/count"]) == 7
     store = CheckpointStore(ckpt)
@@ -308,15 +315,8 @@ def test_one_process_per_device_resumes_bit_exact_and_restores_anywhere(cache, t
     a, b = _rows(straight), _rows(run)
     assert sorted(b) == list(range(6))
     assert [a[s]["loss"] for s in (4, 5)] == [b[s]["loss"] for s in (4, 5)]  # ==, not approx
-    pa, pb = _params(straight), _params(run)
-    assert pa.keys() == pb.keys() and len(pa) > 10
-    for k in pa:
-        assert np.array_equal(pa[k], pb[k]), k
     # the step-6 checkpoint, read in this one process: both parts, every array, == the straight run's
-    sa, sb = _load(straight / "checkpoints", 6), _load(ckpt, 6)
-    assert sa.keys() == sb.keys() and any(k.startswith("opt_state/0/mu/blocks/3/") for k in sa)
-    for k in sa:
-        assert np.array_equal(sa[k], sb[k]), k
+    pa, sa = _same_end_state(straight, run, 6)
     for k, v in pa.items():  # the params the job wrote at its end are the checkpoint's
         assert np.array_equal(sa[f"params/{k}"], v), k
     # the same directory continued by the one-process-per-stage layout (-np 2): another
