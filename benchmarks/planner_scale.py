@@ -23,10 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h2jax.plan import Cluster, ModelShape, SearchOptions, search  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = [  # cluster file, search options
-    ("hetero_1024", SearchOptions(group_size=128, max_options_per_chip=4, max_orders=6)),
-    ("hetero_2432", SearchOptions(group_size=128, max_options_per_chip=3, max_orders=6)),
-    ("hetero_10000", SearchOptions(group_size=256, max_options_per_chip=2, max_orders=6)),
+# cluster file, search options. Re-chosen when the roofline's activation count doubled
+# (session 3; docs/LOG.md): the old ones (groups 128/128/256, beams 4/3/2) then took 0.15 /
+# 1.2 / 27 s and found plans as fast as or slower than these.
+RUNS = [
+    ("hetero_1024", SearchOptions(group_size=64, max_options_per_chip=3, max_orders=6)),
+    ("hetero_2432", SearchOptions(group_size=128, max_options_per_chip=2, max_orders=6)),
+    ("hetero_10000", SearchOptions(group_size=512, max_options_per_chip=1, max_orders=6)),
 ]
 
 

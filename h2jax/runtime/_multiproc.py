@@ -15,10 +15,11 @@ the step (stage 0 alone also saves the stage-wide optimizer leaves), and a step 
 when every part has committed it. With one process per stage the part is that rank's;
 with a stage over several processes it is one orbax multi-host save over the stage's
 ``jax.distributed`` cluster (each process writes the shards it holds; the stage's first
-process finalises it and writes the commit marker: ``CheckpointStore(shared=True)``). A checkpoint written by a run of one
-mode restores in a run of the other, under any plan: every rank reads its own layers onto
-its own shardings, from whichever parts hold them. Rank 0 decides what to resume from
-(it reads the directory, then tells the others), so the ranks never disagree.
+process finalises it and writes the commit marker: ``CheckpointStore(shared=True)``). A
+checkpoint written by a run of one mode restores in a run of the other, under any plan:
+every rank reads its own layers onto its own shardings, from whichever parts hold them.
+Rank 0 decides what to resume from (it reads the directory, then tells the others), so the
+ranks never disagree.
 
 Stopping: with checkpoints on, a stop signal (SIGTERM, SIGINT, or SIGUSR1 -- what ``mpirun``
 forwards without killing the ranks; see :class:`h2jax.launch.FailFast`) on any rank is
