@@ -50,7 +50,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--out", default=None, help="JSON cache to write (merged with what is there)")
     f.add_argument("--measure", action="store_true",
                    help="time the real stage programs on this chip type's devices (emulated chips: this host's CPU)")
-    f.add_argument("--repeats", type=int, default=5, help="timed rounds per program (the lower quartile is kept), with --measure")
+    f.add_argument("--repeats", type=int, default=5,
+                   help="timed rounds per program (the lower quartile is kept), with --measure")
     f.add_argument("--no-driver", action="store_true",
                    help="with --measure on an emulated chip: skip timing the runtime driver's own host CPU "
                         "(a few seconds through the real trainer)")
@@ -264,9 +265,8 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
         raise _fail(e) from None
     if not chip.emulated:
         print(f"measuring on the local {chip.platform} backend")
-    from h2jax.runtime._profile import profile_chip
-
     from h2jax.plan._profiles import local_cores
+    from h2jax.runtime._profile import profile_chip
 
     rows = profile_chip(args.chip, chip, cfg, tensor_degrees=args.tensor, microbatches=args.microbatch,
                         repeats=args.repeats)

@@ -474,7 +474,7 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
     best_plan: tuple | None = None
     lower = INF
     names = cluster.names
-    stats = {"configs": 0, "solved": 0, "orders": 0, "host_priced": 0}
+    stats = {"configs": 0, "solved": 0, "orders": 0}
     shared = opts.cost.host_contention and has_shared_host(cluster)
     per_mb = []
     for mb in microbatch_sizes(global_batch, opts):
@@ -509,7 +509,6 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
                 plan = build_plan(seq, res[1], res[2], global_batch=global_batch, num_microbatches=m,
                                   schedule=opts.schedule)
                 value = estimate(plan, model, cluster, table=table, opts=opts.cost).iteration_s
-                stats["host_priced"] += 1
                 if value >= best:
                     continue
             best = value
