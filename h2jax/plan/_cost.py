@@ -23,7 +23,7 @@ Between chips on one shared host (emulated) the measured host-memory transfer is
 Iteration time, 1F1B and GPipe alike (they differ in memory, not in time)::
 
     T_pipe = (m - 1) * max_s t_s + sum_s t_s + sum_b (c_fwd_b + c_bwd_b) + max_s g_s
-    T      = max(T_pipe, max_h W_h / C_h)
+    T      = max(T_pipe, max_h T_h)
 
 with t_s = fwd_s + bwd_s, c the boundary transfers, g_s = gradient all-reduce + update.
 The first two terms of T_pipe are the classic pipeline estimate (fill/drain plus m - 1
@@ -34,24 +34,37 @@ Shared hosts (``ChipProfile.host``; emulated chips all compute on the job's own 
 the stages of host h share its C_h cores. A stage's program keeps `cores` of them busy
 on average while it runs alone (measured by ``h2jax profile``: from how much slower
 copies of a program run side by side on the host, else CPU seconds / wall seconds; 1
-when not measured), so it needs ``work = seconds x cores`` core-seconds, and
-one step needs ``W_h = sum_{s on h} (m (work_fwd_s + work_bwd_s) + work_tail_s)`` of
-host h: the step cannot be shorter than W_h / C_h, however the pipeline overlaps. A
-stage with `data` devices on a shared host runs `data` copies of the measured per-device
-program at once, so its work is `data` times theirs and, alone, it is stretched by
-max(1, data x cores / C_h). The simulator models the same sharing event by event
-(processor sharing: when the programs running on a host want more cores than it has,
-each runs slower by C_h / sum of their cores). Chips with hosts of their own (every
-real chip profile) are unaffected. ``CostOptions(host_contention=False)`` turns the
-term off. The search (``h2jax.plan._search``) does not see W_h / C_h yet: it ranks plans
-by T_pipe (per-stage times from :func:`stage_cost`) and the plan it returns is then priced
-here.
+when not measured), so it needs ``work = seconds x cores`` core-seconds, and stage j
+needs ``w_j = m (work_fwd_j + work_bwd_j) + work_tail_j`` of its host per step; W_h sums
+them over the host's stages. The step cannot be shorter than W_h / C_h, however the
+pipeline overlaps -- but the host's cores are not all usable all the time: stage j can
+work only inside its window [lead_j, T - trail_j] (fill: its first input arrives after
+the forwards and transfers of the stages before it, lead_j = sum_{i<j} (fwd_i + c_fwd_i);
+drain: after its last backward those stages still run theirs, trail_j = sum_{i<j}
+(bwd_i + c_bwd_i)). Spreading each stage's work evenly over its window, the host's cores
+must cover the sum of the rates::
+
+    T_h = the smallest T with  sum_{j on h} w_j / (T - lead_j - trail_j) + w_driver / T <= C_h
+
+(bisection; the demand falls as T grows). T_h >= W_h / C_h, with equality when nothing
+fills or drains (one stage, or every stage on a host of its own). Plans with few
+microbatches spend much of the step filling and draining, with a core idle: W_h / C_h
+alone priced them up to 20 % short on this 2-core host (docs/LOG.md). A stage with
+`data` devices on a shared host runs `data` copies of the measured per-device program at
+once, so its work is `data` times theirs and, alone, it is stretched by max(1, data x
+cores / C_h). The simulator models the sharing event by event instead (processor
+sharing: when the programs running on a host want more cores than it has, each runs
+slower by C_h / sum of their cores); T_h is its closed-form counterpart, not a bound on
+it (W_h / C_h is). Chips with hosts of their own (every real chip profile) are
+unaffected. ``CostOptions(host_contention=False)`` turns the term off. The search
+(``h2jax.plan._search``) prices each configuration's T_pipe-optimal split with this
+estimate, host term included.
 
 The runtime's driver (Python threads that dispatch programs, move boundary tensors and
 run the step) costs host CPU too: where the table holds a measured ``DriverCost`` for a
 shared host, its CPU per forward/backward and per boundary tensor sent is added to each
 op's core-seconds (so to W_h, and to the contention the simulator sees), its per-step CPU
-to W_h, and its per-step seconds to T_pipe.
+to W_h (spread over the whole step), and its per-step seconds to T_pipe.
 
 Program calls: a measured table's ``"program"`` pseudo-part is the fixed cost of one
 program call (dispatch, launch, synchronisation). A stage's forward is one program
@@ -186,7 +199,8 @@ class PlanCost:
     reasons: list[str] = field(default_factory=list)
     pipeline_bound_s: float = 0.0  # T_pipe of the module docstring
     driver_step_s: float = 0.0  # the runtime driver's seconds per step outside the pipeline (in T_pipe)
-    host_bound_s: dict[str, float] = field(default_factory=dict)  # host -> W_h / C_h
+    host_bound_s: dict[str, float] = field(default_factory=dict)  # host -> T_h (module docstring)
+    host_work_s: dict[str, float] = field(default_factory=dict)  # host -> W_h, core-seconds per step
     host_cores: dict[str, int] = field(default_factory=dict)  # host -> C_h
 
     @property
@@ -384,7 +398,11 @@ def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, Chip
     stages, step_s, step_cpu = with_driver(stages, table)
     t_pipe = iteration_time([s.t for s in stages], sum(fwd_x) + sum(bwd_x), [s.tail_s for s in stages], m) + step_s
     cores = shared_host_cores(plan.stages, [s.host for s in stages], profiles, table)
-    bounds = host_bounds(stages, m, cores, extra=step_cpu)
+    # fill and drain: stage j's first input arrives after the forwards (and transfers) of
+    # the stages before it; after its last backward those stages still drain
+    lead = [sum(stages[i].fwd_s + fwd_x[i] for i in range(j)) for j in range(n)]
+    trail = [sum(stages[i].bwd_s + bwd_x[i] for i in range(j)) for j in range(n)]
+    bounds, work = host_bounds(stages, m, cores, lead=lead, trail=trail, extra=step_cpu)
     t = max([t_pipe, *bounds.values()])
     used: dict[str, int] = {}
     for s in plan.stages:
@@ -394,7 +412,7 @@ def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, Chip
     return PlanCost(plan=plan, stages=stages, transfers_fwd=fwd_x, transfers_bwd=bwd_x, iteration_s=t,
                     tokens_per_step=plan.global_batch * model.seq_len, devices_by_chip=used,
                     cluster_devices_by_chip=total, reasons=reasons, pipeline_bound_s=t_pipe,
-                    host_bound_s=bounds, host_cores=cores, driver_step_s=step_s)
+                    host_bound_s=bounds, host_work_s=work, host_cores=cores, driver_step_s=step_s)
 
 
 def with_driver(stages: list[StageCost], table: ProfileTable) -> tuple[list[StageCost], float, dict[str, float]]:
@@ -429,17 +447,50 @@ def shared_host_cores(specs: Sequence[StageSpec], hosts: Sequence[str | None],
 
 
 def host_bounds(stages: Sequence[StageCost], num_microbatches: int, cores: Mapping[str, float], *,
-                extra: Mapping[str, float] | None = None) -> dict[str, float]:
-    """host -> W_h / C_h: the core-seconds one step needs of a shared host (its stages', plus
-    `extra[host]` per step) over its cores."""
-    work: dict[str, float] = {}
-    for s in stages:
+                lead: Sequence[float] | None = None, trail: Sequence[float] | None = None,
+                extra: Mapping[str, float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """(host -> T_h, host -> W_h) of every shared host (module docstring).
+
+    W_h: the core-seconds one step needs of host h (its stages' ``m x work + tail work``,
+    plus ``extra[h]`` per step: the driver's). T_h: the shortest step in which h's cores can
+    deliver them when stage j works only inside its window [lead_j, T - trail_j] (fill and
+    drain: its first input arrives lead_j after the step starts; the stages before it drain
+    for trail_j after its last backward), spread evenly there, and the driver's work over
+    the whole step: the smallest T with ``sum_j w_j / (T - lead_j - trail_j) + w_drv / T
+    <= C_h``. With no fill or drain (lead = trail = 0) that is W_h / C_h, which T_h never
+    falls below.
+    """
+    n = len(stages)
+    lead = list(lead) if lead is not None else [0.0] * n
+    trail = list(trail) if trail is not None else [0.0] * n
+    jobs: dict[str, list[tuple[float, float]]] = {}  # host -> [(core-seconds, lead + trail)]
+    for s, a, z in zip(stages, lead, trail):
         if s.host is not None:
-            work[s.host] = work.get(s.host, 0.0) + num_microbatches * s.work_s + s.tail_work_s
+            jobs.setdefault(s.host, []).append((num_microbatches * s.work_s + s.tail_work_s, a + z))
     for h, w in (extra or {}).items():
-        if h in work:
-            work[h] += w
-    return {h: w / cores[h] for h, w in work.items()}
+        if h in jobs and w > 0:
+            jobs[h].append((w, 0.0))
+    bound, work = {}, {}
+    for h, js in jobs.items():
+        c = cores[h]
+        work[h] = sum(w for w, _ in js)
+        if work[h] <= 0:
+            bound[h] = 0.0
+            continue
+        # demand(T) = sum w / (T - off) falls as T grows; at W / C + the largest offset every
+        # window is at least W / C long, so the demand is at most C there
+        lo = max(work[h] / c, max(off for _, off in js))
+        hi = work[h] / c + max(off for _, off in js)
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            if all(mid > off for _, off in js) and sum(w / (mid - off) for w, off in js) <= c:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo <= 1e-12 * hi:
+                break
+        bound[h] = hi
+    return bound, work
 
 
 def boundary_transfers(stages: Sequence[StageSpec], model: ModelShape, profiles: Mapping[str, ChipProfile], *,

@@ -27,13 +27,16 @@ stage's per-layer time -- cannot beat the best plan found so far. The same bound
 whole space, is the lower bound the result reports the gap to.
 
 Shared hosts (emulated chips, whose stages all compute on one machine's cores): the cost
-model's step is max(T_pipe, W_h / C_h), where W_h, the host's core-seconds, depends on
-the configuration (data degrees, stage count, microbatches: program calls) far more than
-on the layer split. The search finds each configuration's T_pipe-optimal split as above
-and ranks configurations by the full estimate of that plan; pruning stays valid (every
-bound is below T_pipe, which is below the full estimate). Exact for T_pipe; with a
-binding host bound, a split with a worse T_pipe but less host work (fewer recomputed
-layers, say) is not looked for.
+model's step is max(T_pipe, T_h), where T_h -- the host's cores delivering its core-seconds
+W_h around fill and drain (``h2jax.plan._cost``) -- depends on the configuration (data
+degrees, stage count, microbatches: program calls) far more than on the layer split. The
+search finds each configuration's T_pipe-optimal split as above, improves it by the full
+estimate (:func:`polish_split`: move a layer across a boundary or flip a recompute flag
+while that helps) and ranks configurations by that; pruning stays valid (every bound is
+below T_pipe, which is below the full estimate). Exact for T_pipe; with a binding host
+term the hill climb is not proven optimal, but on 60 random shared-host instances (1, 2 or
+4 cores) it matched the brute force on all 60 (54 without the hill climb); 20 of them are
+in the tests.
 """
 
 from __future__ import annotations
@@ -504,15 +507,16 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
             res = solver.solve(arrays, m, xfer, best)
             if res is None or res[0] >= best:
                 continue
-            value = res[0]
-            if shared:  # the step is max(T_pipe, host bounds): price the split found in full
-                plan = build_plan(seq, res[1], res[2], global_batch=global_batch, num_microbatches=m,
-                                  schedule=opts.schedule)
-                value = estimate(plan, model, cluster, table=table, opts=opts.cost).iteration_s
+            value, layers, recompute = res[0], list(res[1]), list(res[2])
+            if shared:  # the step is max(T_pipe, host term): price in full, then improve the split
+                value, layers, recompute = polish_split(
+                    seq, layers, recompute, lambda ls, rc: _full_time(build_plan(
+                        seq, ls, rc, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule),
+                        model, cluster, table, opts.cost), allow_recompute=opts.allow_recompute)
                 if value >= best:
                     continue
             best = value
-            best_plan = (seq, res[1], res[2], mb, m)
+            best_plan = (seq, layers, recompute, mb, m)
 
     for bd in per_mb:
         if bd.root >= best:
@@ -546,6 +550,40 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
     elapsed = time.perf_counter() - t0
     return SearchResult(plan, cost, cost.iteration_s, lower, elapsed, stats["configs"], stats["solved"],
                         stats["orders"], solver.dp_solves, memory_descending=is_memory_descending(plan, cluster))
+
+
+def _full_time(plan: Plan, model: ModelShape, cluster: Cluster, table: ProfileTable | None,
+               opts: CostOptions) -> float:
+    cost = estimate(plan, model, cluster, table=table, opts=opts)
+    return cost.iteration_s if cost.fits else INF
+
+
+def polish_split(seq: Sequence[ChipChoice], layers: list[int], recompute: list[bool], price, *,
+                 allow_recompute: bool) -> tuple[float, list[int], list[bool]]:
+    """Hill-climb from a layer split by the full estimate `price(layers, recompute)`: move one
+    layer across a boundary or flip one stage's recompute flag, take the best move while it
+    helps. With shared hosts the host term depends on the split too (fill and drain: how
+    long the first stages' forwards and backwards take), which the T_pipe-optimal split
+    the dynamic program finds does not see."""
+    value = price(layers, recompute)
+    while True:
+        moves: list[tuple[list[int], list[bool]]] = []
+        for b in range(len(seq) - 1):
+            for d in (1, -1):  # a layer from stage b + 1 to b, or back
+                ls = list(layers)
+                ls[b] += d
+                ls[b + 1] -= d
+                if ls[b] >= 1 and ls[b + 1] >= 1:
+                    moves.append((ls, recompute))
+        if allow_recompute:
+            for i in range(len(seq)):
+                rc = list(recompute)
+                rc[i] = not rc[i]
+                moves.append((layers, rc))
+        best_move = min(((price(ls, rc), ls, rc) for ls, rc in moves), key=lambda t: t[0], default=None)
+        if best_move is None or best_move[0] >= value * (1 - 1e-12):
+            return value, layers, recompute
+        value, layers, recompute = best_move
 
 
 def has_shared_host(cluster: Cluster) -> bool:

@@ -1,6 +1,7 @@
 """Shared hosts: stages whose chips compute on one machine's cores (emulated chips) slow each
-other down. The cost model bounds the step by the host's core-seconds over its cores; the
-simulator shares the cores among the programs running at once. Hand-computed numbers."""
+other down. The cost model prices the step by the host's core-seconds over its cores, each
+stage's spread over the part of the step it can work in (fill, drain); the simulator shares
+the cores among the programs running at once. Hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ def _table(*, host_cores=None) -> ProfileTable:
     return t
 
 
+def _two_stage_host_time(w0: float, w1: float, off: float, cores: float) -> float:
+    """The larger root of w0 / T + w1 / (T - off) = cores: a 2-stage host term by hand."""
+    # cores T (T - off) = w0 (T - off) + w1 T  ->  cores T^2 - (cores off + w0 + w1) T + w0 off = 0
+    b = cores * off + w0 + w1
+    return (b + math.sqrt(b * b - 4 * cores * w0 * off)) / (2 * cores)
+
+
 def _plan(m=4, data=1):
     return Plan(stages=(StageSpec("a", (0, 2), data, 1), StageSpec("b", (2, 4), data, 1)),
                 global_batch=2 * m * data, num_microbatches=m, schedule="1f1b")
@@ -80,9 +88,15 @@ def test_shared_host_bounds_the_step_by_its_core_seconds():
     x = transfer_s(MODEL, chips["a"], (1, 1), chips["b"], (1, 1), microbatch=2)
     t_pipe = 3 * 6.2 + 2 * 6.2 + 2 * x + 0.29
     assert math.isclose(c.pipeline_bound_s, t_pipe)
-    # host h: 2 stages x (4 microbatches x 9.2 + 0.29) core-seconds over 2 cores
-    assert math.isclose(c.host_bound_s["h"], 2 * (4 * 9.2 + 0.29) / 2)
-    assert math.isclose(c.iteration_s, 37.09) and c.iteration_s > t_pipe and c.bound_by == "host h"
+    # host h: 2 stages x (4 microbatches x 9.2 + 0.29) core-seconds on 2 cores; stage 1 can
+    # start after stage 0's forward and the transfer (2.1 + x) and ends before stage 0's last
+    # backward and the gradient's transfer (4.1 + x): w / T + w / (T - 6.2 - 2x) = 2
+    w = 4 * 9.2 + 0.29
+    assert math.isclose(c.host_work_s["h"], 2 * w)
+    want = _two_stage_host_time(w, w, 6.2 + 2 * x, 2)
+    assert want > 2 * w / 2  # above W / C: fill and drain idle a core
+    assert math.isclose(c.host_bound_s["h"], want)
+    assert math.isclose(c.iteration_s, want) and c.iteration_s > t_pipe and c.bound_by == "host h"
     # the same chips with hosts of their own, or the term switched off: the pipeline formula
     alone = estimate(_plan(), MODEL, _chips(), table=_table())
     off = estimate(_plan(), MODEL, chips, table=_table(), opts=CostOptions(host_contention=False))
@@ -92,10 +106,25 @@ def test_shared_host_bounds_the_step_by_its_core_seconds():
     assert math.isclose(estimate(_plan(), MODEL, _chips(host="h", host_cores=4), table=_table()).iteration_s, t_pipe)
 
 
+def test_fill_and_drain_weigh_less_with_more_microbatches():
+    chips = _chips(host="h", host_cores=2)
+    gaps = []
+    for m in (2, 4, 16):
+        c = estimate(_plan(m=m), MODEL, chips, table=_table())
+        gaps.append(c.host_bound_s["h"] / (c.host_work_s["h"] / 2) - 1)
+    assert gaps[0] > gaps[1] > gaps[2] > 0
+    # one stage neither waits for an input nor drains: exactly W / C
+    one = Plan(stages=(StageSpec("a", (0, 4), 1, 1),), global_batch=8, num_microbatches=4, schedule="1f1b")
+    c = estimate(one, MODEL, chips, table=_table())
+    assert math.isclose(c.host_bound_s["h"], c.host_work_s["h"] / 2)
+
+
 def test_host_cores_come_from_the_profile_when_the_chip_does_not_say():
     c = estimate(_plan(), MODEL, _chips(host="h"), table=_table(host_cores=1))
     assert c.host_cores == {"h": 1}
-    assert math.isclose(c.iteration_s, 2 * (4 * 9.2 + 0.29))
+    x = c.transfers_fwd[0]
+    assert math.isclose(c.iteration_s, _two_stage_host_time(4 * 9.2 + 0.29, 4 * 9.2 + 0.29, 6.2 + 2 * x, 1))
+    assert c.iteration_s > 2 * (4 * 9.2 + 0.29)  # one core: still idle while stage 1 waits to start
 
 
 def test_data_parallel_devices_share_the_host_too():
@@ -144,13 +173,17 @@ def test_the_driver_costs_host_cpu_per_op_per_tensor_sent_and_per_step():
         assert math.isclose(s.fwd_s, 2.1) and math.isclose(s.work_s, 9.2 + 0.5)
     x = transfer_s(MODEL, chips["a"], (1, 1), chips["b"], (1, 1), microbatch=2)
     assert math.isclose(c.pipeline_bound_s, 3 * 6.2 + 2 * 6.2 + 2 * x + 0.29 + 0.5)  # + the step's own 0.5 s
-    assert math.isclose(c.host_bound_s["h"], (2 * (4 * 9.7 + 0.29) + 1.0) / 2)  # + the step's 1.0 CPU-s
-    assert math.isclose(c.iteration_s, 39.59)
+    w = 4 * 9.7 + 0.29
+    assert math.isclose(c.host_work_s["h"], 2 * w + 1.0)  # + the step's 1.0 CPU-s
+    # the driver's step CPU spreads over the whole step: (w + 1) / T + w / (T - off) = 2
+    assert math.isclose(c.host_bound_s["h"], _two_stage_host_time(w + 1.0, w, 6.2 + 2 * x, 2))
+    assert math.isclose(c.iteration_s, c.host_bound_s["h"])
     sim, _ = simulate_plan(_plan(), MODEL, chips, table=table)
-    assert sim.iteration_s >= c.host_bound_s["h"] - 1e-9
+    assert sim.iteration_s >= c.host_work_s["h"] / 2 - 1e-9
     # another host's driver, or none: nothing changes
     table.driver = {"elsewhere": table.driver["h"]}
-    assert math.isclose(estimate(_plan(), MODEL, chips, table=table).iteration_s, 37.09)
+    assert math.isclose(estimate(_plan(), MODEL, chips, table=table).iteration_s,
+                        _two_stage_host_time(4 * 9.2 + 0.29, 4 * 9.2 + 0.29, 6.2 + 2 * x, 2))
 
 
 def test_simulated_sharing_hand_computed():
@@ -213,7 +246,8 @@ def test_simulated_plan_respects_the_host_bound():
     sim, cost = simulate_plan(_plan(m=8), MODEL, chips, table=_table())
     assert cost.bound_by == "host h"
     # processor sharing can idle a core (fill, drain) but never deliver more than 2 cores
-    assert sim.iteration_s >= cost.host_bound_s["h"] * (1 - 1e-9)
+    assert sim.iteration_s >= cost.host_work_s["h"] / 2 * (1 - 1e-9)
+    assert cost.host_bound_s["h"] > cost.host_work_s["h"] / 2  # the estimate counts the idling too
     free, _ = simulate_plan(_plan(m=8), MODEL, _chips(), table=_table())
     assert sim.iteration_s > free.iteration_s
     # every op and the schedule order are unchanged by the sharing

@@ -1,6 +1,7 @@
 """HeteroAuto is exact: on random small instances the search's plan is as fast as the best
 plan found by brute force over the same space (every microbatch size, stage order, per-chip
-stage count and tensor degree, layer split and recompute flag), each priced by `estimate`."""
+stage count and tensor degree, layer split and recompute flag), each priced by `estimate`;
+and again with every chip on one shared host (emulated chips), where the host term counts."""
 
 from __future__ import annotations
 
@@ -76,3 +77,26 @@ def test_search_equals_exhaustive(seed):
     check_plan(got.plan, num_layers=model.n_layers,
                chip_devices={p.name: n * p.devices_per_node for p, n in cluster.chips},
                devices_per_node={p.name: p.devices_per_node for p, _ in cluster.chips} if opts.stage_in_node else None)
+
+
+N_SHARED = 20
+
+
+@pytest.mark.parametrize("seed", range(N_SHARED))
+def test_search_equals_exhaustive_on_a_shared_host(seed):
+    # the same instances with every chip computing on one host of 1, 2 or 4 cores (emulated
+    # chips): the host term depends on the layer split too (fill and drain), so the search
+    # improves the T_pipe-optimal split by the full estimate -- and must still match the
+    # brute force
+    import dataclasses
+
+    cluster, model, global_batch, opts = _instance(seed)
+    cores = random.Random(1000 + seed).choice([1, 2, 4])
+    cluster = Cluster(tuple((dataclasses.replace(p, host="h", host_cores=cores), k) for p, k in cluster.chips),
+                      name=cluster.name)
+    want_plan, want, _ = exhaustive(cluster, model, global_batch=global_batch, opts=opts)
+    got = search(cluster, model, global_batch=global_batch, opts=opts)
+    assert (got.plan is None) == (want_plan is None)
+    if want_plan is not None:
+        assert math.isclose(got.iteration_s, want, rel_tol=1e-9), (got.plan, got.iteration_s, want_plan, want)
+        assert got.cost.host_bound_s  # the host term was priced
