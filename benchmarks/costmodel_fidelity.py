@@ -30,7 +30,14 @@ model below, 1F1B, chips sim_a, sim_b, sim_c in stage order;
     tensor degree 2 on every stage; data degree 2 on every stage; the uneven split 5 + 1
     (4 plans).
 
-    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 15]
+    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 15] [--save FILE]
+    python benchmarks/costmodel_fidelity.py --replay FILE
+
+Every run saves what it measured (the profile table, every plan's step times, the load
+averages) to ``--save`` (default ``runs/bench_costmodel/fidelity.json``); ``--replay FILE``
+prices the plans again from such a file without measuring anything -- to see how a change
+to the model moves its errors on the same measurements. A replayed table is not a new
+measurement: report numbers from fresh runs.
 
 Prints the load average before and after (other work on the machine slows every step;
 while it runs, the benchmark itself keeps about 1.5-2 of the 2 cores busy, so the "after"
@@ -46,6 +53,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 MODEL = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_heads": 4, "n_layers": 6, "d_ff": 512,
          "dtype": "float32"}
@@ -95,13 +103,27 @@ def main() -> None:
                          "spread, so fewer rounds rank them by noise")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
     ap.add_argument("--repeats", type=int, default=15, help="profiler rounds per program (lower quartile kept)")
+    ap.add_argument("--save", default="runs/bench_costmodel/fidelity.json",
+                    help="where to save the measurements (profile table, step times)")
+    ap.add_argument("--replay", metavar="FILE", help="price the plans from a saved file; measure nothing")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.replay:
+        saved = json.loads(Path(args.replay).read_text())
+        report(saved, replayed=args.replay, wall_s=time.perf_counter() - t_start)
+        return
     load_before = load()
     print(f"load average before: {load_before}", flush=True)
+    saved = measure(args)
+    saved["load_avg_before"] = load_before
+    Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.save).write_text(json.dumps(saved, indent=1))
+    print(f"measurements saved to {args.save}")
+    report(saved, replayed=None, wall_s=time.perf_counter() - t_start)
 
+
+def configs() -> dict:
     from h2jax.config import load_config
-    from h2jax.runtime import setup_backends
 
     overrides = [f"model={json.dumps(MODEL)}", f"cluster.chips={json.dumps(CLUSTER)}", "train.progress=false",
                  "train.tensorboard=false", "train.timeline=false", "checkpoint.enabled=false",
@@ -110,6 +132,14 @@ def main() -> None:
     for name, (m, stages) in plans().items():
         cfgs[name] = load_config(None, overrides + [f"plan.num_microbatches={m}", "plan.schedule=1f1b",
                                                     f"plan.stages={json.dumps(stages)}"])
+    return cfgs
+
+
+def measure(args) -> dict:
+    """Profile the chips and train every plan; the table and step times as JSON."""
+    from h2jax.runtime import setup_backends
+
+    cfgs = configs()
     from h2jax.plan._profiles import local_cores
     from h2jax.runtime._profile import MAX_PROBE_COPIES
     from xla_plugins import register_emulated_chips
@@ -121,7 +151,7 @@ def main() -> None:
                              for c, any_spec in next(iter(cfgs.values())).cluster.chips.items()})
     setup_backends(next(iter(cfgs.values())).cluster)
 
-    from h2jax.plan import Cluster, CostOptions, ModelShape, ProfileTable, estimate, load_chip, simulate_plan
+    from h2jax.plan import ModelShape, ProfileTable, load_chip
     from h2jax.runtime import Trainer
     from h2jax.runtime._profile import profile_chip, profile_driver
 
@@ -155,10 +185,6 @@ def main() -> None:
             f"{k} f {1e3 * p.fwd_s:.2f} ms x{p.fwd_cores:.2f} b {1e3 * p.bwd_s:.2f} ms x{p.bwd_cores:.2f} "
             f"u {1e3 * p.update_s:.2f} ms" for k, p in parts.items()))
 
-    cluster = Cluster.from_dict({"chips": CLUSTER})
-    opts = CostOptions(grad_sync="microbatch")
-    no_host = CostOptions(grad_sync="microbatch", host_contention=False)
-
     trainers = {}
     for name, cfg in cfgs.items():
         tr = Trainer(cfg, run_dir="runs/bench_costmodel")
@@ -175,8 +201,23 @@ def main() -> None:
                 times[name].append(trainers[name].train_step().step_time_s)
     for tr in trainers.values():
         tr.pipeline.close()
-    load_after = load()
+    return {"table": table.to_json(), "host_cores": cores, "rounds": args.rounds, "steps": args.steps,
+            "times": times, "load_avg_after": load()}
 
+
+def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
+    """Price every plan from the saved profile table; print the table and the RESULT line."""
+    from h2jax.plan import Cluster, CostOptions, ModelShape, ProfileTable, estimate, simulate_plan
+
+    cfgs = configs()
+    shape = ModelShape.from_config(MODEL)
+    table = ProfileTable()
+    table.merge_json(saved["table"])
+    times, cores = saved["times"], saved["host_cores"]
+    load_before, load_after = saved["load_avg_before"], saved["load_avg_after"]
+    cluster = Cluster.from_dict({"chips": CLUSTER})
+    opts = CostOptions(grad_sync="microbatch")
+    no_host = CostOptions(grad_sync="microbatch", host_contention=False)
     rows = []
     for name, cfg in cfgs.items():
         cost = estimate(cfg.plan, shape, cluster, table=table, opts=opts)
@@ -187,16 +228,24 @@ def main() -> None:
         rows.append(dict(name=name, measured=statistics.median(ts), iqr=(q3 - q1), est=cost.iteration_s,
                          sim=sim.iteration_s, flat=flat.iteration_s, bound=cost.bound_by))
     meas = [r["measured"] for r in rows]
+    # the noise ceiling of the ranking: the plans' medians over the even rounds against those
+    # over the odd rounds (the same measurement, split in two) -- no model ranks them better
+    k = saved["steps"]
+    halves = [[statistics.median(x for i, x in enumerate(times[r["name"]]) if (i // k) % 2 == h) for r in rows]
+              for h in (0, 1)]
     err = lambda key: [abs(r[key] - r["measured"]) / r["measured"] for r in rows]  # noqa: E731
     e_est, e_sim, e_flat = err("est"), err("sim"), err("flat")
-    print(f"\nmodel {MODEL}; global batch {GLOBAL_BATCH}; {args.rounds} rounds x {args.steps} steps per plan "
-          f"(interleaved); profiles measured on this host ({cores} cores)")
+    print(f"\nmodel {MODEL}; global batch {GLOBAL_BATCH}; {saved['rounds']} rounds x {saved['steps']} steps per "
+          f"plan (interleaved); profiles measured on this host ({cores} cores)"
+          + (f"; REPLAYED from {replayed} (no new measurement)" if replayed else ""))
     print(f"{'plan':<18}{'measured ms':>12}{'IQR':>7}{'estimate':>10}{'err':>6}{'simulator':>11}{'err':>6}"
           f"{'no host':>9}{'err':>6}  bound by")
     for r, a, b, c in zip(rows, e_est, e_sim, e_flat):
         print(f"{r['name']:<18}{1e3 * r['measured']:>12.1f}{1e3 * r['iqr']:>7.1f}{1e3 * r['est']:>10.1f}{a:>6.2f}"
               f"{1e3 * r['sim']:>11.1f}{b:>6.2f}{1e3 * r['flat']:>9.1f}{c:>6.2f}  {r['bound']}")
-    print(f"load average before {load_before}, after {load_after}; wall {time.perf_counter() - t_start:.0f} s")
+    print(f"Kendall tau of the even rounds' medians against the odd rounds': {kendall_tau(*halves):.2f} "
+          "(how well the measurement ranks the plans against itself)")
+    print(f"load average before {load_before}, after {load_after}; wall {wall_s:.0f} s")
     result = {
         "median_abs_err": round(statistics.median(e_est), 4),
         "kendall_tau": round(kendall_tau([r["est"] for r in rows], meas), 4),
@@ -204,12 +253,15 @@ def main() -> None:
         "kendall_tau_simulator": round(kendall_tau([r["sim"] for r in rows], meas), 4),
         "median_abs_err_no_host_term": round(statistics.median(e_flat), 4),
         "kendall_tau_no_host_term": round(kendall_tau([r["flat"] for r in rows], meas), 4),
+        "kendall_tau_measured_halves": round(kendall_tau(*halves), 4),
         "measured_spread": round(max(meas) / min(meas), 3),
         "plans": len(rows),
         "host_cores": cores,
         "load_avg_before": load_before,
         "load_avg_after": load_after,
     }
+    if replayed:
+        result["replayed"] = True
     print("RESULT " + json.dumps(result))
 
 
