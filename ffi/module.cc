@@ -6,6 +6,7 @@
 
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
+#include "mpi_engine.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -31,6 +32,16 @@ NB_MODULE(H2_MODULE, m) {
     d["h2jax_recv"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2Recv)));
     d["h2jax_recv_into"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2RecvInto)));
     d["h2jax_sendrecv"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2SendRecv)));
+    return d;
+  });
+  m.def("stash_stats", []() {
+    // messages that arrived before their receive and waited in the engine's stash (each one
+    // allocated and copied once more); the engine is per extension module
+    h2::Engine& eng = h2::Engine::get();
+    std::lock_guard<std::mutex> lock(eng.mu);
+    nb::dict d;
+    d["messages"] = eng.stashed_messages;
+    d["bytes"] = eng.stashed_bytes;
     return d;
   });
   m.def("mpi_library_version", []() {

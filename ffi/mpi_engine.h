@@ -44,6 +44,8 @@ struct Engine {
   std::map<std::tuple<MPI_Comm, int, int>, std::deque<std::vector<char>>> stash;
   // communicators whose error handler is already MPI_ERRORS_RETURN
   std::set<MPI_Comm> errors_return;
+  // messages (and bytes) that went through the stash: each costs an allocation and a copy
+  uint64_t stashed_messages = 0, stashed_bytes = 0;
 
   static Engine& get() {
     static Engine engine;
@@ -201,6 +203,8 @@ inline std::string Transfer(MPI_Comm comm, const void* sbuf, size_t sbytes, int 
           MPI_Get_count(&st, MPI_BYTE, &count);
           std::vector<char> buf(static_cast<size_t>(count));
           MPI_Mrecv(buf.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+          eng.stashed_messages += 1;
+          eng.stashed_bytes += uint64_t(count);
           eng.stash[{comm, st.MPI_SOURCE, st.MPI_TAG}].push_back(std::move(buf));
         }
       }

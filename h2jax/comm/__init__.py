@@ -29,7 +29,8 @@ mesh has several devices; tokens order the calls)::
     y, tok = sendrecv(x, shape, dtype, dest=1, source=1, send_tag=7, recv_tag=8, comm=comm, token=tok)
 
   ``comm`` is an mpi4py communicator reserved for these calls (e.g. ``MPI.COMM_WORLD.Dup()``,
-  or ``FfiTransport(...).comm``). See ``h2jax/comm/_ffi.py`` for ordering and deadlock freedom.
+  or ``FfiTransport(...).comm``). See ``h2jax/comm/_ffi.py`` for ordering and deadlock freedom;
+  ``stash_stats()`` counts the messages that took the deadlock-free detour (one more copy).
 """
 
 from h2jax.comm._ffi import (
@@ -41,6 +42,7 @@ from h2jax.comm._ffi import (
     register,
     send,
     sendrecv,
+    stash_stats,
 )
 from h2jax.comm._host import HostTransport
 from h2jax.comm._peer import FfiTransport, PeerTransport, make_peer_transport
@@ -62,4 +64,5 @@ __all__ = [
     "register",
     "send",
     "sendrecv",
+    "stash_stats",
 ]

@@ -88,6 +88,15 @@ def is_available(platform: str = "cpu") -> bool:
     return True
 
 
+def stash_stats(platform: str = "cpu") -> dict[str, int]:
+    """``{"messages": n, "bytes": b}``: how many messages this process's handlers took in
+    before their receive was posted (while waiting on something else, so that a peer blocked
+    in a large send to us completes: the deadlock freedom of this module). Each costs an
+    allocation and one more copy; a pipeline that pairs its sends and receives (``sendrecv``)
+    should see few."""
+    return {k: int(v) for k, v in _extension(platform).stash_stats().items()}
+
+
 def _register_all() -> None:
     register("cpu")
     try:  # a GPU stage needs it; a CPU-only build simply has no cuda handlers
