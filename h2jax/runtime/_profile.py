@@ -2,7 +2,7 @@
 
 For each tensor degree and microbatch size, stages are built (``StageModule`` +
 ``StageProgram``, the very programs training runs) on a (data=1, tensor=t) mesh of the
-chip type's devices: 1 block, 2 blocks, the embedding + 1 block, and 1 block + the head.
+chip type's devices: 1, 2 and 4 blocks, the embedding + 1 block, and 1 block + the head.
 Their forward and forward+backward, and the optimizer step (gradient norm + AdamW update)
 of the block programs, are timed, each call run to completion, round-robin over the programs (so that a slow phase
 of the machine hits them all alike), and the lower quartile of ``repeats`` rounds kept
@@ -10,10 +10,13 @@ of the machine hits them all alike), and the lower quartile of ``repeats`` round
 backward is forward+backward minus the forward (it needs a fresh forward's residuals).
 
 One program call costs a fixed amount (dispatch from Python, launch, synchronisation)
-plus its layers' work. With T(k) the time of a k-block program, a block costs
-T(2) - T(1) and the fixed cost of a call is T(1) - block = 2 T(1) - T(2) (clamped at 0),
-stored as the pseudo-part ``"program"``; the embedding costs T(embed + 1 block) -
-T(1 block), the head T(1 block + head) - T(1 block). The optimizer step is elementwise
+plus its layers' work: T(k) = fixed + k x block for a k-block program. The line is fitted
+to T(1), T(2), T(4) by least squares -- a block costs (5 T(4) - T(2) - 4 T(1)) / 14, the
+fixed cost the mean of T(k) - k x block (clamped at 0), stored as the pseudo-part
+``"program"`` -- which damps the timing noise ninefold in variance against the two-point
+difference T(2) - T(1) (whose part costs moved by 25 % between runs on a busy 2-core
+host); the embedding costs T(embed + 1 block) minus the fitted T(1), the head T(1 block +
+head) minus the fitted T(1). The optimizer step is elementwise
 over the parameters, so the embedding's and the head's are the block's per parameter
 byte times theirs. A fused stage program (embedding +
 blocks + head) then pays the fixed cost once, as it does in training -- summing parts
@@ -62,6 +65,18 @@ from h2jax.runtime._stage import StageProgram
 from h2jax.runtime._trainer import make_optimizer
 
 MAX_PROBE_COPIES = 4  # the contention probe runs one copy per host core, on hosts this small
+BLOCK_COUNTS = (1, 2, 4)  # blocks of the programs the per-block cost is fitted to
+BLOCK_PROGRAMS = tuple(f"b{k}" for k in BLOCK_COUNTS)
+
+
+def fit_line(times: dict[str, float], kind: str) -> tuple[float, float]:
+    """(per block, fixed >= 0): the least-squares line through ``times["b<k>/<kind>"]``
+    against k over BLOCK_COUNTS (module docstring)."""
+    ks = np.asarray(BLOCK_COUNTS, float)
+    ts = np.asarray([times[f"b{k}/{kind}"] for k in BLOCK_COUNTS])
+    kc = ks - ks.mean()
+    blk = float(kc @ (ts - ts.mean()) / (kc @ kc))
+    return blk, max(0.0, float(ts.mean() - blk * ks.mean()))
 
 
 def _backend_devices(chip_name: str, chip: ChipSpec, nodes: int) -> list[tuple[str, list]]:
@@ -156,14 +171,13 @@ def profile_chip(chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_deg
     want = cap if chip.emulated and 2 <= cap <= MAX_PROBE_COPIES else 1
     nodes = _backend_devices(chip_name, chip, want)
     copies = len(nodes) if len(nodes) == want else 1
-    two = dataclasses.replace(model, n_layers=2)
+    two = dataclasses.replace(model, n_layers=max(BLOCK_COUNTS))
     tx, _ = make_optimizer(ExperimentConfig(model=two))
     # one model: every stage program puts its own copy of the parameters on its devices
     gpt = build_model(two, seed=seed)
-    programs = {"b1": dict(layers=(0, 1), first=False, last=False),
-                "b2": dict(layers=(0, 2), first=False, last=False),
-                "eb": dict(layers=(0, 1), first=True, last=False),
-                "bh": dict(layers=(0, 1), first=False, last=True)}
+    programs = {f"b{k}": dict(layers=(0, k), first=False, last=False) for k in BLOCK_COUNTS}
+    programs |= {"eb": dict(layers=(0, 1), first=True, last=False),
+                 "bh": dict(layers=(0, 1), first=False, last=True)}
     out: dict[tuple[int, int], dict[str, LayerCost]] = {}
     rng = np.random.default_rng(seed)
     for t in tensor_degrees:
@@ -200,7 +214,7 @@ def profile_chip(chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_deg
                     if i:
                         continue
                     fns[f"{name}/f"], fns[f"{name}/fb"] = f, fb
-                    if name in ("b1", "b2"):
+                    if name in BLOCK_PROGRAMS:
 
                         def update(st=st):
                             float(st.grad_sqnorm())  # the driver syncs on every stage's norm, then updates
@@ -208,7 +222,7 @@ def profile_chip(chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_deg
                             return st.params
 
                         fns[f"{name}/u"] = update
-                    if name != "b2":
+                    if name in ("b1", "eb", "bh"):
                         mems[name] = st.memory(x, tgt, in_flight=1)
                     inputs[name] = float(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize)
             if copies > 1:  # a boundary tensor moved to another client of the host, as the runtime does
@@ -231,9 +245,8 @@ def profile_chip(chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_deg
 
             def split(d: dict[str, float], kind: str) -> dict[str, float]:
                 """Per part and the fixed cost of a call (module docstring)."""
-                blk = d[f"b2/{kind}"] - d[f"b1/{kind}"]
-                fixed = max(0.0, d[f"b1/{kind}"] - blk)
-                one = fixed + blk
+                blk, fixed = fit_line(d, kind)
+                one = fixed + blk  # the fitted 1-block program
                 return {"block": blk, PROGRAM: fixed, "embed": d[f"eb/{kind}"] - one, "head": d[f"bh/{kind}"] - one}
 
             w = {k: split(wall, k) for k in ("f", "b")}
@@ -250,8 +263,9 @@ def profile_chip(chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_deg
             }
             # optimizer step: per block and per call from the two block programs; elementwise, so
             # the embedding's and the head's are the block's per parameter byte
-            upd_blk = max(wall["b2/u"] - wall["b1/u"], 1e-9)
-            upd = {"block": upd_blk, PROGRAM: max(0.0, wall["b1/u"] - upd_blk),
+            upd_blk, upd_fixed = fit_line(wall, "u")
+            upd_blk = max(upd_blk, 1e-9)
+            upd = {"block": upd_blk, PROGRAM: upd_fixed,
                    "embed": upd_blk * nbytes["embed"][0] / nbytes["block"][0],
                    "head": upd_blk * nbytes["head"][0] / nbytes["block"][0]}
             row: dict[str, LayerCost] = {}

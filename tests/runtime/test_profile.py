@@ -3,11 +3,13 @@ that the planner reads instead of its roofline estimates."""
 
 from __future__ import annotations
 
+import pytest
+
 from h2jax.config import load_config
 from h2jax.models import GPTConfig
 from h2jax.plan import ModelShape, ProfileTable, estimate, load_chip, roofline_costs
 from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
-from h2jax.runtime._profile import profile_chip
+from h2jax.runtime._profile import BLOCK_COUNTS, fit_line, profile_chip
 
 
 def test_measured_profile_feeds_the_planner(tmp_path):
@@ -72,3 +74,15 @@ def test_driver_costs_are_measured_through_the_real_trainer():
     figures = (d.step_s, d.step_cpu_s, d.op_cpu_s, d.transfer_cpu_s)
     assert min(figures) >= 0 and sum(figures) > 0
     assert max(figures) < 1.0  # a null model's driver: milliseconds, not seconds
+
+
+def test_block_cost_is_the_least_squares_line_through_the_block_programs():
+    exact = {f"b{k}/f": 0.3 + 2.0 * k for k in BLOCK_COUNTS}
+    blk, fixed = fit_line(exact, "f")
+    assert abs(blk - 2.0) < 1e-12 and abs(fixed - 0.3) < 1e-12
+    # noise on one program moves the slope by a fraction of it (a two-point difference takes all of it)
+    noisy = dict(exact, **{"b2/f": exact["b2/f"] + 0.7})
+    blk, _ = fit_line(noisy, "f")
+    assert abs(blk - 2.0) == pytest.approx(0.7 / 14)
+    # a line through the origin or below it: no negative fixed cost
+    assert fit_line({f"b{k}/u": 2.0 * k - 0.5 for k in BLOCK_COUNTS}, "u")[1] == 0.0
