@@ -58,7 +58,7 @@ slower by C_h / sum of their cores); T_h is its closed-form counterpart, not a b
 it (W_h / C_h is). Chips with hosts of their own (every real chip profile) are
 unaffected. ``CostOptions(host_contention=False)`` turns the term off. The search
 (``h2jax.plan._search``) prices each configuration's T_pipe-optimal split with this
-estimate, host term included.
+estimate, host term included, and improves the split by it (``polish_split``).
 
 The runtime's driver (Python threads that dispatch programs, move boundary tensors and
 run the step) costs host CPU too: where the table holds a measured ``DriverCost`` for a
@@ -82,6 +82,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 from h2jax.plan._plan import Plan, StageSpec
 from h2jax.plan._profiles import (
@@ -400,8 +401,8 @@ def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, Chip
     cores = shared_host_cores(plan.stages, [s.host for s in stages], profiles, table)
     # fill and drain: stage j's first input arrives after the forwards (and transfers) of
     # the stages before it; after its last backward those stages still drain
-    lead = [sum(stages[i].fwd_s + fwd_x[i] for i in range(j)) for j in range(n)]
-    trail = [sum(stages[i].bwd_s + bwd_x[i] for i in range(j)) for j in range(n)]
+    lead = [0.0, *accumulate(s.fwd_s + x for s, x in zip(stages, fwd_x))]
+    trail = [0.0, *accumulate(s.bwd_s + x for s, x in zip(stages, bwd_x))]
     bounds, work = host_bounds(stages, m, cores, lead=lead, trail=trail, extra=step_cpu)
     t = max([t_pipe, *bounds.values()])
     used: dict[str, int] = {}
