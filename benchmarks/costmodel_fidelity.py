@@ -8,7 +8,9 @@ Measured (on this machine, by this script):
      as many emulated nodes as the host has cores), the time of a boundary tensor moved
      between two clients, and the runtime driver's own costs (a null model through the
      real trainer: per step, per op, per boundary tensor); the host's core count is this
-     process's CPU affinity;
+     process's CPU affinity. With ``--profiles N`` (default 1) N profiles are taken at
+     evenly spaced points of the run -- before the first round, between rounds, after the
+     last -- and the model uses each field's median (one run with 3, docs/LOG.md: no better);
   2. the step time of every plan, trained for real on the emulated chips: the median of
      ``--rounds`` x ``--steps`` steps after 2 warm-up steps, the plans interleaved round by
      round (every plan sees the machine's slow and fast phases alike); in each round a
@@ -30,7 +32,7 @@ model below, 1F1B, chips sim_a, sim_b, sim_c in stage order;
     tensor degree 2 on every stage; data degree 2 on every stage; the uneven split 5 + 1
     (4 plans).
 
-    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 15] [--save FILE]
+    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 15] [--profiles 3] [--save FILE]
     python benchmarks/costmodel_fidelity.py --replay FILE
 
 Every run saves what it measured (the profile table, every plan's step times, the load
@@ -103,6 +105,9 @@ def main() -> None:
                          "spread, so fewer rounds rank them by noise")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
     ap.add_argument("--repeats", type=int, default=15, help="profiler rounds per program (lower quartile kept)")
+    ap.add_argument("--profiles", type=int, default=1,
+                    help="profiles taken at evenly spaced points of the run (first before the first round, last "
+                         "after the last); the model uses their median")
     ap.add_argument("--save", default="runs/bench_costmodel/fidelity.json",
                     help="where to save the measurements (profile table, step times)")
     ap.add_argument("--replay", metavar="FILE", help="price the plans from a saved file; measure nothing")
@@ -157,33 +162,27 @@ def measure(args) -> dict:
 
     any_cfg = next(iter(cfgs.values()))
     shape = ModelShape.from_config(MODEL)
-    table = ProfileTable()
     cores = local_cores()
+    host = load_chip(CHIPS[0])[0].host
     # (chip, tensor) -> per-device microbatches the plans need
     need: dict[tuple[str, int], set[int]] = {}
     for c in cfgs.values():
         for st in c.plan.stages:
             need.setdefault((st.chip, st.tensor), set()).add(c.plan.microbatch_size // st.data)
-    t0 = time.perf_counter()
-    for (chip, t), mbs in sorted(need.items()):
-        rows = profile_chip(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=[t],
-                            microbatches=sorted(mbs), repeats=args.repeats)
-        for (tt, b), parts in rows.items():
-            table.add(chip, shape.key(), tt, b, parts, host_cores=cores)
-    # the runtime driver's own costs on this host (null model through the real trainer)
-    host = load_chip(CHIPS[0])[0].host
-    table.driver[host] = profile_driver(CHIPS[0])
-    profile_s = time.perf_counter() - t0
-    print(f"profiled {len(table.entries)} (chip, tensor, microbatch) rows in {profile_s:.0f} s on a "
-          f"{cores}-core host", flush=True)
-    d = table.driver[host]
-    print(f"  driver on host {host!r}: {1e3 * d.step_s:.2f} ms per step outside the ops, CPU "
-          f"{1e3 * d.step_cpu_s:.2f} ms per step, {1e3 * d.op_cpu_s:.3f} ms per op beyond its call, "
-          f"{1e3 * d.transfer_cpu_s:.3f} ms per boundary tensor")
-    for (chip, _, t, b), parts in sorted(table.entries.items()):
-        print(f"  {chip} t={t} b={b}: " + "; ".join(
-            f"{k} f {1e3 * p.fwd_s:.2f} ms x{p.fwd_cores:.2f} b {1e3 * p.bwd_s:.2f} ms x{p.bwd_cores:.2f} "
-            f"u {1e3 * p.update_s:.2f} ms" for k, p in parts.items()))
+
+    def profile_once() -> ProfileTable:
+        t0 = time.perf_counter()
+        table = ProfileTable()
+        for (chip, t), mbs in sorted(need.items()):
+            rows = profile_chip(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=[t],
+                                microbatches=sorted(mbs), repeats=args.repeats)
+            for (tt, b), parts in rows.items():
+                table.add(chip, shape.key(), tt, b, parts, host_cores=cores)
+        # the runtime driver's own costs on this host (null model through the real trainer)
+        table.driver[host] = profile_driver(CHIPS[0])
+        print(f"profiled {len(table.entries)} (chip, tensor, microbatch) rows in {time.perf_counter() - t0:.0f} s "
+              f"on a {cores}-core host (load average {load()})", flush=True)
+        return table
 
     trainers = {}
     for name, cfg in cfgs.items():
@@ -193,7 +192,15 @@ def measure(args) -> dict:
         trainers[name] = tr
     times: dict[str, list[float]] = {n: [] for n in cfgs}
     names = list(cfgs)
-    for r in range(args.rounds):
+    # profiles at evenly spaced points of the run (before the first round ... after the last),
+    # so that the profile and the steps see the machine's load phases alike
+    at = sorted({round(i * args.rounds / max(1, args.profiles - 1)) for i in range(args.profiles)})
+    tables = []
+    for r in range(args.rounds + 1):
+        if r in at:
+            tables.append(profile_once())
+        if r == args.rounds:
+            break
         order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
         for name in order:
             trainers[name].train_step()  # back to this plan after the others ran: one step untimed
@@ -201,8 +208,41 @@ def measure(args) -> dict:
                 times[name].append(trainers[name].train_step().step_time_s)
     for tr in trainers.values():
         tr.pipeline.close()
-    return {"table": table.to_json(), "host_cores": cores, "rounds": args.rounds, "steps": args.steps,
-            "times": times, "load_avg_after": load()}
+    table = median_table(tables)
+    d = table.driver[host]
+    print(f"profile: the median of {len(tables)} (per part and field)")
+    print(f"  driver on host {host!r}: {1e3 * d.step_s:.2f} ms per step outside the ops, CPU "
+          f"{1e3 * d.step_cpu_s:.2f} ms per step, {1e3 * d.op_cpu_s:.3f} ms per op beyond its call, "
+          f"{1e3 * d.transfer_cpu_s:.3f} ms per boundary tensor")
+    for (chip, _, t, b), parts in sorted(table.entries.items()):
+        print(f"  {chip} t={t} b={b}: " + "; ".join(
+            f"{k} f {1e3 * p.fwd_s:.2f} ms x{p.fwd_cores:.2f} b {1e3 * p.bwd_s:.2f} ms x{p.bwd_cores:.2f} "
+            f"u {1e3 * p.update_s:.2f} ms" for k, p in parts.items()))
+    return {"table": table.to_json(), "profiles": [t.to_json() for t in tables], "host_cores": cores,
+            "rounds": args.rounds, "steps": args.steps, "times": times, "load_avg_after": load()}
+
+
+def median_table(tables: list):
+    """One profile table: every part's every time field (and the driver's) the median over
+    `tables` (profiles of the same rows taken at different points of the run)."""
+    import dataclasses
+
+    from h2jax.plan import DriverCost, ProfileTable
+
+    if len(tables) == 1:
+        return tables[0]
+    out = ProfileTable(host_cores=dict(tables[0].host_cores))
+    timed = ("fwd_s", "bwd_s", "update_s", "fwd_cores", "bwd_cores")
+    for key, parts in tables[0].entries.items():
+        row = {}
+        for name, first in parts.items():
+            row[name] = dataclasses.replace(first, **{f: statistics.median(getattr(t.entries[key][name], f)
+                                                                           for t in tables) for f in timed})
+        out.entries[key] = row
+    for host in tables[0].driver:
+        out.driver[host] = DriverCost(**{f.name: statistics.median(getattr(t.driver[host], f.name) for t in tables)
+                                         for f in dataclasses.fields(DriverCost)})
+    return out
 
 
 def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
