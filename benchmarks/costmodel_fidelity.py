@@ -112,6 +112,9 @@ def main() -> None:
                     help="where to save the measurements (profile table, step times)")
     ap.add_argument("--replay", metavar="FILE", help="price the plans from a saved file; measure nothing")
     args = ap.parse_args()
+    for key in ("rounds", "steps", "repeats", "profiles"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key}={getattr(args, key)}: expected at least 1")
     t_start = time.perf_counter()
     if args.replay:
         saved = json.loads(Path(args.replay).read_text())
@@ -271,8 +274,9 @@ def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
     # the noise ceiling of the ranking: the plans' medians over the even rounds against those
     # over the odd rounds (the same measurement, split in two) -- no model ranks them better
     k = saved["steps"]
-    halves = [[statistics.median(x for i, x in enumerate(times[r["name"]]) if (i // k) % 2 == h) for r in rows]
-              for h in (0, 1)]
+    halves = ([[statistics.median(x for i, x in enumerate(times[r["name"]]) if (i // k) % 2 == h) for r in rows]
+               for h in (0, 1)] if saved["rounds"] >= 2 else None)
+    tau_halves = kendall_tau(*halves) if halves else None
     err = lambda key: [abs(r[key] - r["measured"]) / r["measured"] for r in rows]  # noqa: E731
     e_est, e_sim, e_flat = err("est"), err("sim"), err("flat")
     print(f"\nmodel {MODEL}; global batch {GLOBAL_BATCH}; {saved['rounds']} rounds x {saved['steps']} steps per "
@@ -283,8 +287,9 @@ def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
     for r, a, b, c in zip(rows, e_est, e_sim, e_flat):
         print(f"{r['name']:<18}{1e3 * r['measured']:>12.1f}{1e3 * r['iqr']:>7.1f}{1e3 * r['est']:>10.1f}{a:>6.2f}"
               f"{1e3 * r['sim']:>11.1f}{b:>6.2f}{1e3 * r['flat']:>9.1f}{c:>6.2f}  {r['bound']}")
-    print(f"Kendall tau of the even rounds' medians against the odd rounds': {kendall_tau(*halves):.2f} "
-          "(how well the measurement ranks the plans against itself)")
+    if tau_halves is not None:
+        print(f"Kendall tau of the even rounds' medians against the odd rounds': {tau_halves:.2f} "
+              "(how well the measurement ranks the plans against itself)")
     print(f"load average before {load_before}, after {load_after}; wall {wall_s:.0f} s")
     result = {
         "median_abs_err": round(statistics.median(e_est), 4),
@@ -293,7 +298,7 @@ def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
         "kendall_tau_simulator": round(kendall_tau([r["sim"] for r in rows], meas), 4),
         "median_abs_err_no_host_term": round(statistics.median(e_flat), 4),
         "kendall_tau_no_host_term": round(kendall_tau([r["flat"] for r in rows], meas), 4),
-        "kendall_tau_measured_halves": round(kendall_tau(*halves), 4),
+        "kendall_tau_measured_halves": None if tau_halves is None else round(tau_halves, 4),
         "measured_spread": round(max(meas) / min(meas), 3),
         "plans": len(rows),
         "host_cores": cores,
