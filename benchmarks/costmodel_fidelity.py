@@ -32,7 +32,7 @@ model below, 1F1B, chips sim_a, sim_b, sim_c in stage order;
     tensor degree 2 on every stage; data degree 2 on every stage; the uneven split 5 + 1
     (4 plans).
 
-    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 15] [--profiles 3] [--save FILE]
+    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 15] [--profiles N] [--save FILE]
     python benchmarks/costmodel_fidelity.py --replay FILE
 
 Every run saves what it measured (the profile table, every plan's step times, the load
