@@ -2,15 +2,18 @@
 
 Measured (on this machine, by this script):
   1. per-part costs of every chip type the plans use, with ``h2jax profile --measure``'s
-     code (``h2jax.runtime._profile.profile_chip``): the real stage programs timed alone
+     code (``h2jax.runtime._profile.ChipProfiler``): the real stage programs timed alone
      -- per-block / embedding / head forward, backward and optimizer step, the fixed cost
      of one program call -- and how much of the host each takes (copies run together on
      as many emulated nodes as the host has cores), the time of a boundary tensor moved
-     between two clients, and the runtime driver's own costs (a null model through the
-     real trainer: per step, per op, per boundary tensor); the host's core count is this
-     process's CPU affinity. With ``--profiles N`` (default 1) N profiles are taken at
-     evenly spaced points of the run -- before the first round, between rounds, after the
-     last -- and the model uses each field's median (one run with 3, docs/LOG.md: no better);
+     between two clients, and the runtime driver's own costs (``DriverProfiler``: a null
+     model through the real trainer: per step, per op, per boundary tensor); the host's
+     core count is this process's CPU affinity. The programs are built once and timed in
+     ``--repeats`` rounds spread over the training rounds below (a few before each), so
+     the profile and the steps see the machine's slow and fast phases alike
+     (``--profile-first``: all of them back to back before the steps, as ``h2jax
+     profile`` takes them). Each program's median round is kept (``--statistic``; the
+     step times below are medians too) or its lower quartile;
   2. the step time of every plan, trained for real on the emulated chips: the median of
      ``--rounds`` x ``--steps`` steps after 2 warm-up steps, the plans interleaved round by
      round (every plan sees the machine's slow and fast phases alike); in each round a
@@ -32,7 +35,8 @@ model below, 1F1B, chips sim_a, sim_b, sim_c in stage order;
     tensor degree 2 on every stage; data degree 2 on every stage; the uneven split 5 + 1
     (4 plans).
 
-    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 15] [--profiles N] [--save FILE]
+    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 24] [--driver-steps 36]
+        [--profile-first] [--statistic median|lower-quartile] [--save FILE]
     python benchmarks/costmodel_fidelity.py --replay FILE
 
 Every run saves what it measured (the profile table, every plan's step times, the load
@@ -104,17 +108,23 @@ def main() -> None:
                     help="rounds over all plans (interleaved); the plans differ by about their step-to-step "
                          "spread, so fewer rounds rank them by noise")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
-    ap.add_argument("--repeats", type=int, default=15, help="profiler rounds per program (lower quartile kept)")
-    ap.add_argument("--profiles", type=int, default=1,
-                    help="profiles taken at evenly spaced points of the run (first before the first round, last "
-                         "after the last); the model uses their median")
+    ap.add_argument("--repeats", type=int, default=24,
+                    help="profiler rounds per program, spread over the training rounds")
+    ap.add_argument("--driver-steps", type=int, default=36,
+                    help="rounds of the driver calibration (null model through the trainer), spread likewise")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="take the whole profile back to back before the training rounds instead (as "
+                         "`h2jax profile` does; for comparison)")
+    ap.add_argument("--statistic", default="median", choices=("median", "lower-quartile"),
+                    help="what the profiler keeps of a program's rounds; the median matches the step medians "
+                         "the plans are compared by")
     ap.add_argument("--save", default="runs/bench_costmodel/fidelity.json",
                     help="where to save the measurements (profile table, step times)")
     ap.add_argument("--replay", metavar="FILE", help="price the plans from a saved file; measure nothing")
     args = ap.parse_args()
-    for key in ("rounds", "steps", "repeats", "profiles"):
+    for key in ("rounds", "steps", "repeats", "driver_steps"):
         if getattr(args, key) < 1:
-            ap.error(f"--{key}={getattr(args, key)}: expected at least 1")
+            ap.error(f"--{key.replace('_', '-')}={getattr(args, key)}: expected at least 1")
     t_start = time.perf_counter()
     if args.replay:
         saved = json.loads(Path(args.replay).read_text())
@@ -143,6 +153,11 @@ def configs() -> dict:
     return cfgs
 
 
+def spread(total: int, rounds: int) -> list[int]:
+    """`total` profile rounds over `rounds` training rounds, as evenly as they go."""
+    return [total // rounds + (1 if r < total % rounds else 0) for r in range(rounds)]
+
+
 def measure(args) -> dict:
     """Profile the chips and train every plan; the table and step times as JSON."""
     from h2jax.runtime import setup_backends
@@ -161,7 +176,7 @@ def measure(args) -> dict:
 
     from h2jax.plan import ModelShape, ProfileTable, load_chip
     from h2jax.runtime import Trainer
-    from h2jax.runtime._profile import profile_chip, profile_driver
+    from h2jax.runtime._profile import ChipProfiler, DriverProfiler
 
     any_cfg = next(iter(cfgs.values()))
     shape = ModelShape.from_config(MODEL)
@@ -173,19 +188,19 @@ def measure(args) -> dict:
         for st in c.plan.stages:
             need.setdefault((st.chip, st.tensor), set()).add(c.plan.microbatch_size // st.data)
 
-    def profile_once() -> ProfileTable:
-        t0 = time.perf_counter()
-        table = ProfileTable()
-        for (chip, t), mbs in sorted(need.items()):
-            rows = profile_chip(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=[t],
-                                microbatches=sorted(mbs), repeats=args.repeats)
-            for (tt, b), parts in rows.items():
-                table.add(chip, shape.key(), tt, b, parts, host_cores=cores)
-        # the runtime driver's own costs on this host (null model through the real trainer)
-        table.driver[host] = profile_driver(CHIPS[0])
-        print(f"profiled {len(table.entries)} (chip, tensor, microbatch) rows in {time.perf_counter() - t0:.0f} s "
-              f"on a {cores}-core host (load average {load()})", flush=True)
-        return table
+    t0 = time.perf_counter()
+    profilers = [ChipProfiler(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=[t],
+                              microbatches=sorted(mbs)) for (chip, t), mbs in sorted(need.items())]
+    # the runtime driver's own costs on this host (null model through the real trainer)
+    driver = DriverProfiler(CHIPS[0])
+    print(f"built the profiler's programs in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    def profile(n_rounds: int, n_driver: int) -> None:
+        for _ in range(n_rounds):
+            for prof in profilers:
+                prof.round()
+        for _ in range(n_driver):
+            driver.round()
 
     trainers = {}
     for name, cfg in cfgs.items():
@@ -195,15 +210,15 @@ def measure(args) -> dict:
         trainers[name] = tr
     times: dict[str, list[float]] = {n: [] for n in cfgs}
     names = list(cfgs)
-    # profiles at evenly spaced points of the run (before the first round ... after the last),
-    # so that the profile and the steps see the machine's load phases alike
-    at = sorted({round(i * args.rounds / max(1, args.profiles - 1)) for i in range(args.profiles)})
-    tables = []
-    for r in range(args.rounds + 1):
-        if r in at:
-            tables.append(profile_once())
-        if r == args.rounds:
-            break
+    if args.profile_first:  # the profile back to back before the steps (how `h2jax profile` takes it)
+        profile(args.repeats, args.driver_steps)
+        print(f"profiled in one block before the steps (load average {load()})", flush=True)
+    # otherwise the profile's rounds are interleaved with the steps' rounds, so the profile and
+    # the steps see the machine's slow and fast phases alike
+    per_round = [0] * args.rounds if args.profile_first else spread(args.repeats, args.rounds)
+    per_round_driver = [0] * args.rounds if args.profile_first else spread(args.driver_steps, args.rounds)
+    for r in range(args.rounds):
+        profile(per_round[r], per_round_driver[r])
         order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
         for name in order:
             trainers[name].train_step()  # back to this plan after the others ran: one step untimed
@@ -211,9 +226,15 @@ def measure(args) -> dict:
                 times[name].append(trainers[name].train_step().step_time_s)
     for tr in trainers.values():
         tr.pipeline.close()
-    table = median_table(tables)
-    d = table.driver[host]
-    print(f"profile: the median of {len(tables)} (per part and field)")
+    table = ProfileTable()
+    for prof in profilers:
+        for (t, b), parts in prof.rows(args.statistic).items():
+            table.add(prof.chip_name, shape.key(), t, b, parts, host_cores=cores)
+    table.driver[host] = d = driver.result(args.statistic)
+    driver.close()
+    print(f"profile: {args.repeats} rounds per program, "
+          + ("back to back before the steps" if args.profile_first else f"spread over the {args.rounds} rounds")
+          + f", each program's {args.statistic} kept")
     print(f"  driver on host {host!r}: {1e3 * d.step_s:.2f} ms per step outside the ops, CPU "
           f"{1e3 * d.step_cpu_s:.2f} ms per step, {1e3 * d.op_cpu_s:.3f} ms per op beyond its call, "
           f"{1e3 * d.transfer_cpu_s:.3f} ms per boundary tensor")
@@ -221,31 +242,9 @@ def measure(args) -> dict:
         print(f"  {chip} t={t} b={b}: " + "; ".join(
             f"{k} f {1e3 * p.fwd_s:.2f} ms x{p.fwd_cores:.2f} b {1e3 * p.bwd_s:.2f} ms x{p.bwd_cores:.2f} "
             f"u {1e3 * p.update_s:.2f} ms" for k, p in parts.items()))
-    return {"table": table.to_json(), "profiles": [t.to_json() for t in tables], "host_cores": cores,
-            "rounds": args.rounds, "steps": args.steps, "times": times, "load_avg_after": load()}
-
-
-def median_table(tables: list):
-    """One profile table: every part's every time field (and the driver's) the median over
-    `tables` (profiles of the same rows taken at different points of the run)."""
-    import dataclasses
-
-    from h2jax.plan import DriverCost, ProfileTable
-
-    if len(tables) == 1:
-        return tables[0]
-    out = ProfileTable(host_cores=dict(tables[0].host_cores))
-    timed = ("fwd_s", "bwd_s", "update_s", "fwd_cores", "bwd_cores")
-    for key, parts in tables[0].entries.items():
-        row = {}
-        for name, first in parts.items():
-            row[name] = dataclasses.replace(first, **{f: statistics.median(getattr(t.entries[key][name], f)
-                                                                           for t in tables) for f in timed})
-        out.entries[key] = row
-    for host in tables[0].driver:
-        out.driver[host] = DriverCost(**{f.name: statistics.median(getattr(t.driver[host], f.name) for t in tables)
-                                         for f in dataclasses.fields(DriverCost)})
-    return out
+    return {"table": table.to_json(), "host_cores": cores, "rounds": args.rounds, "steps": args.steps,
+            "times": times, "load_avg_after": load(), "statistic": args.statistic,
+            "profile": "first" if args.profile_first else "interleaved", "profile_rounds": args.repeats}
 
 
 def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
@@ -280,7 +279,8 @@ def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
     err = lambda key: [abs(r[key] - r["measured"]) / r["measured"] for r in rows]  # noqa: E731
     e_est, e_sim, e_flat = err("est"), err("sim"), err("flat")
     print(f"\nmodel {MODEL}; global batch {GLOBAL_BATCH}; {saved['rounds']} rounds x {saved['steps']} steps per "
-          f"plan (interleaved); profiles measured on this host ({cores} cores)"
+          f"plan (interleaved); profiles measured on this host ({cores} cores), each program's "
+          f"{saved.get('statistic', 'lower-quartile')} kept"
           + (f"; REPLAYED from {replayed} (no new measurement)" if replayed else ""))
     print(f"{'plan':<18}{'measured ms':>12}{'IQR':>7}{'estimate':>10}{'err':>6}{'simulator':>11}{'err':>6}"
           f"{'no host':>9}{'err':>6}  bound by")

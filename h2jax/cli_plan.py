@@ -51,7 +51,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--measure", action="store_true",
                    help="time the real stage programs on this chip type's devices (emulated chips: this host's CPU)")
     f.add_argument("--repeats", type=int, default=5,
-                   help="timed rounds per program (the lower quartile is kept), with --measure")
+                   help="timed rounds per program, with --measure")
+    f.add_argument("--statistic", default="median", choices=("median", "lower-quartile"),
+                   help="what is kept of a program's timed rounds, with --measure: the median (what a "
+                        "training step sees on a machine that also runs other work; the default) or the "
+                        "lower quartile (the machine to itself)")
     f.add_argument("--no-driver", action="store_true",
                    help="with --measure on an emulated chip: skip timing the runtime driver's own host CPU "
                         "(a few seconds through the real trainer)")
@@ -269,7 +273,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
     from h2jax.runtime._profile import profile_chip
 
     rows = profile_chip(args.chip, chip, cfg, tensor_degrees=args.tensor, microbatches=args.microbatch,
-                        repeats=args.repeats)
+                        repeats=args.repeats, statistic=args.statistic)
     if not chip.emulated:
         return {"rows": rows, "host_cores": None, "driver": None}
     # every emulated chip computes on this machine: what its figures are out of, and what the
@@ -279,7 +283,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
         from h2jax.runtime._profile import profile_driver
 
         try:
-            driver = profile_driver(args.chip)
+            driver = profile_driver(args.chip, statistic=args.statistic)
         except Exception as e:  # noqa: BLE001 - e.g. a 1-core host: only one emulated node could be made
             print(f"the driver's costs were not measured ({type(e).__name__}: {e}); the cost model leaves them out")
     return {"rows": rows, "host_cores": local_cores(), "driver": driver}

@@ -4,10 +4,14 @@ For each tensor degree and microbatch size, stages are built (``StageModule`` +
 ``StageProgram``, the very programs training runs) on a (data=1, tensor=t) mesh of the
 chip type's devices: 1, 2 and 4 blocks, the embedding + 1 block, and 1 block + the head.
 Their forward and forward+backward, and the optimizer step (gradient norm + AdamW update)
-of the block programs, are timed, each call run to completion, round-robin over the programs (so that a slow phase
-of the machine hits them all alike), and the lower quartile of ``repeats`` rounds kept
-(the program with the machine to itself: other work on the machine only adds time). The
-backward is forward+backward minus the forward (it needs a fresh forward's residuals).
+of the block programs, are timed, each call run to completion, round-robin over the
+programs (so that a slow phase of the machine hits them all alike; ``ChipProfiler`` builds
+the programs once and times them in rounds, which a caller may spread over a long run),
+and one statistic of the rounds kept: ``statistic="median"`` (the default: what a
+training step sees, and what the trainer and the benchmarks report, so the cost model
+predicts a median step) or ``"lower-quartile"`` (the program with the machine to itself:
+other work on the machine only adds time). The backward is forward+backward minus the
+forward (it needs a fresh forward's residuals).
 
 One program call costs a fixed amount (dispatch from Python, launch, synchronisation)
 plus its layers' work: T(k) = fixed + k x block for a k-block program. The line is fitted
@@ -96,54 +100,49 @@ def _backend_devices(chip_name: str, chip: ChipSpec, nodes: int) -> list[tuple[s
     return [(n, jax.devices(n)) for n in names]
 
 
-def _round_robin(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
-    """name -> (wall seconds, process CPU seconds) of one call run to completion (lower quartiles)."""
-    for fn in fns.values():  # warm-up: compilation
+def _time_calls(fns: dict[str, Callable[[], object]], walls: dict[str, list[float]],
+                cpus: dict[str, list[float]]) -> None:
+    """One round: each call run to completion, its wall and process CPU seconds appended."""
+    for k, fn in fns.items():
+        c0, t0 = time.process_time(), time.perf_counter()
         jax.block_until_ready(fn())
-    walls: dict[str, list[float]] = {k: [] for k in fns}
-    cpus: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            c0, t0 = time.process_time(), time.perf_counter()
+        walls.setdefault(k, []).append(time.perf_counter() - t0)
+        cpus.setdefault(k, []).append(time.process_time() - c0)
+
+
+def _time_together(copies: dict[str, list[Callable[[], object]]], times: dict[str, list[float]]) -> None:
+    """One round: for each name, its copies started together on different clients (each call
+    run to completion); the copies' mean seconds appended."""
+    for k, fns in copies.items():
+        took = [0.0] * len(fns)
+        gate = threading.Barrier(len(fns))
+
+        def run(i: int, fn: Callable[[], object], took=took, gate=gate) -> None:
+            gate.wait()
+            t0 = time.perf_counter()
             jax.block_until_ready(fn())
-            walls[k].append(time.perf_counter() - t0)
-            cpus[k].append(time.process_time() - c0)
-    return {k: (_lower_quartile(walls[k]), _lower_quartile(cpus[k])) for k in fns}
+            took[i] = time.perf_counter() - t0
+
+        threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns[1:], 1)]
+        for th in threads:
+            th.start()
+        run(0, fns[0])
+        for th in threads:
+            th.join()
+        times.setdefault(k, []).append(sum(took) / len(took))
 
 
-def _together(copies: dict[str, list[Callable[[], object]]], repeats: int) -> dict[str, float]:
-    """name -> seconds a program takes while copies of it, started together on different
-    clients, run beside it (each call run to completion; lower quartile over rounds of the
-    copies' mean)."""
-    for fns in copies.values():
-        for fn in fns:
-            jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {k: [] for k in copies}
-    for _ in range(repeats):
-        for k, fns in copies.items():
-            took = [0.0] * len(fns)
-            gate = threading.Barrier(len(fns))
-
-            def run(i: int, fn: Callable[[], object], took=took, gate=gate) -> None:
-                gate.wait()
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn())
-                took[i] = time.perf_counter() - t0
-
-            threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns[1:], 1)]
-            for th in threads:
-                th.start()
-            run(0, fns[0])
-            for th in threads:
-                th.join()
-            times[k].append(sum(took) / len(took))
-    return {k: _lower_quartile(v) for k, v in times.items()}
+# what the profiler keeps of a program's timed rounds: the percentile
+STATISTICS = {"median": 50.0, "lower-quartile": 25.0}
 
 
-def _lower_quartile(xs: list[float]) -> float:
-    """The 25th percentile: the time with the machine to itself, little moved by other work
-    on it (which only ever adds time) and by single outliers."""
-    return float(np.percentile(np.asarray(xs, dtype=np.float64), 25))
+def _stat(xs: list[float], statistic: str) -> float:
+    """`statistic` (a key of STATISTICS) of `xs`: the median -- what a training step sees on
+    a machine that also runs other work -- or the lower quartile -- the time with the machine
+    to itself, little moved by other work (which only ever adds time)."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic={statistic!r}: expected one of {', '.join(STATISTICS)}")
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), STATISTICS[statistic]))
 
 
 def _cores(cpu: float, wall: float, cap: int) -> float:
@@ -153,134 +152,195 @@ def _cores(cpu: float, wall: float, cap: int) -> float:
     return min(max(cpu / wall, 0.0), float(cap))
 
 
+class ChipProfiler:
+    """The timed programs of one chip type, built and compiled once, timed in rounds.
+
+    ``round()`` times every program of every (tensor, microbatch) row once (round-robin,
+    each call run to completion) and the contention probe once; ``rows(statistic)`` turns
+    the rounds so far into the profile's rows. The rounds can be spread over a long run
+    (``benchmarks/costmodel_fidelity.py`` interleaves them with training steps, so the
+    profile and the steps see the machine's slow and fast phases alike) or taken back to
+    back (:func:`profile_chip`). Every row holds its programs' parameters and optimizer
+    state until the profiler is dropped (``profile_chip`` builds one row at a time).
+    """
+
+    def __init__(self, chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_degrees: Sequence[int],
+                 microbatches: Sequence[int], seed: int = 0):
+        from h2jax.config import ExperimentConfig
+
+        self.chip_name = chip_name
+        self.cap = cap = local_cores()
+        # contention probe: as many copies as the host has cores, each on a client of its own
+        # (emulated chips on a small host); otherwise CPU time over wall time
+        want = cap if chip.emulated and 2 <= cap <= MAX_PROBE_COPIES else 1
+        nodes = _backend_devices(chip_name, chip, want)
+        self.copies = copies = len(nodes) if len(nodes) == want else 1
+        two = dataclasses.replace(model, n_layers=max(BLOCK_COUNTS))
+        tx, _ = make_optimizer(ExperimentConfig(model=two))
+        # one model: every stage program puts its own copy of the parameters on its devices
+        gpt = build_model(two, seed=seed)
+        self.programs = programs = {f"b{k}": dict(layers=(0, k), first=False, last=False) for k in BLOCK_COUNTS}
+        programs |= {"eb": dict(layers=(0, 1), first=True, last=False),
+                     "bh": dict(layers=(0, 1), first=False, last=True)}
+        self._rows: dict[tuple[int, int], dict] = {}
+        for t in tensor_degrees:
+            if t > len(nodes[0][1]):
+                raise ValueError(f"tensor={t}: chip {chip_name} has {len(nodes[0][1])} devices in a node")
+            meshes = [stage_mesh(StagePlacement(0, chip_name, backend, i, tuple(devs[:t])), data=1, tensor=t)
+                      for i, (backend, devs) in enumerate(nodes[:copies])]
+            for b in microbatches:
+                self._rows[(t, b)] = self._build_row(chip_name, two, gpt, tx, meshes, t, b,
+                                                     np.random.default_rng((seed, t, b)))
+        self.rounds = 0
+
+    def _build_row(self, chip_name, two, gpt, tx, meshes, t: int, b: int, rng) -> dict:
+        fns: dict[str, Callable[[], object]] = {}
+        together: dict[str, list[Callable[[], object]]] = {}
+        mems, inputs = {}, {}
+        for name, kw in self.programs.items():
+            # the probe runs copies of the 2-block program; its contention holds for every part
+            for i, mesh in enumerate(meshes if name == "b2" else meshes[:1]):
+                spec = StageSpec(chip=chip_name, layers=kw["layers"], data=1, tensor=t)
+                st = StageProgram(0, spec, mesh, StageModule(gpt, **kw), tx, first=kw["first"],
+                                  last=kw["last"], label=f"profile {name}")
+                shape = (b, two.seq_len)
+                if kw["first"]:
+                    x = jax.device_put(rng.integers(0, two.vocab_size, shape, dtype=np.int32), st.act_sharding)
+                else:
+                    x = jax.device_put(jnp.asarray(rng.normal(size=(*shape, two.d_model)),
+                                                   jnp.dtype(two.dtype)), st.act_sharding)
+                tgt = (jax.device_put(rng.integers(0, two.vocab_size, shape, dtype=np.int32),
+                                      st.act_sharding) if kw["last"] else None)
+                y, _ = st.forward(x, tgt)
+                dy = (jax.device_put(jnp.float32(1.0), st.scalar_sharding) if kw["last"]
+                      else jax.device_put(jnp.ones_like(y), st.act_sharding))
+                f = lambda st=st, x=x, tgt=tgt: st.forward(x, tgt)[0]  # noqa: E731
+                fb = lambda st=st, x=x, tgt=tgt, dy=dy: st.backward(st.forward(x, tgt)[1], dy)  # noqa: E731
+                if name == "b2":
+                    together.setdefault("f", []).append(f)
+                    together.setdefault("fb", []).append(fb)
+                if i:
+                    continue
+                fns[f"{name}/f"], fns[f"{name}/fb"] = f, fb
+                if name in BLOCK_PROGRAMS:
+
+                    def update(st=st):
+                        float(st.grad_sqnorm())  # the driver syncs on every stage's norm, then updates
+                        st.apply_update(1.0)
+                        return st.params
+
+                    fns[f"{name}/u"] = update
+                if name in ("b1", "eb", "bh"):
+                    mems[name] = st.memory(x, tgt, in_flight=1)
+                inputs[name] = float(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize)
+        if self.copies > 1:  # a boundary tensor moved to another client of the host, as the runtime does
+            y1 = fns["b1/f"]()
+            dst = NamedSharding(meshes[1], P("data"))
+            fns["xfer"] = lambda y1=y1, dst=dst: jax.device_put(y1, dst)
+        else:
+            together = {}
+        for fn in fns.values():  # warm-up: compilation
+            jax.block_until_ready(fn())
+        for copies in together.values():
+            for fn in copies:
+                jax.block_until_ready(fn())
+        return dict(fns=fns, together=together, mems=mems, inputs=inputs, walls={}, cpus={}, tog={})
+
+    def round(self) -> None:
+        """Time every program of every row once, and the contention probe once."""
+        for row in self._rows.values():
+            _time_calls(row["fns"], row["walls"], row["cpus"])
+            _time_together(row["together"], row["tog"])
+        self.rounds += 1
+
+    def rows(self, statistic: str = "median") -> dict[tuple[int, int], dict[str, LayerCost]]:
+        """{(tensor, microbatch): {"embed" | "block" | "head" | "program" [| "transfer"]: LayerCost}}
+        from the rounds so far: `statistic` (``"median"`` or ``"lower-quartile"``) of each
+        program's rounds (module docstring)."""
+        _stat([0.0], statistic)
+        if not self.rounds:
+            raise RuntimeError(f"profiler of {self.chip_name}: no round timed yet")
+        return {key: self._row(row, statistic) for key, row in self._rows.items()}
+
+    def _row(self, row: dict, statistic: str) -> dict[str, LayerCost]:
+        cap, programs = self.cap, self.programs
+        wall = {k: _stat(v, statistic) for k, v in row["walls"].items()}
+        work = {k: _stat(v, statistic) for k, v in row["cpus"].items()}  # process CPU seconds
+        for d in (wall, work):  # backward = forward+backward - forward
+            for name in programs:
+                d[f"{name}/b"] = d[f"{name}/fb"] - d[f"{name}/f"]
+        probe: dict[str, float] = {}
+        if row["tog"]:
+            # `copies` = host-cores programs at once keep every core busy (each alone keeps
+            # >= 1 busy): one copy's core-seconds are the cores' share of the time it took
+            tog = {k: _stat(v, statistic) for k, v in row["tog"].items()}
+            probe = {"f": tog["f"] * cap / self.copies / wall["b2/f"],
+                     "b": (tog["fb"] - tog["f"]) * cap / self.copies / wall["b2/b"]}
+
+        def split(d: dict[str, float], kind: str) -> dict[str, float]:
+            """Per part and the fixed cost of a call (module docstring)."""
+            blk, fixed = fit_line(d, kind)
+            one = fixed + blk  # the fitted 1-block program
+            return {"block": blk, PROGRAM: fixed, "embed": d[f"eb/{kind}"] - one, "head": d[f"bh/{kind}"] - one}
+
+        w = {k: split(wall, k) for k in ("f", "b")}
+        c = {k: split(work, k) for k in ("f", "b")}
+        # bytes per part: the block program's, and differences of the programs' memory analyses
+        mems, inputs = row["mems"], row["inputs"]
+        mb1, me, mh = mems["b1"], mems["eb"], mems["bh"]
+        nbytes = {
+            "block": (float(mb1.params), float(mb1.activations), inputs["b1"], float(mb1.workspace)),
+            "embed": (float(me.params - mb1.params), float(me.activations - mb1.activations), inputs["eb"],
+                      float(me.workspace)),
+            "head": (float(mh.params - mb1.params), float(mh.activations - mb1.activations), inputs["b1"],
+                     float(mh.workspace)),
+            PROGRAM: (0.0, 0.0, 0.0, 0.0),  # holds no parameters or activations of its own
+        }
+        # optimizer step: per block and per call from the block programs; elementwise, so the
+        # embedding's and the head's are the block's per parameter byte
+        upd_blk, upd_fixed = fit_line(wall, "u")
+        upd_blk = max(upd_blk, 1e-9)
+        upd = {"block": upd_blk, PROGRAM: upd_fixed,
+               "embed": upd_blk * nbytes["embed"][0] / nbytes["block"][0],
+               "head": upd_blk * nbytes["head"][0] / nbytes["block"][0]}
+        out: dict[str, LayerCost] = {}
+        for part in ("embed", "block", "head", PROGRAM):
+            pb, ab, ib, tb = nbytes[part]
+            out[part] = LayerCost(
+                fwd_s=max(w["f"][part], 0.0), bwd_s=max(w["b"][part], 0.0), param_bytes=pb,
+                act_bytes=max(ab, 0.0), input_bytes=ib, temp_bytes=tb, estimated=False,
+                fwd_cores=_cores(probe["f"], 1.0, cap) if probe else _cores(c["f"][part], w["f"][part], cap),
+                bwd_cores=_cores(probe["b"], 1.0, cap) if probe else _cores(c["b"][part], w["b"][part], cap),
+                update_s=upd[part])
+        if "xfer" in wall:
+            out[TRANSFER] = LayerCost(fwd_s=wall["xfer"], bwd_s=wall["xfer"], param_bytes=0.0, act_bytes=0.0,
+                                      input_bytes=0.0, temp_bytes=0.0, estimated=False)
+        return out
+
+
 def profile_chip(chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_degrees: Sequence[int],
-                 microbatches: Sequence[int], repeats: int = 5,
+                 microbatches: Sequence[int], repeats: int = 5, statistic: str = "median",
                  seed: int = 0) -> dict[tuple[int, int], dict[str, LayerCost]]:
     """{(tensor, microbatch): {"embed" | "block" | "head" | "program" [| "transfer"]: LayerCost}}
-    measured on ``chip_name``.
+    measured on ``chip_name``: `repeats` rounds back to back, one (tensor, microbatch) row
+    at a time (so only one row's programs are held at once); `statistic` of each program's
+    rounds kept (module docstring).
 
     The host's core count (what ``fwd_cores`` / ``bwd_cores`` are out of) is
     :func:`h2jax.plan._profiles.local_cores`; record it with ``ProfileTable.add(...,
     host_cores=...)``.
     """
-    from h2jax.config import ExperimentConfig
-
-    cap = local_cores()
-    # contention probe: as many copies as the host has cores, each on a client of its own
-    # (emulated chips on a small host); otherwise CPU time over wall time
-    want = cap if chip.emulated and 2 <= cap <= MAX_PROBE_COPIES else 1
-    nodes = _backend_devices(chip_name, chip, want)
-    copies = len(nodes) if len(nodes) == want else 1
-    two = dataclasses.replace(model, n_layers=max(BLOCK_COUNTS))
-    tx, _ = make_optimizer(ExperimentConfig(model=two))
-    # one model: every stage program puts its own copy of the parameters on its devices
-    gpt = build_model(two, seed=seed)
-    programs = {f"b{k}": dict(layers=(0, k), first=False, last=False) for k in BLOCK_COUNTS}
-    programs |= {"eb": dict(layers=(0, 1), first=True, last=False),
-                 "bh": dict(layers=(0, 1), first=False, last=True)}
+    _stat([0.0], statistic)  # a bad statistic fails before anything is built
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: expected at least 1")
     out: dict[tuple[int, int], dict[str, LayerCost]] = {}
-    rng = np.random.default_rng(seed)
     for t in tensor_degrees:
-        if t > len(nodes[0][1]):
-            raise ValueError(f"tensor={t}: chip {chip_name} has {len(nodes[0][1])} devices in a node")
-        meshes = [stage_mesh(StagePlacement(0, chip_name, backend, i, tuple(devs[:t])), data=1, tensor=t)
-                  for i, (backend, devs) in enumerate(nodes[:copies])]
         for b in microbatches:
-            fns: dict[str, Callable[[], object]] = {}
-            together: dict[str, list[Callable[[], object]]] = {}
-            mems, inputs = {}, {}
-            for name, kw in programs.items():
-                # the probe runs copies of the 2-block program; its contention holds for every part
-                for i, mesh in enumerate(meshes if name == "b2" else meshes[:1]):
-                    spec = StageSpec(chip=chip_name, layers=kw["layers"], data=1, tensor=t)
-                    st = StageProgram(0, spec, mesh, StageModule(gpt, **kw), tx, first=kw["first"],
-                                      last=kw["last"], label=f"profile {name}")
-                    shape = (b, two.seq_len)
-                    if kw["first"]:
-                        x = jax.device_put(rng.integers(0, two.vocab_size, shape, dtype=np.int32), st.act_sharding)
-                    else:
-                        x = jax.device_put(jnp.asarray(rng.normal(size=(*shape, two.d_model)),
-                                                       jnp.dtype(two.dtype)), st.act_sharding)
-                    tgt = (jax.device_put(rng.integers(0, two.vocab_size, shape, dtype=np.int32),
-                                          st.act_sharding) if kw["last"] else None)
-                    y, _ = st.forward(x, tgt)
-                    dy = (jax.device_put(jnp.float32(1.0), st.scalar_sharding) if kw["last"]
-                          else jax.device_put(jnp.ones_like(y), st.act_sharding))
-                    f = lambda st=st, x=x, tgt=tgt: st.forward(x, tgt)[0]  # noqa: E731
-                    fb = lambda st=st, x=x, tgt=tgt, dy=dy: st.backward(st.forward(x, tgt)[1], dy)  # noqa: E731
-                    if name == "b2":
-                        together.setdefault("f", []).append(f)
-                        together.setdefault("fb", []).append(fb)
-                    if i:
-                        continue
-                    fns[f"{name}/f"], fns[f"{name}/fb"] = f, fb
-                    if name in BLOCK_PROGRAMS:
-
-                        def update(st=st):
-                            float(st.grad_sqnorm())  # the driver syncs on every stage's norm, then updates
-                            st.apply_update(1.0)
-                            return st.params
-
-                        fns[f"{name}/u"] = update
-                    if name in ("b1", "eb", "bh"):
-                        mems[name] = st.memory(x, tgt, in_flight=1)
-                    inputs[name] = float(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize)
-            if copies > 1:  # a boundary tensor moved to another client of the host, as the runtime does
-                y1 = fns["b1/f"]()
-                dst = NamedSharding(meshes[1], P("data"))
-                fns["xfer"] = lambda y1=y1, dst=dst: jax.device_put(y1, dst)
-            r = _round_robin(fns, repeats)
-            wall = {k: v[0] for k, v in r.items()}
-            work = {k: v[1] for k, v in r.items()}  # process CPU seconds
-            for d in (wall, work):  # backward = forward+backward - forward
-                for name in programs:
-                    d[f"{name}/b"] = d[f"{name}/fb"] - d[f"{name}/f"]
-            probe: dict[str, float] = {}
-            if copies > 1:
-                # `copies` = host-cores programs at once keep every core busy (each alone keeps
-                # >= 1 busy): one copy's core-seconds are the cores' share of the time it took
-                tog = _together(together, repeats)
-                probe = {"f": tog["f"] * cap / copies / wall["b2/f"],
-                         "b": (tog["fb"] - tog["f"]) * cap / copies / wall["b2/b"]}
-
-            def split(d: dict[str, float], kind: str) -> dict[str, float]:
-                """Per part and the fixed cost of a call (module docstring)."""
-                blk, fixed = fit_line(d, kind)
-                one = fixed + blk  # the fitted 1-block program
-                return {"block": blk, PROGRAM: fixed, "embed": d[f"eb/{kind}"] - one, "head": d[f"bh/{kind}"] - one}
-
-            w = {k: split(wall, k) for k in ("f", "b")}
-            c = {k: split(work, k) for k in ("f", "b")}
-            # bytes per part: the block program's, and differences of the programs' memory analyses
-            mb1, me, mh = mems["b1"], mems["eb"], mems["bh"]
-            nbytes = {
-                "block": (float(mb1.params), float(mb1.activations), inputs["b1"], float(mb1.workspace)),
-                "embed": (float(me.params - mb1.params), float(me.activations - mb1.activations), inputs["eb"],
-                          float(me.workspace)),
-                "head": (float(mh.params - mb1.params), float(mh.activations - mb1.activations), inputs["b1"],
-                         float(mh.workspace)),
-                PROGRAM: (0.0, 0.0, 0.0, 0.0),  # holds no parameters or activations of its own
-            }
-            # optimizer step: per block and per call from the two block programs; elementwise, so
-            # the embedding's and the head's are the block's per parameter byte
-            upd_blk, upd_fixed = fit_line(wall, "u")
-            upd_blk = max(upd_blk, 1e-9)
-            upd = {"block": upd_blk, PROGRAM: upd_fixed,
-                   "embed": upd_blk * nbytes["embed"][0] / nbytes["block"][0],
-                   "head": upd_blk * nbytes["head"][0] / nbytes["block"][0]}
-            row: dict[str, LayerCost] = {}
-            for part in ("embed", "block", "head", PROGRAM):
-                pb, ab, ib, tb = nbytes[part]
-                row[part] = LayerCost(
-                    fwd_s=max(w["f"][part], 0.0), bwd_s=max(w["b"][part], 0.0), param_bytes=pb,
-                    act_bytes=max(ab, 0.0), input_bytes=ib, temp_bytes=tb, estimated=False,
-                    fwd_cores=_cores(probe["f"], 1.0, cap) if probe else _cores(c["f"][part], w["f"][part], cap),
-                    bwd_cores=_cores(probe["b"], 1.0, cap) if probe else _cores(c["b"][part], w["b"][part], cap),
-                    update_s=upd[part])
-            if "xfer" in wall:
-                row[TRANSFER] = LayerCost(fwd_s=wall["xfer"], bwd_s=wall["xfer"], param_bytes=0.0, act_bytes=0.0,
-                                          input_bytes=0.0, temp_bytes=0.0, estimated=False)
-            out[(t, b)] = row
+            prof = ChipProfiler(chip_name, chip, model, tensor_degrees=[t], microbatches=[b], seed=seed)
+            for _ in range(repeats):
+                prof.round()
+            out |= prof.rows(statistic)
+            del prof
     return out
 
 
@@ -291,61 +351,95 @@ NULL_MODEL = {"vocab_size": 256, "seq_len": 4, "d_model": 8, "n_heads": 1, "n_la
 DRIVER_RUNS = ((1, 3), (1, 6), (2, 6))  # (stages, microbatches)
 
 
-def profile_driver(chip_name: str, *, steps: int = 30) -> DriverCost:
-    """What the runtime's driver costs on this host beyond its programs (``DriverCost``).
+class DriverProfiler:
+    """What the runtime's driver costs on this host beyond its programs (``DriverCost``),
+    timed in rounds like :class:`ChipProfiler`.
 
     The real trainer runs a model whose programs cost next to nothing (``NULL_MODEL``) as 1
     stage with 3 and with 6 microbatches and as 2 stages (two nodes of ``chip_name``, so two
-    clients) with 6, one step of each in turn for `steps` rounds after 2 warm-up steps; the
-    lower quartiles of each step's wall and process CPU seconds give, with the same
-    programs' calls timed alone (``_round_robin``), the driver's CPU per forward/backward
+    clients) with 6, after 2 warm-up steps each; a round is one step of each and one
+    forward+backward call of the 1-stage program timed alone. `statistic` (``_stat``) of
+    the rounds' wall and process CPU seconds gives the driver's CPU per forward/backward
     beyond the call itself (which the profile's ``"program"`` part already holds), per
     boundary tensor and per step, and its wall seconds per step outside the ops. Needs two
     emulated nodes of the chip registered (the profiler's contention probe registers them).
+    ``close()`` releases the trainers.
     """
-    import json
 
-    from h2jax.config import load_config
-    from h2jax.runtime._trainer import Trainer
+    def __init__(self, chip_name: str):
+        import json
 
-    def S(layers):
-        return {"chip": chip_name, "layers": list(layers), "data": 1, "tensor": 1, "recompute": False}
+        from h2jax.config import load_config
+        from h2jax.runtime._trainer import Trainer
 
-    base = [f"model={json.dumps(NULL_MODEL)}", f"cluster.chips={json.dumps({chip_name: {'nodes': 2}})}",
-            "train.progress=false", "train.tensorboard=false", "train.timeline=false", "checkpoint.enabled=false",
-            "train.memory_check=false"]
-    trainers = {}
-    for n, m in DRIVER_RUNS:
-        stages = [S((0, 2))] if n == 1 else [S((0, 1)), S((1, 2))]
-        cfg = load_config(None, base + [f"plan.global_batch={m}", f"plan.num_microbatches={m}",
-                                        f"plan.stages={json.dumps(stages)}"])
-        trainers[(n, m)] = tr = Trainer(cfg, run_dir=None)
-        for _ in range(2):
-            tr.train_step()
-    try:
-        walls: dict[tuple[int, int], list[float]] = {k: [] for k in trainers}
-        cpus: dict[tuple[int, int], list[float]] = {k: [] for k in trainers}
-        for _ in range(steps):
-            for k, tr in trainers.items():
-                c0 = time.process_time()
-                walls[k].append(tr.train_step().step_time_s)
-                cpus[k].append(time.process_time() - c0)
-        st = trainers[(1, 3)].stages[0]
-        tok, tgt = trainers[(1, 3)]._device_batch(0)
-        dloss = trainers[(1, 3)].pipeline._dloss
-        r = _round_robin({"fb": lambda: st.backward(st.forward(tok[0], tgt[0])[1], dloss)}, steps)
-        call_cpu = r["fb"][1] / 2  # one forward or backward call alone
-        st.zero_grads()
-    finally:
-        for tr in trainers.values():
+        def S(layers):
+            return {"chip": chip_name, "layers": list(layers), "data": 1, "tensor": 1, "recompute": False}
+
+        base = [f"model={json.dumps(NULL_MODEL)}", f"cluster.chips={json.dumps({chip_name: {'nodes': 2}})}",
+                "train.progress=false", "train.tensorboard=false", "train.timeline=false",
+                "checkpoint.enabled=false", "train.memory_check=false"]
+        self.trainers: dict[tuple[int, int], Trainer] = {}
+        try:
+            for n, m in DRIVER_RUNS:
+                stages = [S((0, 2))] if n == 1 else [S((0, 1)), S((1, 2))]
+                cfg = load_config(None, base + [f"plan.global_batch={m}", f"plan.num_microbatches={m}",
+                                                f"plan.stages={json.dumps(stages)}"])
+                self.trainers[(n, m)] = tr = Trainer(cfg, run_dir=None)
+                for _ in range(2):
+                    tr.train_step()
+            tr1 = self.trainers[(1, 3)]
+            st = tr1.stages[0]
+            tok, tgt = tr1._device_batch(0)
+            dloss = tr1.pipeline._dloss
+            self._call = {"fb": lambda: st.backward(st.forward(tok[0], tgt[0])[1], dloss)}
+            jax.block_until_ready(self._call["fb"]())
+        except BaseException:
+            self.close()
+            raise
+        self.walls: dict[tuple[int, int], list[float]] = {k: [] for k in self.trainers}
+        self.cpus: dict[tuple[int, int], list[float]] = {k: [] for k in self.trainers}
+        self._call_wall: dict[str, list[float]] = {}
+        self._call_cpu: dict[str, list[float]] = {}
+        self.rounds = 0
+
+    def round(self) -> None:
+        """One step of each trainer and one call timed alone."""
+        for k, tr in self.trainers.items():
+            c0 = time.process_time()
+            self.walls[k].append(tr.train_step().step_time_s)
+            self.cpus[k].append(time.process_time() - c0)
+        _time_calls(self._call, self._call_wall, self._call_cpu)
+        self.trainers[(1, 3)].stages[0].zero_grads()  # the call alone accumulated gradients
+        self.rounds += 1
+
+    def result(self, statistic: str = "median") -> DriverCost:
+        _stat([0.0], statistic)
+        if not self.rounds:
+            raise RuntimeError("driver profiler: no round timed yet")
+        w = {k: _stat(v, statistic) for k, v in self.walls.items()}
+        c = {k: _stat(v, statistic) for k, v in self.cpus.items()}
+        call_cpu = _stat(self._call_cpu["fb"], statistic) / 2  # one forward or backward call alone
+        per_op_cpu = (c[(1, 6)] - c[(1, 3)]) / (2 * 3)  # 2 ops per microbatch
+        per_op_wall = (w[(1, 6)] - w[(1, 3)]) / (2 * 3)
+        step_cpu = max(0.0, c[(1, 3)] - 2 * 3 * per_op_cpu)
+        step_s = max(0.0, w[(1, 3)] - 2 * 3 * per_op_wall)
+        # 2 stages: twice the ops of 1 stage, plus 2 x 6 boundary tensors
+        transfer_cpu = max(0.0, (c[(2, 6)] - step_cpu - 2 * 2 * 6 * per_op_cpu) / (2 * 6))
+        return DriverCost(step_s=step_s, step_cpu_s=step_cpu, op_cpu_s=max(0.0, per_op_cpu - call_cpu),
+                          transfer_cpu_s=transfer_cpu)
+
+    def close(self) -> None:
+        for tr in self.trainers.values():
             tr.pipeline.close()
-    w = {k: _lower_quartile(v) for k, v in walls.items()}
-    c = {k: _lower_quartile(v) for k, v in cpus.items()}
-    per_op_cpu = (c[(1, 6)] - c[(1, 3)]) / (2 * 3)  # 2 ops per microbatch
-    per_op_wall = (w[(1, 6)] - w[(1, 3)]) / (2 * 3)
-    step_cpu = max(0.0, c[(1, 3)] - 2 * 3 * per_op_cpu)
-    step_s = max(0.0, w[(1, 3)] - 2 * 3 * per_op_wall)
-    # 2 stages: twice the ops of 1 stage, plus 2 x 6 boundary tensors
-    transfer_cpu = max(0.0, (c[(2, 6)] - step_cpu - 2 * 2 * 6 * per_op_cpu) / (2 * 6))
-    return DriverCost(step_s=step_s, step_cpu_s=step_cpu, op_cpu_s=max(0.0, per_op_cpu - call_cpu),
-                      transfer_cpu_s=transfer_cpu)
+
+
+def profile_driver(chip_name: str, *, steps: int = 30, statistic: str = "median") -> DriverCost:
+    """The driver's costs (``DriverProfiler``) from `steps` rounds back to back."""
+    _stat([0.0], statistic)
+    prof = DriverProfiler(chip_name)
+    try:
+        for _ in range(steps):
+            prof.round()
+        return prof.result(statistic)
+    finally:
+        prof.close()

@@ -9,7 +9,7 @@ from h2jax.config import load_config
 from h2jax.models import GPTConfig
 from h2jax.plan import ModelShape, ProfileTable, estimate, load_chip, roofline_costs
 from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
-from h2jax.runtime._profile import BLOCK_COUNTS, fit_line, profile_chip
+from h2jax.runtime._profile import BLOCK_COUNTS, ChipProfiler, fit_line, profile_chip
 
 
 def test_measured_profile_feeds_the_planner(tmp_path):
@@ -86,3 +86,45 @@ def test_block_cost_is_the_least_squares_line_through_the_block_programs():
     assert abs(blk - 2.0) == pytest.approx(0.7 / 14)
     # a line through the origin or below it: no negative fixed cost
     assert fit_line({f"b{k}/u": 2.0 * k - 0.5 for k in BLOCK_COUNTS}, "u")[1] == 0.0
+
+
+def test_profiler_rounds_accumulate_and_the_statistic_is_chosen():
+    chip = load_config(None).cluster.chips["sim_a"]
+    model = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    with pytest.raises(ValueError, match=r"statistic='mean': expected one of median, lower-quartile"):
+        profile_chip("sim_a", chip, model, tensor_degrees=[1], microbatches=[2], statistic="mean")
+    prof = ChipProfiler("sim_a", chip, model, tensor_degrees=[1], microbatches=[1, 2])
+    with pytest.raises(RuntimeError, match="no round timed yet"):
+        prof.rows()
+    for _ in range(5):  # rounds a caller may spread over a long run
+        prof.round()
+    assert prof.rounds == 5
+    med, low = prof.rows("median"), prof.rows("lower-quartile")
+    assert set(med) == set(low) == {(1, 1), (1, 2)}
+    for key in med:
+        # the transfer is one timed call (no fit): its lower quartile is at most its median,
+        # and both come from the same five rounds
+        assert 0 < low[key][TRANSFER].fwd_s <= med[key][TRANSFER].fwd_s
+        assert med[key]["block"].fwd_s > 0 and not med[key]["block"].estimated
+    with pytest.raises(ValueError, match="statistic='p90'"):
+        prof.rows("p90")
+
+
+def test_cli_profile_measures_and_writes_a_table_the_planner_reads(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "prof.json"
+    r = subprocess.run([sys.executable, "-m", "h2jax.cli", "profile", "--chip", "sim_a", "--model", "configs/tiny.yaml",
+                        "--tensor", "1", "--microbatch", "2", "4", "--measure", "--repeats", "3",
+                        "--statistic", "lower-quartile", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "sim_a tensor=1 microbatch=2" in r.stdout and "(measured)" in r.stdout
+    assert "runtime driver on" in r.stdout
+    table = ProfileTable.load(out)
+    assert table.measured("sim_a") and table.driver
+    bad = subprocess.run([sys.executable, "-m", "h2jax.cli", "profile", "--chip", "sim_a", "--model",
+                          "configs/tiny.yaml", "--measure", "--statistic", "mean"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--statistic" in bad.stderr and "'mean'" in bad.stderr
