@@ -22,11 +22,12 @@ Between chips on one shared host (emulated) the measured host-memory transfer is
 
 Iteration time, 1F1B and GPipe alike (they differ in memory, not in time)::
 
-    T_pipe = (m - 1) * max_s t_s + sum_s t_s + sum_b (c_fwd_b + c_bwd_b) + max_s g_s
-    T      = max(T_pipe, max_h T_h)
+    T_pipe = (m - 1) * P + sum_s t_s + sum_b (c_fwd_b + c_bwd_b) + max_s g_s
+    T      = max(T_pipe, max_h W_h / C_h)
 
-with t_s = fwd_s + bwd_s, c the boundary transfers, g_s = gradient all-reduce + update.
-The first two terms of T_pipe are the classic pipeline estimate (fill/drain plus m - 1
+with t_s = fwd_s + bwd_s, c the boundary transfers, g_s = gradient all-reduce + update,
+and the steady-state period P = max_s t_s when every stage has its chip to itself. The
+first two terms of T_pipe are the classic pipeline estimate (fill/drain plus m - 1
 steady-state slots of the slowest stage); the simulator replays the schedule event by
 event to check it.
 
@@ -34,31 +35,32 @@ Shared hosts (``ChipProfile.host``; emulated chips all compute on the job's own 
 the stages of host h share its C_h cores. A stage's program keeps `cores` of them busy
 on average while it runs alone (measured by ``h2jax profile``: from how much slower
 copies of a program run side by side on the host, else CPU seconds / wall seconds; 1
-when not measured), so it needs ``work = seconds x cores`` core-seconds, and stage j
-needs ``w_j = m (work_fwd_j + work_bwd_j) + work_tail_j`` of its host per step; W_h sums
-them over the host's stages. The step cannot be shorter than W_h / C_h, however the
-pipeline overlaps -- but the host's cores are not all usable all the time: stage j can
-work only inside its window [lead_j, T - trail_j] (fill: its first input arrives after
-the forwards and transfers of the stages before it, lead_j = sum_{i<j} (fwd_i + c_fwd_i);
-drain: after its last backward those stages still run theirs, trail_j = sum_{i<j}
-(bwd_i + c_bwd_i)). Spreading each stage's work evenly over its window, the host's cores
-must cover the sum of the rates::
-
-    T_h = the smallest T with  sum_{j on h} w_j / (T - lead_j - trail_j) + w_driver / T <= C_h
-
-(bisection; the demand falls as T grows). T_h >= W_h / C_h, with equality when nothing
-fills or drains (one stage, or every stage on a host of its own). Plans with few
-microbatches spend much of the step filling and draining, with a core idle: W_h / C_h
-alone priced them up to 20 % short on this 2-core host (docs/LOG.md). A stage with
-`data` devices on a shared host runs `data` copies of the measured per-device program at
-once, so its work is `data` times theirs and, alone, it is stretched by max(1, data x
-cores / C_h). The simulator models the sharing event by event instead (processor
-sharing: when the programs running on a host want more cores than it has, each runs
-slower by C_h / sum of their cores); T_h is its closed-form counterpart, not a bound on
-it (W_h / C_h is). Chips with hosts of their own (every real chip profile) are
-unaffected. ``CostOptions(host_contention=False)`` turns the term off. The search
-(``h2jax.plan._search``) prices each configuration's T_pipe-optimal split with this
-estimate, host term included, and improves the split by it (``polish_split``).
+when not measured), so one microbatch's forward and backward need ``work_s = fwd x
+cores_fwd + bwd x cores_bwd`` core-seconds of it. In 1F1B's steady state every stage runs
+one microbatch's forward and backward per period, all at once; on a shared host they
+take turns on its cores, so the period is (``steady_period``) the larger of max_s t_s and
+the time the host's cores take to finish one microbatch's work of each of its stages
+started together, each stage using at most its own average cores work_s / t_s and an
+equal share of what the others leave (fluid processor sharing, ``fluid_makespan``). Fill
+and drain (sum_s t_s) are priced uncontended: fewer stages run then. A light stage
+beside a heavy one thus lengthens the period by the cores it takes while both run (the
+uneven split 5 + 1 of the fidelity benchmark: priced 14-19 % short without it), and
+stages that together want no more than C_h cores cost nothing extra. The step also
+cannot be shorter than W_h / C_h, the host's core-seconds per step (W_h: every stage's
+``m x work_s + tail work`` and the driver's per-step CPU) over its cores. Session 4's
+host term spread each stage's work evenly over its fill-to-drain window instead; with a
+profile timed alongside the steps it priced plans with 2 microbatches on 2-3 stages 3-8
+% long and the uneven split 14-19 % short, ranking the ten plans at tau 0.42-0.69
+against 0.73-0.87 for this period (docs/LOG.md, session 5). A stage with `data` devices
+on a shared host runs `data` copies of the measured per-device program at once, so its
+work is `data` times theirs and, alone, it is stretched by max(1, data x cores / C_h).
+The simulator models the sharing event by event instead (processor sharing: when the
+programs running on a host want more cores than it has, each runs slower by C_h / sum of
+their cores). Chips with hosts of their own (every real chip profile) are unaffected.
+``CostOptions(host_contention=False)`` turns the term off. The search
+(``h2jax.plan._search``) prices each configuration's T_pipe-optimal split (P = max t)
+with this estimate, contention included, and improves the split by it
+(``polish_split``).
 
 The runtime's driver (Python threads that dispatch programs, move boundary tensors and
 run the step) costs host CPU too: where the table holds a measured ``DriverCost`` for a
@@ -82,7 +84,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import accumulate
 
 from h2jax.plan._plan import Plan, StageSpec
 from h2jax.plan._profiles import (
@@ -199,8 +200,9 @@ class PlanCost:
     cluster_devices_by_chip: dict[str, int]
     reasons: list[str] = field(default_factory=list)
     pipeline_bound_s: float = 0.0  # T_pipe of the module docstring
+    period_s: float = 0.0  # its steady-state period P (max_s t_s, longer where stages share a host)
     driver_step_s: float = 0.0  # the runtime driver's seconds per step outside the pipeline (in T_pipe)
-    host_bound_s: dict[str, float] = field(default_factory=dict)  # host -> T_h (module docstring)
+    host_bound_s: dict[str, float] = field(default_factory=dict)  # host -> W_h / C_h (module docstring)
     host_work_s: dict[str, float] = field(default_factory=dict)  # host -> W_h, core-seconds per step
     host_cores: dict[str, int] = field(default_factory=dict)  # host -> C_h
 
@@ -367,9 +369,12 @@ def transfer_s(model: ModelShape, src_chip: ChipProfile, src: tuple[int, int], d
     return t
 
 
-def iteration_time(ts: Sequence[float], transfers: float, tails: Sequence[float], num_microbatches: int) -> float:
-    """(m - 1) * max t + sum t + transfers + max tail: the formula every estimate uses."""
-    return (num_microbatches - 1) * max(ts) + sum(ts) + transfers + max(tails)
+def iteration_time(ts: Sequence[float], transfers: float, tails: Sequence[float], num_microbatches: int, *,
+                   period: float | None = None) -> float:
+    """(m - 1) * P + sum t + transfers + max tail: the formula every estimate uses, with the
+    steady-state period P = max t (or `period`: on shared hosts, :func:`steady_period`)."""
+    p = max(ts) if period is None else period
+    return (num_microbatches - 1) * p + sum(ts) + transfers + max(tails)
 
 
 def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, ChipProfile], *,
@@ -397,13 +402,11 @@ def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, Chip
                            f"{sc.memory.describe()} per device; {s.chip} has {sc.memory_limit / GIB:.2f} GiB")
     fwd_x, bwd_x = boundary_transfers(plan.stages, model, profiles, microbatch=mb, eff=table.eff, table=table)
     stages, step_s, step_cpu = with_driver(stages, table)
-    t_pipe = iteration_time([s.t for s in stages], sum(fwd_x) + sum(bwd_x), [s.tail_s for s in stages], m) + step_s
     cores = shared_host_cores(plan.stages, [s.host for s in stages], profiles, table)
-    # fill and drain: stage j's first input arrives after the forwards (and transfers) of
-    # the stages before it; after its last backward those stages still drain
-    lead = [0.0, *accumulate(s.fwd_s + x for s, x in zip(stages, fwd_x))]
-    trail = [0.0, *accumulate(s.bwd_s + x for s, x in zip(stages, bwd_x))]
-    bounds, work = host_bounds(stages, m, cores, lead=lead, trail=trail, extra=step_cpu)
+    period = steady_period(stages, cores, m, extra=step_cpu)
+    t_pipe = iteration_time([s.t for s in stages], sum(fwd_x) + sum(bwd_x), [s.tail_s for s in stages], m,
+                            period=period) + step_s
+    bounds, work = host_bounds(stages, m, cores, extra=step_cpu)
     t = max([t_pipe, *bounds.values()])
     used: dict[str, int] = {}
     for s in plan.stages:
@@ -412,7 +415,7 @@ def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, Chip
              else dict(used))
     return PlanCost(plan=plan, stages=stages, transfers_fwd=fwd_x, transfers_bwd=bwd_x, iteration_s=t,
                     tokens_per_step=plan.global_batch * model.seq_len, devices_by_chip=used,
-                    cluster_devices_by_chip=total, reasons=reasons, pipeline_bound_s=t_pipe,
+                    cluster_devices_by_chip=total, reasons=reasons, pipeline_bound_s=t_pipe, period_s=period,
                     host_bound_s=bounds, host_work_s=work, host_cores=cores, driver_step_s=step_s)
 
 
@@ -448,50 +451,60 @@ def shared_host_cores(specs: Sequence[StageSpec], hosts: Sequence[str | None],
 
 
 def host_bounds(stages: Sequence[StageCost], num_microbatches: int, cores: Mapping[str, float], *,
-                lead: Sequence[float] | None = None, trail: Sequence[float] | None = None,
                 extra: Mapping[str, float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
-    """(host -> T_h, host -> W_h) of every shared host (module docstring).
-
-    W_h: the core-seconds one step needs of host h (its stages' ``m x work + tail work``,
-    plus ``extra[h]`` per step: the driver's). T_h: the shortest step in which h's cores can
-    deliver them when stage j works only inside its window [lead_j, T - trail_j] (fill and
-    drain: its first input arrives lead_j after the step starts; the stages before it drain
-    for trail_j after its last backward), spread evenly there, and the driver's work over
-    the whole step: the smallest T with ``sum_j w_j / (T - lead_j - trail_j) + w_drv / T
-    <= C_h``. With no fill or drain (lead = trail = 0) that is W_h / C_h, which T_h never
-    falls below.
-    """
-    n = len(stages)
-    lead = list(lead) if lead is not None else [0.0] * n
-    trail = list(trail) if trail is not None else [0.0] * n
-    jobs: dict[str, list[tuple[float, float]]] = {}  # host -> [(core-seconds, lead + trail)]
-    for s, a, z in zip(stages, lead, trail):
+    """(host -> W_h / C_h, host -> W_h) of every shared host (module docstring): W_h the
+    core-seconds one step needs of host h (its stages' ``m x work + tail work``, plus
+    ``extra[h]`` per step: the driver's); no schedule delivers them faster."""
+    work: dict[str, float] = {}
+    for s in stages:
         if s.host is not None:
-            jobs.setdefault(s.host, []).append((num_microbatches * s.work_s + s.tail_work_s, a + z))
+            work[s.host] = work.get(s.host, 0.0) + num_microbatches * s.work_s + s.tail_work_s
     for h, w in (extra or {}).items():
-        if h in jobs and w > 0:
-            jobs[h].append((w, 0.0))
-    bound, work = {}, {}
-    for h, js in jobs.items():
-        c = cores[h]
-        work[h] = sum(w for w, _ in js)
-        if work[h] <= 0:
-            bound[h] = 0.0
-            continue
-        # demand(T) = sum w / (T - off) falls as T grows; at W / C + the largest offset every
-        # window is at least W / C long, so the demand is at most C there
-        lo = max(work[h] / c, max(off for _, off in js))
-        hi = work[h] / c + max(off for _, off in js)
-        for _ in range(100):
-            mid = 0.5 * (lo + hi)
-            if all(mid > off for _, off in js) and sum(w / (mid - off) for w, off in js) <= c:
-                hi = mid
-            else:
-                lo = mid
-            if hi - lo <= 1e-12 * hi:
-                break
-        bound[h] = hi
-    return bound, work
+        if h in work and w > 0:
+            work[h] += w
+    return {h: w / cores[h] for h, w in work.items()}, work
+
+
+def steady_period(stages: Sequence[StageCost], cores: Mapping[str, float], num_microbatches: int, *,
+                  extra: Mapping[str, float] | None = None) -> float:
+    """The steady-state period P of the pipeline (module docstring): max_s t_s, and on every
+    shared host h the time its cores take to run one microbatch's forward and backward of
+    each of its stages started together (:func:`fluid_makespan`; a stage uses at most its
+    own average cores, ``work_s / t``), with the driver's per-step CPU ``extra[h]`` spread
+    over the m periods as one more job of at most one core (a Python thread)."""
+    period = max(s.t for s in stages)
+    for h, c in cores.items():
+        jobs = [(s.work_s, s.work_s / s.t) for s in stages if s.host == h and s.t > 0 and s.work_s > 0]
+        drv = (extra or {}).get(h, 0.0)
+        if drv > 0:
+            jobs.append((drv / num_microbatches, 1.0))
+        if jobs:
+            period = max(period, fluid_makespan(jobs, c))
+    return period
+
+
+def fluid_makespan(jobs: Sequence[tuple[float, float]], cores: float) -> float:
+    """When the last of `jobs` -- (core-seconds, most cores it can use) -- finishes if all start
+    together on `cores` cores shared fluidly: at every moment each unfinished job runs at
+    the smaller of its cap and an equal share of what the capped jobs leave (water-filling,
+    processor sharing). Alone, a job takes work / min(cap, cores); together never less than
+    sum(work) / cores."""
+    left = {i: w for i, (w, cap) in enumerate(jobs) if w > 0 and cap > 0}
+    t = 0.0
+    while left:
+        rate: dict[int, float] = {}
+        free, k = float(cores), len(left)
+        for i in sorted(left, key=lambda i: jobs[i][1]):  # smallest caps first
+            rate[i] = min(jobs[i][1], free / k)
+            free -= rate[i]
+            k -= 1
+        dt = min(left[i] / rate[i] for i in left)
+        t += dt
+        for i in list(left):
+            left[i] -= rate[i] * dt
+            if left[i] <= 1e-12 * jobs[i][0]:
+                del left[i]
+    return t
 
 
 def boundary_transfers(stages: Sequence[StageSpec], model: ModelShape, profiles: Mapping[str, ChipProfile], *,

@@ -27,16 +27,16 @@ stage's per-layer time -- cannot beat the best plan found so far. The same bound
 whole space, is the lower bound the result reports the gap to.
 
 Shared hosts (emulated chips, whose stages all compute on one machine's cores): the cost
-model's step is max(T_pipe, T_h), where T_h -- the host's cores delivering its core-seconds
-W_h around fill and drain (``h2jax.plan._cost``) -- depends on the configuration (data
-degrees, stage count, microbatches: program calls) far more than on the layer split. The
-search finds each configuration's T_pipe-optimal split as above, improves it by the full
-estimate (:func:`polish_split`: move a layer across a boundary or flip a recompute flag
-while that helps) and ranks configurations by that; pruning stays valid (every bound is
-below T_pipe, which is below the full estimate). Exact for T_pipe; with a binding host
-term the hill climb is not proven optimal, but on 60 random shared-host instances (1, 2 or
-4 cores) it matched the brute force on all 60 (54 without the hill climb); 20 of them are
-in the tests.
+model lengthens the steady-state period to the time the host's cores take to run one
+microbatch of every stage at once, and bounds the step by W_h / C_h (``h2jax.plan._cost``);
+both depend on the configuration (data degrees, stage count, microbatches: program calls)
+far more than on the layer split. The search finds each configuration's T_pipe-optimal
+split as above, improves it by the full estimate (:func:`polish_split`: give a layer of one
+stage to another or flip a recompute flag while that helps) and ranks configurations by
+that; pruning stays valid (every bound is below T_pipe, which is below the full estimate).
+Exact for T_pipe; with contention the hill climb is not proven optimal, but on 80 random
+shared-host instances (1, 2 or 4 cores) it matched the brute force on all 80; 20 of them
+are in the tests.
 """
 
 from __future__ import annotations
@@ -508,7 +508,7 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
             if res is None or res[0] >= best:
                 continue
             value, layers, recompute = res[0], list(res[1]), list(res[2])
-            if shared:  # the step is max(T_pipe, host term): price in full, then improve the split
+            if shared:  # contention on the host: price in full, then improve the split
                 value, layers, recompute = polish_split(
                     seq, layers, recompute, lambda ls, rc: _full_time(build_plan(
                         seq, ls, rc, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule),
@@ -560,20 +560,23 @@ def _full_time(plan: Plan, model: ModelShape, cluster: Cluster, table: ProfileTa
 
 def polish_split(seq: Sequence[ChipChoice], layers: list[int], recompute: list[bool], price, *,
                  allow_recompute: bool) -> tuple[float, list[int], list[bool]]:
-    """Hill-climb from a layer split by the full estimate `price(layers, recompute)`: move one
-    layer across a boundary or flip one stage's recompute flag, take the best move while it
-    helps. With shared hosts the host term depends on the split too (fill and drain: how
-    long the first stages' forwards and backwards take), which the T_pipe-optimal split
-    the dynamic program finds does not see."""
+    """Hill-climb from a layer split by the full estimate `price(layers, recompute)`: give one
+    layer of any stage to any other (the stages between keep their counts, their ranges
+    shift) or flip one stage's recompute flag, take the best move while it helps. With
+    shared hosts the contention depends on the split too (how much of the host each stage
+    wants while they run together), which the T_pipe-optimal split the dynamic program
+    finds does not see. Moves between any two stages, not only neighbours: a one-layer
+    stage between them would otherwise wall the better split off (a move through it
+    empties it)."""
     value = price(layers, recompute)
     while True:
         moves: list[tuple[list[int], list[bool]]] = []
-        for b in range(len(seq) - 1):
-            for d in (1, -1):  # a layer from stage b + 1 to b, or back
-                ls = list(layers)
-                ls[b] += d
-                ls[b + 1] -= d
-                if ls[b] >= 1 and ls[b + 1] >= 1:
+        for a in range(len(seq)):
+            for b in range(len(seq)):
+                if a != b and layers[a] > 1:  # a layer from stage a to stage b
+                    ls = list(layers)
+                    ls[a] -= 1
+                    ls[b] += 1
                     moves.append((ls, recompute))
         if allow_recompute:
             for i in range(len(seq)):

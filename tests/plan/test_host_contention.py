@@ -1,7 +1,8 @@
 """Shared hosts: stages whose chips compute on one machine's cores (emulated chips) slow each
-other down. The cost model prices the step by the host's core-seconds over its cores, each
-stage's spread over the part of the step it can work in (fill, drain); the simulator shares
-the cores among the programs running at once. Hand-computed numbers."""
+other down. The cost model lengthens the pipeline's steady-state period to the time the host's
+cores take to run one microbatch of every stage at once (fluid processor sharing), and bounds
+the step by the host's core-seconds over its cores; the simulator shares the cores among the
+programs running at once. Hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from h2jax.plan import (
     simulate_plan,
     stage_cost,
 )
-from h2jax.plan._cost import transfer_s
+from h2jax.plan._cost import fluid_makespan, transfer_s
 from h2jax.plan._profiles import PROGRAM, TRANSFER, chip_from_dict
 
 MODEL = ModelShape(n_layers=4, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=16, act_bytes=4)
@@ -54,13 +55,6 @@ def _table(*, host_cores=None) -> ProfileTable:
     return t
 
 
-def _two_stage_host_time(w0: float, w1: float, off: float, cores: float) -> float:
-    """The larger root of w0 / T + w1 / (T - off) = cores: a 2-stage host term by hand."""
-    # cores T (T - off) = w0 (T - off) + w1 T  ->  cores T^2 - (cores off + w0 + w1) T + w0 off = 0
-    b = cores * off + w0 + w1
-    return (b + math.sqrt(b * b - 4 * cores * w0 * off)) / (2 * cores)
-
-
 def _plan(m=4, data=1):
     return Plan(stages=(StageSpec("a", (0, 2), data, 1), StageSpec("b", (2, 4), data, 1)),
                 global_batch=2 * m * data, num_microbatches=m, schedule="1f1b")
@@ -75,7 +69,27 @@ def test_chip_profiles_name_their_host():
         chip_from_dict("x", {**SPEC, "host_cores": 0})
 
 
-def test_shared_host_bounds_the_step_by_its_core_seconds():
+def test_fluid_makespan_hand_computed():
+    assert math.isclose(fluid_makespan([(2.0, 1.0), (2.0, 1.0)], 2), 2.0)  # each has its core
+    assert math.isclose(fluid_makespan([(3.0, 4.0)], 2), 1.5)  # alone: at most the host's cores
+    # both want 2 cores: 1 each until the small one ends at 1, then 2 for the rest: all work / cores
+    assert math.isclose(fluid_makespan([(3.0, 2.0), (1.0, 2.0)], 2), 2.0)
+    # a job capped at 1 core leaves the other 1 core, and stays the longest: work / cap
+    assert math.isclose(fluid_makespan([(4.0, 1.0), (1.0, 2.0)], 2), 4.0)
+    # water-filling: capped at 0.5, the first leaves 1.5 to the second (cap 3) on 2 cores; it
+    # ends at 1 s, the second has 1.5 left and takes both cores: 1 + 1.5 / 2
+    assert math.isclose(fluid_makespan([(0.5, 0.5), (3.0, 3.0)], 2), 1.75)
+    assert fluid_makespan([(0.0, 1.0)], 2) == 0.0
+    rng = random.Random(5)
+    for _ in range(50):  # never below the work over the cores, nor any job's work over its rate
+        jobs = [(rng.uniform(0.1, 5), rng.uniform(0.5, 3)) for _ in range(rng.randint(1, 5))]
+        c = rng.choice([1, 2, 4])
+        t = fluid_makespan(jobs, c)
+        assert t >= sum(w for w, _ in jobs) / c * (1 - 1e-12)
+        assert all(t >= w / min(cap, c) * (1 - 1e-12) for w, cap in jobs)
+
+
+def test_stages_sharing_a_host_lengthen_the_steady_state_period():
     chips = _chips(host="h", host_cores=2)
     c = estimate(_plan(), MODEL, chips, table=_table())
     # per stage, one program call each way (0.1 s) + 2 blocks: fwd 2.1 s, bwd 4.1 s
@@ -86,45 +100,56 @@ def test_shared_host_bounds_the_step_by_its_core_seconds():
     # tails: updates 2 x 0.1 + embed or head 0.01 + call 0.08 = 0.29 s on 1 core
     assert [round(s.tail_s, 9) for s in c.stages] == [0.29, 0.29]
     x = transfer_s(MODEL, chips["a"], (1, 1), chips["b"], (1, 1), microbatch=2)
-    t_pipe = 3 * 6.2 + 2 * 6.2 + 2 * x + 0.29
-    assert math.isclose(c.pipeline_bound_s, t_pipe)
-    # host h: 2 stages x (4 microbatches x 9.2 + 0.29) core-seconds on 2 cores; stage 1 can
-    # start after stage 0's forward and the transfer (2.1 + x) and ends before stage 0's last
-    # backward and the gradient's transfer (4.1 + x): w / T + w / (T - 6.2 - 2x) = 2
+    # steady state: both stages run a microbatch at once; each wants 9.2 / 6.2 = 1.48 cores,
+    # the host has 2, so each gets 1 and takes 9.2 s: the period is 9.2 s, not 6.2 s
+    assert math.isclose(c.period_s, 9.2)
+    assert math.isclose(c.pipeline_bound_s, 3 * 9.2 + 2 * 6.2 + 2 * x + 0.29)
+    # host h: 2 stages x (4 microbatches x 9.2 + 0.29) core-seconds on 2 cores bound it from below
     w = 4 * 9.2 + 0.29
-    assert math.isclose(c.host_work_s["h"], 2 * w)
-    want = _two_stage_host_time(w, w, 6.2 + 2 * x, 2)
-    assert want > 2 * w / 2  # above W / C: fill and drain idle a core
-    assert math.isclose(c.host_bound_s["h"], want)
-    assert math.isclose(c.iteration_s, want) and c.iteration_s > t_pipe and c.bound_by == "host h"
-    # the same chips with hosts of their own, or the term switched off: the pipeline formula
+    assert math.isclose(c.host_work_s["h"], 2 * w) and math.isclose(c.host_bound_s["h"], 2 * w / 2)
+    assert math.isclose(c.iteration_s, c.pipeline_bound_s) and c.pipeline_bound_s > w
+    assert c.bound_by == "pipeline"
+    # the same chips with hosts of their own, or the term switched off: the plain pipeline formula
+    t_pipe = 3 * 6.2 + 2 * 6.2 + 2 * x + 0.29
     alone = estimate(_plan(), MODEL, _chips(), table=_table())
     off = estimate(_plan(), MODEL, chips, table=_table(), opts=CostOptions(host_contention=False))
     for other in (alone, off):
         assert other.host_bound_s == {} and math.isclose(other.iteration_s, t_pipe)
-    # more cores: the pipeline bounds again
+        assert math.isclose(other.period_s, 6.2)
+    # 4 cores: both stages have the 1.48 cores they want: no contention
     assert math.isclose(estimate(_plan(), MODEL, _chips(host="h", host_cores=4), table=_table()).iteration_s, t_pipe)
-
-
-def test_fill_and_drain_weigh_less_with_more_microbatches():
-    chips = _chips(host="h", host_cores=2)
-    gaps = []
-    for m in (2, 4, 16):
-        c = estimate(_plan(m=m), MODEL, chips, table=_table())
-        gaps.append(c.host_bound_s["h"] / (c.host_work_s["h"] / 2) - 1)
-    assert gaps[0] > gaps[1] > gaps[2] > 0
-    # one stage neither waits for an input nor drains: exactly W / C
+    # one stage alone on the host wants 1.48 of its 2 cores: the plain formula, exactly
     one = Plan(stages=(StageSpec("a", (0, 4), 1, 1),), global_batch=8, num_microbatches=4, schedule="1f1b")
-    c = estimate(one, MODEL, chips, table=_table())
-    assert math.isclose(c.host_bound_s["h"], c.host_work_s["h"] / 2)
+    c1 = estimate(one, MODEL, chips, table=_table())
+    assert math.isclose(c1.period_s, c1.stages[0].t)
+
+
+def test_a_light_stage_beside_a_heavy_one_slows_it_by_the_cores_it_takes():
+    chips = _chips(host="h", host_cores=2)
+    plan = Plan(stages=(StageSpec("a", (0, 3), 1, 1), StageSpec("b", (3, 4), 1, 1)), global_batch=8,
+                num_microbatches=4, schedule="1f1b")
+    c = estimate(plan, MODEL, chips, table=_table())
+    heavy, light = c.stages
+    # heavy: 3 blocks, t = 0.1 + 3 + 0.1 + 6 = 9.2 s, 3 x 4.5 + 0.2 = 13.7 core-seconds;
+    # light: 1 block, t = 3.2 s, 4.7 core-seconds. Together on 2 cores each runs at 1 core
+    # until the light one is done (4.7 s), then the heavy one at its own 13.7 / 9.2 cores
+    assert math.isclose(heavy.t, 9.2) and math.isclose(heavy.work_s, 13.7)
+    assert math.isclose(light.t, 3.2) and math.isclose(light.work_s, 4.7)
+    want = 4.7 + (13.7 - 4.7) / (13.7 / 9.2)
+    assert math.isclose(c.period_s, want) and want > 9.2  # the pipeline formula's period: 9.2
+    # the simulator, which shares the cores op by op, agrees that the light stage costs the heavy one time
+    sim, _ = simulate_plan(plan, MODEL, chips, table=_table())
+    free, _ = simulate_plan(plan, MODEL, _chips(), table=_table())
+    assert sim.iteration_s > free.iteration_s
 
 
 def test_host_cores_come_from_the_profile_when_the_chip_does_not_say():
     c = estimate(_plan(), MODEL, _chips(host="h"), table=_table(host_cores=1))
     assert c.host_cores == {"h": 1}
-    x = c.transfers_fwd[0]
-    assert math.isclose(c.iteration_s, _two_stage_host_time(4 * 9.2 + 0.29, 4 * 9.2 + 0.29, 6.2 + 2 * x, 1))
-    assert c.iteration_s > 2 * (4 * 9.2 + 0.29)  # one core: still idle while stage 1 waits to start
+    # one core: a period runs both stages' 9.2 core-seconds back to back, and the step all of
+    # its core-seconds (the simulator's exact answer on one core without transfers)
+    assert math.isclose(c.period_s, 2 * 9.2)
+    assert math.isclose(c.iteration_s, 2 * (4 * 9.2 + 0.29)) and c.bound_by == "host h"
 
 
 def test_data_parallel_devices_share_the_host_too():
@@ -172,18 +197,20 @@ def test_the_driver_costs_host_cpu_per_op_per_tensor_sent_and_per_step():
     for s in c.stages:
         assert math.isclose(s.fwd_s, 2.1) and math.isclose(s.work_s, 9.2 + 0.5)
     x = transfer_s(MODEL, chips["a"], (1, 1), chips["b"], (1, 1), microbatch=2)
-    assert math.isclose(c.pipeline_bound_s, 3 * 6.2 + 2 * 6.2 + 2 * x + 0.29 + 0.5)  # + the step's own 0.5 s
+    # the period: both stages (9.7 core-seconds, 1.56 cores wanted) and the driver's step CPU
+    # spread over the 4 periods (0.25 core-seconds, one thread) share 2 cores; all three want
+    # more than an equal share, so the cores never idle: (2 x 9.7 + 0.25) / 2
+    assert math.isclose(c.period_s, (2 * 9.7 + 0.25) / 2)
+    assert math.isclose(c.pipeline_bound_s, 3 * c.period_s + 2 * 6.2 + 2 * x + 0.29 + 0.5)  # + the step's 0.5 s
     w = 4 * 9.7 + 0.29
     assert math.isclose(c.host_work_s["h"], 2 * w + 1.0)  # + the step's 1.0 CPU-s
-    # the driver's step CPU spreads over the whole step: (w + 1) / T + w / (T - off) = 2
-    assert math.isclose(c.host_bound_s["h"], _two_stage_host_time(w + 1.0, w, 6.2 + 2 * x, 2))
-    assert math.isclose(c.iteration_s, c.host_bound_s["h"])
+    assert math.isclose(c.host_bound_s["h"], (2 * w + 1.0) / 2)
+    assert math.isclose(c.iteration_s, c.pipeline_bound_s)
     sim, _ = simulate_plan(_plan(), MODEL, chips, table=table)
     assert sim.iteration_s >= c.host_work_s["h"] / 2 - 1e-9
     # another host's driver, or none: nothing changes
     table.driver = {"elsewhere": table.driver["h"]}
-    assert math.isclose(estimate(_plan(), MODEL, chips, table=table).iteration_s,
-                        _two_stage_host_time(4 * 9.2 + 0.29, 4 * 9.2 + 0.29, 6.2 + 2 * x, 2))
+    assert math.isclose(estimate(_plan(), MODEL, chips, table=table).iteration_s, 3 * 9.2 + 2 * 6.2 + 2 * x + 0.29)
 
 
 def test_simulated_sharing_hand_computed():
@@ -244,10 +271,9 @@ def test_ample_cores_replay_like_independent_chips():
 def test_simulated_plan_respects_the_host_bound():
     chips = _chips(host="h", host_cores=2)
     sim, cost = simulate_plan(_plan(m=8), MODEL, chips, table=_table())
-    assert cost.bound_by == "host h"
     # processor sharing can idle a core (fill, drain) but never deliver more than 2 cores
     assert sim.iteration_s >= cost.host_work_s["h"] / 2 * (1 - 1e-9)
-    assert cost.host_bound_s["h"] > cost.host_work_s["h"] / 2  # the estimate counts the idling too
+    assert cost.iteration_s > cost.host_work_s["h"] / 2  # the estimate counts the idling too
     free, _ = simulate_plan(_plan(m=8), MODEL, _chips(), table=_table())
     assert sim.iteration_s > free.iteration_s
     # every op and the schedule order are unchanged by the sharing
@@ -292,7 +318,10 @@ def test_search_ranks_plans_by_the_host_bound_too():
     four = Plan(stages=tuple(StageSpec(c, (i, i + 1), 1, 1) for i, c in enumerate("aabb")), global_batch=4,
                 num_microbatches=4, schedule="1f1b")
     c4 = estimate(four, MODEL, cluster, table=_table())
-    assert c4.fits and c4.pipeline_bound_s < got.cost.pipeline_bound_s and c4.iteration_s > got.iteration_s
+    flat = CostOptions(host_contention=False)
+    assert (estimate(four, MODEL, cluster, table=_table(), opts=flat).iteration_s
+            < estimate(got.plan, MODEL, cluster, table=_table(), opts=flat).iteration_s)
+    assert c4.fits and c4.iteration_s > got.iteration_s
     # without the host term the search goes for the deeper pipeline
     blind = search(cluster, MODEL, global_batch=4, table=_table(),
                    opts=SearchOptions(microbatch_sizes=(1,), max_stages_per_chip=2, allow_recompute=False,

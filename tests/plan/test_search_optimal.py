@@ -85,9 +85,9 @@ N_SHARED = 20
 @pytest.mark.parametrize("seed", range(N_SHARED))
 def test_search_equals_exhaustive_on_a_shared_host(seed):
     # the same instances with every chip computing on one host of 1, 2 or 4 cores (emulated
-    # chips): the host term depends on the layer split too (fill and drain), so the search
-    # improves the T_pipe-optimal split by the full estimate -- and must still match the
-    # brute force
+    # chips): the contention depends on the layer split too (how much of the host each stage
+    # wants while they run together), so the search improves the T_pipe-optimal split by the
+    # full estimate -- and must still match the brute force
     import dataclasses
 
     cluster, model, global_batch, opts = _instance(seed)
