@@ -20,9 +20,10 @@ Measured (on this machine, by this script):
      plan's first step after the other plans ran is not timed (caches, memory), so the
      steps timed are steady-state steps.
 Modelled (``h2jax.plan``, no fitting to the step times): ``estimate`` -- the pipeline
-formula, and the shared-host bound (every emulated chip computes on this machine's cores:
-a step needs the core-seconds of all its programs) -- and the discrete-event simulator with
-processor sharing of the host's cores. The runtime reduces gradients in every backward,
+formula, its steady-state period lengthened where the stages share this machine's cores
+(the time the cores take to run one microbatch of every stage at once), and bounded by the
+host's core-seconds over its cores -- and the discrete-event simulator with processor
+sharing of the host's cores, op by op. The runtime reduces gradients in every backward,
 so both use ``grad_sync="microbatch"``. The column "no host" is the estimate with the
 shared-host terms switched off (``CostOptions(host_contention=False)``: no contention, no
 driver CPU; the measured transfers kept), for comparison.
