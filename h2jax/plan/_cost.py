@@ -403,10 +403,12 @@ def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, Chip
     fwd_x, bwd_x = boundary_transfers(plan.stages, model, profiles, microbatch=mb, eff=table.eff, table=table)
     stages, step_s, step_cpu = with_driver(stages, table)
     cores = shared_host_cores(plan.stages, [s.host for s in stages], profiles, table)
-    period = steady_period(stages, cores, m, extra=step_cpu)
+    moves = transfer_jobs(plan.stages, model, profiles, fwd_x, bwd_x, microbatch=mb, table=table)
+    period = steady_period(stages, cores, m, extra=step_cpu, transfers=moves)
     t_pipe = iteration_time([s.t for s in stages], sum(fwd_x) + sum(bwd_x), [s.tail_s for s in stages], m,
                             period=period) + step_s
-    bounds, work = host_bounds(stages, m, cores, extra=step_cpu)
+    per_step = {h: step_cpu.get(h, 0.0) + m * sum(w for w, _ in moves.get(h, ())) for h in cores}
+    bounds, work = host_bounds(stages, m, cores, extra=per_step)
     t = max([t_pipe, *bounds.values()])
     used: dict[str, int] = {}
     for s in plan.stages:
@@ -466,15 +468,18 @@ def host_bounds(stages: Sequence[StageCost], num_microbatches: int, cores: Mappi
 
 
 def steady_period(stages: Sequence[StageCost], cores: Mapping[str, float], num_microbatches: int, *,
-                  extra: Mapping[str, float] | None = None) -> float:
+                  extra: Mapping[str, float] | None = None,
+                  transfers: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> float:
     """The steady-state period P of the pipeline (module docstring): max_s t_s, and on every
     shared host h the time its cores take to run one microbatch's forward and backward of
     each of its stages started together (:func:`fluid_makespan`; a stage uses at most its
     own average cores, ``work_s / t``), with the driver's per-step CPU ``extra[h]`` spread
-    over the m periods as one more job of at most one core (a Python thread)."""
+    over the m periods as one more job of at most one core (a Python thread), and the
+    boundary tensors moved through the host's memory, ``transfers[h]`` (:func:`transfer_jobs`)."""
     period = max(s.t for s in stages)
     for h, c in cores.items():
         jobs = [(s.work_s, s.work_s / s.t) for s in stages if s.host == h and s.t > 0 and s.work_s > 0]
+        jobs += list((transfers or {}).get(h, ()))
         drv = (extra or {}).get(h, 0.0)
         if drv > 0:
             jobs.append((drv / num_microbatches, 1.0))
@@ -527,3 +532,25 @@ def boundary_transfers(stages: Sequence[StageSpec], model: ModelShape, profiles:
                        transfer_s(model, cs, (src.data, src.tensor), cd, (dst.data, dst.tensor),
                                   microbatch=microbatch, eff=eff))
     return fwd, bwd
+
+
+def transfer_jobs(stages: Sequence[StageSpec], model: ModelShape, profiles: Mapping[str, ChipProfile],
+                  fwd: Sequence[float], bwd: Sequence[float], *, microbatch: int,
+                  table: ProfileTable | None) -> dict[str, list[tuple[float, float]]]:
+    """host -> [(core-seconds per microbatch, cores)] of the boundary tensors moved through a
+    shared host's memory (both sides on it): each transfer of `fwd` / `bwd` seconds keeps the
+    measured ``"transfer"``'s cores busy (the runtime's transfer threads copy on the host's
+    CPU). Transfers without measured cores cost the host nothing here (as before they were
+    measured)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    if table is None:
+        return out
+    for i, (a, b) in enumerate(zip(stages, stages[1:])):
+        ca, cb = profiles[a.chip], profiles[b.chip]
+        if ca.host is None or ca.host != cb.host:
+            continue
+        for src, cs, secs in ((a, ca, fwd[i]), (b, cb, bwd[i])):
+            hit = table.costs(model, cs, tensor=src.tensor, microbatch=max(1, microbatch // src.data)).get(TRANSFER)
+            if hit is not None and hit.fwd_cores > 0 and secs > 0:
+                out.setdefault(ca.host, []).append((secs * hit.fwd_cores, hit.fwd_cores))
+    return out

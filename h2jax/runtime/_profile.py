@@ -40,8 +40,9 @@ second client can be had (JAX started before the probe's nodes could be register
 the host is larger, each part's process CPU seconds over wall seconds are used instead.
 With a second client at hand, moving the block's output (one boundary tensor) to it with
 ``jax.device_put`` -- what the single-process transport does between stages -- is timed
-too, as the pseudo-part ``"transfer"``: between emulated chips a boundary crosses this
-machine's memory, not the link the chip profile names. Bytes come from the arrays'
+too, as the pseudo-part ``"transfer"`` (with the host cores it keeps busy: process CPU over
+wall seconds): between emulated chips a boundary crosses this machine's memory, not the
+link the chip profile names. Bytes come from the arrays'
 shardings and XLA's compiled memory analysis. The rows are
 ``LayerCost``s with ``estimated=False``, keyed like the planner's roofline estimates.
 
@@ -312,9 +313,10 @@ class ChipProfiler:
                 fwd_cores=_cores(probe["f"], 1.0, cap) if probe else _cores(c["f"][part], w["f"][part], cap),
                 bwd_cores=_cores(probe["b"], 1.0, cap) if probe else _cores(c["b"][part], w["b"][part], cap),
                 update_s=upd[part])
-        if "xfer" in wall:
+        if "xfer" in wall:  # the host cores the copy keeps busy: its process CPU over its wall seconds
+            xc = _cores(work["xfer"], wall["xfer"], cap)
             out[TRANSFER] = LayerCost(fwd_s=wall["xfer"], bwd_s=wall["xfer"], param_bytes=0.0, act_bytes=0.0,
-                                      input_bytes=0.0, temp_bytes=0.0, estimated=False)
+                                      input_bytes=0.0, temp_bytes=0.0, estimated=False, fwd_cores=xc, bwd_cores=xc)
         return out
 
 

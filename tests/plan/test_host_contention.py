@@ -300,6 +300,28 @@ def test_boundaries_between_chips_of_one_host_use_the_measured_transfer():
     assert own.transfers_fwd == [link] and own.transfers_bwd == [link]
 
 
+def test_boundary_copies_through_the_host_take_its_cores_too():
+    # a measured transfer of 0.3 s each way that keeps 1 core busy (a memcpy by the runtime's
+    # transfer thread): per period the two stages' 9.2 core-seconds and the two copies' 0.3
+    # share the 2 cores; every job wants more than its equal share, so none idles: (2 x 9.2 +
+    # 2 x 0.3) / 2; and the step's core-seconds grow by 4 microbatches x 0.6
+    table = _table()
+    moved = LayerCost(fwd_s=0.3, bwd_s=0.3, param_bytes=0, act_bytes=0, input_bytes=0, temp_bytes=0,
+                      estimated=False, fwd_cores=1.0, bwd_cores=1.0)
+    for chip in ("a", "b"):
+        for mb in (1, 2):
+            table.entries[(chip, MODEL.key(), 1, mb)][TRANSFER] = moved
+    c = estimate(_plan(), MODEL, _chips(host="h", host_cores=2), table=table)
+    assert math.isclose(c.period_s, (2 * 9.2 + 2 * 0.3) / 2)
+    assert math.isclose(c.pipeline_bound_s, 3 * c.period_s + 2 * 6.2 + 2 * 0.3 + 0.29)
+    assert math.isclose(c.host_work_s["h"], 2 * (4 * 9.2 + 0.29) + 4 * 0.6)
+    # the same copies with no measured cores (tables from before they were measured): not charged
+    table.entries = {k: {**v, TRANSFER: LayerCost(fwd_s=0.3, bwd_s=0.3, param_bytes=0, act_bytes=0, input_bytes=0,
+                                                  temp_bytes=0, estimated=False)} for k, v in table.entries.items()}
+    old = estimate(_plan(), MODEL, _chips(host="h", host_cores=2), table=table)
+    assert math.isclose(old.period_s, 9.2) and math.isclose(old.host_work_s["h"], 2 * (4 * 9.2 + 0.29))
+
+
 def test_search_ranks_plans_by_the_host_bound_too():
     # chips a and b, one device per node, two nodes each, on one 1-core host; 4 layers; every
     # program call costs 0.1 s more. The pipeline alone prefers 4 stages (shorter slots), but
