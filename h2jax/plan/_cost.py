@@ -41,13 +41,17 @@ one microbatch's forward and backward per period, all at once; on a shared host 
 take turns on its cores, so the period is (``steady_period``) the larger of max_s t_s and
 the time the host's cores take to finish one microbatch's work of each of its stages
 started together, each stage using at most its own average cores work_s / t_s and an
-equal share of what the others leave (fluid processor sharing, ``fluid_makespan``). Fill
-and drain (sum_s t_s) are priced uncontended: fewer stages run then. A light stage
+equal share of what the others leave (fluid processor sharing, ``fluid_makespan``); the
+boundary tensors moved between two stages of the host are copies on its CPU (the runtime's
+transfer threads), so each transfer's seconds times the cores the profiler saw the copy
+keep busy join that period as jobs of their own (``transfer_jobs``). Fill and drain
+(sum_s t_s) are priced uncontended: fewer stages run then. A light stage
 beside a heavy one thus lengthens the period by the cores it takes while both run (the
 uneven split 5 + 1 of the fidelity benchmark: priced 14-19 % short without it), and
 stages that together want no more than C_h cores cost nothing extra. The step also
 cannot be shorter than W_h / C_h, the host's core-seconds per step (W_h: every stage's
-``m x work_s + tail work`` and the driver's per-step CPU) over its cores. Session 4's
+``m x work_s + tail work``, m times the copies', and the driver's per-step CPU) over its
+cores. Session 4's
 host term spread each stage's work evenly over its fill-to-drain window instead; with a
 profile timed alongside the steps it priced plans with 2 microbatches on 2-3 stages 3-8
 % long and the uneven split 14-19 % short, ranking the ten plans at tau 0.42-0.69
