@@ -36,7 +36,7 @@ model below, 1F1B, chips sim_a, sim_b, sim_c in stage order;
     tensor degree 2 on every stage; data degree 2 on every stage; the uneven split 5 + 1
     (4 plans).
 
-    python benchmarks/costmodel_fidelity.py [--rounds 12] [--steps 3] [--repeats 24] [--driver-steps 36]
+    python benchmarks/costmodel_fidelity.py [--rounds 24] [--steps 3] [--repeats 48] [--driver-steps 72]
         [--profile-first] [--statistic median|lower-quartile] [--save FILE]
     python benchmarks/costmodel_fidelity.py --replay FILE
 
@@ -105,13 +105,13 @@ def load() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=12,
+    ap.add_argument("--rounds", type=int, default=24,
                     help="rounds over all plans (interleaved); the plans differ by about their step-to-step "
                          "spread, so fewer rounds rank them by noise")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
-    ap.add_argument("--repeats", type=int, default=24,
+    ap.add_argument("--repeats", type=int, default=48,
                     help="profiler rounds per program, spread over the training rounds")
-    ap.add_argument("--driver-steps", type=int, default=36,
+    ap.add_argument("--driver-steps", type=int, default=72,
                     help="rounds of the driver calibration (null model through the trainer), spread likewise")
     ap.add_argument("--profile-first", action="store_true",
                     help="take the whole profile back to back before the training rounds instead (as "
