@@ -516,6 +516,15 @@ def fluid_makespan(jobs: Sequence[tuple[float, float]], cores: float) -> float:
     return t
 
 
+def measured_transfer(table: ProfileTable | None, model: ModelShape, chip: ChipProfile, src: StageSpec,
+                      microbatch: int) -> LayerCost | None:
+    """The profiler's ``"transfer"`` row of the sending stage's chip at its tensor degree and
+    per-device microbatch (a boundary tensor moved through a shared host's memory), if any."""
+    if table is None:
+        return None
+    return table.costs(model, chip, tensor=src.tensor, microbatch=max(1, microbatch // src.data)).get(TRANSFER)
+
+
 def boundary_transfers(stages: Sequence[StageSpec], model: ModelShape, profiles: Mapping[str, ChipProfile], *,
                        microbatch: int, eff: Efficiency = Efficiency(),
                        table: ProfileTable | None = None) -> tuple[list[float], list[float]]:
@@ -530,8 +539,7 @@ def boundary_transfers(stages: Sequence[StageSpec], model: ModelShape, profiles:
         ca, cb = profiles[a.chip], profiles[b.chip]
         same_host = ca.host is not None and ca.host == cb.host
         for src, dst, cs, cd, out, kind in ((a, b, ca, cb, fwd, "fwd_s"), (b, a, cb, ca, bwd, "bwd_s")):
-            hit = (table.costs(model, cs, tensor=src.tensor, microbatch=max(1, microbatch // src.data)).get(TRANSFER)
-                   if same_host and table is not None else None)
+            hit = measured_transfer(table, model, cs, src, microbatch) if same_host else None
             out.append(getattr(hit, kind) if hit is not None else
                        transfer_s(model, cs, (src.data, src.tensor), cd, (dst.data, dst.tensor),
                                   microbatch=microbatch, eff=eff))
@@ -547,14 +555,12 @@ def transfer_jobs(stages: Sequence[StageSpec], model: ModelShape, profiles: Mapp
     CPU). Transfers without measured cores cost the host nothing here (as before they were
     measured)."""
     out: dict[str, list[tuple[float, float]]] = {}
-    if table is None:
-        return out
     for i, (a, b) in enumerate(zip(stages, stages[1:])):
         ca, cb = profiles[a.chip], profiles[b.chip]
         if ca.host is None or ca.host != cb.host:
             continue
         for src, cs, secs in ((a, ca, fwd[i]), (b, cb, bwd[i])):
-            hit = table.costs(model, cs, tensor=src.tensor, microbatch=max(1, microbatch // src.data)).get(TRANSFER)
+            hit = measured_transfer(table, model, cs, src, microbatch)
             if hit is not None and hit.fwd_cores > 0 and secs > 0:
                 out.setdefault(ca.host, []).append((secs * hit.fwd_cores, hit.fwd_cores))
     return out
