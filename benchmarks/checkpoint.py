@@ -35,11 +35,22 @@ def main() -> int:
     from h2jax.config import load_config
     from h2jax.runtime import Trainer, setup_backends
 
-    overrides = [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.d_ff={4 * args.d_model}",
-                 "model.n_heads=8", "model.seq_len=32", "plan.global_batch=8", "plan.num_microbatches=2",
-                 f"plan.stages.0.layers=[0,{args.layers // 2}]", f"plan.stages.1.layers=[{args.layers // 2},{args.layers}]",
-                 "train.progress=false", "train.tensorboard=false", "train.timeline=false", "train.memory_check=false",
-                 "optimizer.warmup_steps=0"]
+    overrides = [
+        f"model.d_model={args.d_model}",
+        f"model.n_layers={args.layers}",
+        f"model.d_ff={4 * args.d_model}",
+        "model.n_heads=8",
+        "model.seq_len=32",
+        "plan.global_batch=8",
+        "plan.num_microbatches=2",
+        f"plan.stages.0.layers=[0,{args.layers // 2}]",
+        f"plan.stages.1.layers=[{args.layers // 2},{args.layers}]",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "train.timeline=false",
+        "train.memory_check=false",
+        "optimizer.warmup_steps=0",
+    ]
     cfg = load_config(None, overrides)
     setup_backends(cfg.cluster)
     rows = []
@@ -50,8 +61,9 @@ def main() -> int:
         state_mb = sum(v.nbytes for v in state.values()) / 1e6
         results = {}
         for mode in ("sync", "async"):
-            trainer.cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, dir=os.path.join(tmp, mode),
-                                                          async_save=mode == "async"))
+            trainer.cfg = replace(
+                cfg, checkpoint=replace(cfg.checkpoint, dir=os.path.join(tmp, mode), async_save=mode == "async")
+            )
             trainer._store, trainer._saved_step = None, None
             blocking, step_s, commit_s = [], [], []
             for _ in range(args.saves):
@@ -66,15 +78,25 @@ def main() -> int:
             trainer.close_checkpoints()
             results[mode] = (statistics.median(blocking), statistics.median(step_s), statistics.median(commit_s))
             rows.append((mode, *results[mode]))
-    print(f"checkpoint save of {state_mb:.0f} MB of state ({len(state)} arrays: params + AdamW mu, nu), "
-          f"2 stages on sim_a/sim_b, median of {args.saves} saves")
+    print(
+        f"checkpoint save of {state_mb:.0f} MB of state ({len(state)} arrays: params + AdamW mu, nu), "
+        f"2 stages on sim_a/sim_b, median of {args.saves} saves"
+    )
     print(f"{'mode':<6} {'blocking s':>11} {'next step s':>12} {'wait after step s':>18}")
     for mode, b, st, c in rows:
         print(f"{mode:<6} {b:>11.3f} {st:>12.3f} {c:>18.3f}")
     ratio = results["async"][0] / results["sync"][0]
-    print("RESULT " + json.dumps({"blocking_ratio": round(ratio, 4), "state_mb": round(state_mb, 1),
-                                  "async_blocking_s": round(results["async"][0], 4),
-                                  "sync_blocking_s": round(results["sync"][0], 4)}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "blocking_ratio": round(ratio, 4),
+                "state_mb": round(state_mb, 1),
+                "async_blocking_s": round(results["async"][0], 4),
+                "sync_blocking_s": round(results["sync"][0], 4),
+            }
+        )
+    )
     return 0
 
 

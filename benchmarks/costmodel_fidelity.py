@@ -62,8 +62,7 @@ import statistics
 import time
 from pathlib import Path
 
-MODEL = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_heads": 4, "n_layers": 6, "d_ff": 512,
-         "dtype": "float32"}
+MODEL = {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_heads": 4, "n_layers": 6, "d_ff": 512, "dtype": "float32"}
 CLUSTER = {"sim_a": {"nodes": 1}, "sim_b": {"nodes": 1}, "sim_c": {"nodes": 1}}
 GLOBAL_BATCH = 16
 CHIPS = ("sim_a", "sim_b", "sim_c")
@@ -94,8 +93,9 @@ def plans() -> dict[str, tuple[int, list[dict]]]:
 
 def kendall_tau(a, b) -> float:
     pairs = list(itertools.combinations(range(len(a)), 2))
-    s = sum((1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)
-            for i, j in pairs)
+    s = sum(
+        (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0) for i, j in pairs
+    )
     return s / len(pairs)
 
 
@@ -105,22 +105,41 @@ def load() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=24,
-                    help="rounds over all plans (interleaved); the plans differ by about their step-to-step "
-                         "spread, so fewer rounds rank them by noise")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=24,
+        help="rounds over all plans (interleaved); the plans differ by about their step-to-step "
+        "spread, so fewer rounds rank them by noise",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
-    ap.add_argument("--repeats", type=int, default=48,
-                    help="profiler rounds per program, spread over the training rounds")
-    ap.add_argument("--driver-steps", type=int, default=72,
-                    help="rounds of the driver calibration (null model through the trainer), spread likewise")
-    ap.add_argument("--profile-first", action="store_true",
-                    help="take the whole profile back to back before the training rounds instead (as "
-                         "`h2jax profile` does; for comparison)")
-    ap.add_argument("--statistic", default="median", choices=("median", "lower-quartile"),
-                    help="what the profiler keeps of a program's rounds; the median matches the step medians "
-                         "the plans are compared by")
-    ap.add_argument("--save", default="runs/bench_costmodel/fidelity.json",
-                    help="where to save the measurements (profile table, step times)")
+    ap.add_argument(
+        "--repeats", type=int, default=48, help="profiler rounds per program, spread over the training rounds"
+    )
+    ap.add_argument(
+        "--driver-steps",
+        type=int,
+        default=72,
+        help="rounds of the driver calibration (null model through the trainer), spread likewise",
+    )
+    ap.add_argument(
+        "--profile-first",
+        action="store_true",
+        help="take the whole profile back to back before the training rounds instead (as "
+        "`h2jax profile` does; for comparison)",
+    )
+    ap.add_argument(
+        "--statistic",
+        default="median",
+        choices=("median", "lower-quartile"),
+        help="what the profiler keeps of a program's rounds; the median matches the step medians "
+        "the plans are compared by",
+    )
+    ap.add_argument(
+        "--save",
+        default="runs/bench_costmodel/fidelity.json",
+        help="where to save the measurements (profile table, step times)",
+    )
     ap.add_argument("--replay", metavar="FILE", help="price the plans from a saved file; measure nothing")
     args = ap.parse_args()
     for key in ("rounds", "steps", "repeats", "driver_steps"):
@@ -144,13 +163,20 @@ def main() -> None:
 def configs() -> dict:
     from h2jax.config import load_config
 
-    overrides = [f"model={json.dumps(MODEL)}", f"cluster.chips={json.dumps(CLUSTER)}", "train.progress=false",
-                 "train.tensorboard=false", "train.timeline=false", "checkpoint.enabled=false",
-                 f"plan.global_batch={GLOBAL_BATCH}"]
+    overrides = [
+        f"model={json.dumps(MODEL)}",
+        f"cluster.chips={json.dumps(CLUSTER)}",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "train.timeline=false",
+        "checkpoint.enabled=false",
+        f"plan.global_batch={GLOBAL_BATCH}",
+    ]
     cfgs = {}
     for name, (m, stages) in plans().items():
-        cfgs[name] = load_config(None, overrides + [f"plan.num_microbatches={m}", "plan.schedule=1f1b",
-                                                    f"plan.stages={json.dumps(stages)}"])
+        cfgs[name] = load_config(
+            None, overrides + [f"plan.num_microbatches={m}", "plan.schedule=1f1b", f"plan.stages={json.dumps(stages)}"]
+        )
     return cfgs
 
 
@@ -171,8 +197,9 @@ def measure(args) -> dict:
     # the profiler's contention probe runs one copy of a program per host core, each on an
     # emulated node of its own: register that many nodes per chip type before JAX starts
     probe = max(1, min(local_cores(), MAX_PROBE_COPIES))
-    register_emulated_chips({c: (probe, any_spec.devices_per_node)
-                             for c, any_spec in next(iter(cfgs.values())).cluster.chips.items()})
+    register_emulated_chips(
+        {c: (probe, any_spec.devices_per_node) for c, any_spec in next(iter(cfgs.values())).cluster.chips.items()}
+    )
     setup_backends(next(iter(cfgs.values())).cluster)
 
     from h2jax.plan import ModelShape, ProfileTable, load_chip
@@ -190,8 +217,10 @@ def measure(args) -> dict:
             need.setdefault((st.chip, st.tensor), set()).add(c.plan.microbatch_size // st.data)
 
     t0 = time.perf_counter()
-    profilers = [ChipProfiler(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=[t],
-                              microbatches=sorted(mbs)) for (chip, t), mbs in sorted(need.items())]
+    profilers = [
+        ChipProfiler(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=[t], microbatches=sorted(mbs))
+        for (chip, t), mbs in sorted(need.items())
+    ]
     # the runtime driver's own costs on this host (null model through the real trainer)
     driver = DriverProfiler(CHIPS[0])
     print(f"built the profiler's programs in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -220,7 +249,7 @@ def measure(args) -> dict:
     per_round_driver = [0] * args.rounds if args.profile_first else spread(args.driver_steps, args.rounds)
     for r in range(args.rounds):
         profile(per_round[r], per_round_driver[r])
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
         for name in order:
             trainers[name].train_step()  # back to this plan after the others ran: one step untimed
             for _ in range(args.steps):
@@ -233,19 +262,36 @@ def measure(args) -> dict:
             table.add(prof.chip_name, shape.key(), t, b, parts, host_cores=cores)
     table.driver[host] = d = driver.result(args.statistic)
     driver.close()
-    print(f"profile: {args.repeats} rounds per program, "
-          + ("back to back before the steps" if args.profile_first else f"spread over the {args.rounds} rounds")
-          + f", each program's {args.statistic} kept")
-    print(f"  driver on host {host!r}: {1e3 * d.step_s:.2f} ms per step outside the ops, CPU "
-          f"{1e3 * d.step_cpu_s:.2f} ms per step, {1e3 * d.op_cpu_s:.3f} ms per op beyond its call, "
-          f"{1e3 * d.transfer_cpu_s:.3f} ms per boundary tensor")
+    print(
+        f"profile: {args.repeats} rounds per program, "
+        + ("back to back before the steps" if args.profile_first else f"spread over the {args.rounds} rounds")
+        + f", each program's {args.statistic} kept"
+    )
+    print(
+        f"  driver on host {host!r}: {1e3 * d.step_s:.2f} ms per step outside the ops, CPU "
+        f"{1e3 * d.step_cpu_s:.2f} ms per step, {1e3 * d.op_cpu_s:.3f} ms per op beyond its call, "
+        f"{1e3 * d.transfer_cpu_s:.3f} ms per boundary tensor"
+    )
     for (chip, _, t, b), parts in sorted(table.entries.items()):
-        print(f"  {chip} t={t} b={b}: " + "; ".join(
-            f"{k} f {1e3 * p.fwd_s:.2f} ms x{p.fwd_cores:.2f} b {1e3 * p.bwd_s:.2f} ms x{p.bwd_cores:.2f} "
-            f"u {1e3 * p.update_s:.2f} ms" for k, p in parts.items()))
-    return {"table": table.to_json(), "host_cores": cores, "rounds": args.rounds, "steps": args.steps,
-            "times": times, "load_avg_after": load(), "statistic": args.statistic,
-            "profile": "first" if args.profile_first else "interleaved", "profile_rounds": args.repeats}
+        print(
+            f"  {chip} t={t} b={b}: "
+            + "; ".join(
+                f"{k} f {1e3 * p.fwd_s:.2f} ms x{p.fwd_cores:.2f} b {1e3 * p.bwd_s:.2f} ms x{p.bwd_cores:.2f} "
+                f"u {1e3 * p.update_s:.2f} ms"
+                for k, p in parts.items()
+            )
+        )
+    return {
+        "table": table.to_json(),
+        "host_cores": cores,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "times": times,
+        "load_avg_after": load(),
+        "statistic": args.statistic,
+        "profile": "first" if args.profile_first else "interleaved",
+        "profile_rounds": args.repeats,
+    }
 
 
 def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
@@ -268,29 +314,52 @@ def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
         flat = estimate(cfg.plan, shape, cluster, table=table, opts=no_host)
         ts = sorted(times[name])
         q1, q3 = ts[len(ts) // 4], ts[(3 * len(ts)) // 4]
-        rows.append(dict(name=name, measured=statistics.median(ts), iqr=(q3 - q1), est=cost.iteration_s,
-                         sim=sim.iteration_s, flat=flat.iteration_s, bound=cost.bound_by))
+        rows.append(
+            dict(
+                name=name,
+                measured=statistics.median(ts),
+                iqr=(q3 - q1),
+                est=cost.iteration_s,
+                sim=sim.iteration_s,
+                flat=flat.iteration_s,
+                bound=cost.bound_by,
+            )
+        )
     meas = [r["measured"] for r in rows]
     # the noise ceiling of the ranking: the plans' medians over the even rounds against those
     # over the odd rounds (the same measurement, split in two) -- no model ranks them better
     k = saved["steps"]
-    halves = ([[statistics.median(x for i, x in enumerate(times[r["name"]]) if (i // k) % 2 == h) for r in rows]
-               for h in (0, 1)] if saved["rounds"] >= 2 else None)
+    halves = (
+        [
+            [statistics.median(x for i, x in enumerate(times[r["name"]]) if (i // k) % 2 == h) for r in rows]
+            for h in (0, 1)
+        ]
+        if saved["rounds"] >= 2
+        else None
+    )
     tau_halves = kendall_tau(*halves) if halves else None
     err = lambda key: [abs(r[key] - r["measured"]) / r["measured"] for r in rows]  # noqa: E731
     e_est, e_sim, e_flat = err("est"), err("sim"), err("flat")
-    print(f"\nmodel {MODEL}; global batch {GLOBAL_BATCH}; {saved['rounds']} rounds x {saved['steps']} steps per "
-          f"plan (interleaved); profiles measured on this host ({cores} cores), each program's "
-          f"{saved.get('statistic', 'lower-quartile')} kept"
-          + (f"; REPLAYED from {replayed} (no new measurement)" if replayed else ""))
-    print(f"{'plan':<18}{'measured ms':>12}{'IQR':>7}{'estimate':>10}{'err':>6}{'simulator':>11}{'err':>6}"
-          f"{'no host':>9}{'err':>6}  bound by")
+    print(
+        f"\nmodel {MODEL}; global batch {GLOBAL_BATCH}; {saved['rounds']} rounds x {saved['steps']} steps per "
+        f"plan (interleaved); profiles measured on this host ({cores} cores), each program's "
+        f"{saved.get('statistic', 'lower-quartile')} kept"
+        + (f"; REPLAYED from {replayed} (no new measurement)" if replayed else "")
+    )
+    print(
+        f"{'plan':<18}{'measured ms':>12}{'IQR':>7}{'estimate':>10}{'err':>6}{'simulator':>11}{'err':>6}"
+        f"{'no host':>9}{'err':>6}  bound by"
+    )
     for r, a, b, c in zip(rows, e_est, e_sim, e_flat):
-        print(f"{r['name']:<18}{1e3 * r['measured']:>12.1f}{1e3 * r['iqr']:>7.1f}{1e3 * r['est']:>10.1f}{a:>6.2f}"
-              f"{1e3 * r['sim']:>11.1f}{b:>6.2f}{1e3 * r['flat']:>9.1f}{c:>6.2f}  {r['bound']}")
+        print(
+            f"{r['name']:<18}{1e3 * r['measured']:>12.1f}{1e3 * r['iqr']:>7.1f}{1e3 * r['est']:>10.1f}{a:>6.2f}"
+            f"{1e3 * r['sim']:>11.1f}{b:>6.2f}{1e3 * r['flat']:>9.1f}{c:>6.2f}  {r['bound']}"
+        )
     if tau_halves is not None:
-        print(f"Kendall tau of the even rounds' medians against the odd rounds': {tau_halves:.2f} "
-              "(how well the measurement ranks the plans against itself)")
+        print(
+            f"Kendall tau of the even rounds' medians against the odd rounds': {tau_halves:.2f} "
+            "(how well the measurement ranks the plans against itself)"
+        )
     print(f"load average before {load_before}, after {load_after}; wall {wall_s:.0f} s")
     result = {
         "median_abs_err": round(statistics.median(e_est), 4),

@@ -26,15 +26,25 @@ import os
 import statistics
 import time
 
-MODEL = ["model.vocab_size=256", "model.seq_len=128", "model.d_model=256", "model.n_heads=8",
-         "model.d_ff=1024", "model.n_layers=4"]
+MODEL = [
+    "model.vocab_size=256",
+    "model.seq_len=128",
+    "model.d_model=256",
+    "model.n_heads=8",
+    "model.d_ff=1024",
+    "model.n_layers=4",
+]
 BATCH = ["plan.global_batch=32", "plan.num_microbatches=16"]
-COMMON = ["cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}", "train.progress=false",
-          "train.tensorboard=false", "train.memory_check=false", "optimizer.warmup_steps=2"]
+COMMON = [
+    "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "train.memory_check=false",
+    "optimizer.warmup_steps=2",
+]
 VARIANTS = {
     "1x1 -> 1x1": "plan.stages=[{chip: sim_a, layers: [0, 2]}, {chip: sim_b, layers: [2, 4]}]",
-    "2x1 -> 1x2": ("plan.stages=[{chip: sim_a, data: 2, layers: [0, 2]}, "
-                   "{chip: sim_b, tensor: 2, layers: [2, 4]}]"),
+    "2x1 -> 1x2": ("plan.stages=[{chip: sim_a, data: 2, layers: [0, 2]}, {chip: sim_b, tensor: 2, layers: [2, 4]}]"),
 }
 
 
@@ -42,9 +52,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per round and side")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians over all)")
-    ap.add_argument("--one-core", action="store_true",
-                    help="pin the process to one CPU core: no side can use idle cores, so the ratio "
-                         "is the runtime's pure overhead")
+    ap.add_argument(
+        "--one-core",
+        action="store_true",
+        help="pin the process to one CPU core: no side can use idle cores, so the ratio is the runtime's pure overhead",
+    )
     args = ap.parse_args()
     if args.one_core:  # before JAX creates its thread pools
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -52,8 +64,10 @@ def main() -> None:
     from h2jax.config import load_config
     from h2jax.runtime import Trainer, setup_backends
 
-    cfgs = {name: load_config(None, MODEL + BATCH + COMMON + [stages, "train.timeline=false"])
-            for name, stages in VARIANTS.items()}
+    cfgs = {
+        name: load_config(None, MODEL + BATCH + COMMON + [stages, "train.timeline=false"])
+        for name, stages in VARIANTS.items()
+    }
     base = cfgs["1x1 -> 1x1"]
     setup_backends(base.cluster)  # before JAX starts
 
@@ -81,6 +95,7 @@ def main() -> None:
         def body(acc, mb):
             loss, g = jax.value_and_grad(loss_fn)(p, *mb)
             return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), loss
+
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
         acc, losses = jax.lax.scan(body, zeros, (tokens, targets))
         grads = jax.tree.map(lambda g: g / tokens.shape[0], acc)
@@ -144,15 +159,19 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: tokens_per_step / v for k, v in med.items()}
-    print(f"\ncores: {len(os.sched_getaffinity(0))}; model: {base.model.n_layers} layers, d_model {base.model.d_model}, seq {base.model.seq_len}; "
-          f"global batch {base.plan.global_batch} = {base.plan.num_microbatches} x {base.plan.microbatch_size}; "
-          f"forward of one microbatch on one device: {fwd_ms:.1f} ms")
+    print(
+        f"\ncores: {len(os.sched_getaffinity(0))}; model: {base.model.n_layers} layers, d_model {base.model.d_model}, seq {base.model.seq_len}; "
+        f"global batch {base.plan.global_batch} = {base.plan.num_microbatches} x {base.plan.microbatch_size}; "
+        f"forward of one microbatch on one device: {fwd_ms:.1f} ms"
+    )
     print(f"{'side':<26}{'median step (ms)':>18}{'tokens/s':>12}{'ratio':>8}")
     for k in times:
         label = "single device (scan)" if k == "single" else f"pipeline 1F1B {k}"
         print(f"{label:<26}{1e3 * med[k]:>18.1f}{tps[k]:>12,.0f}{tps[k] / tps['single']:>8.3f}")
-    print(f"\ntraced 1x1 step: span {span:.1f} ms; stage busy {busy[0]:.1f} / {busy[1]:.1f} ms; "
-          f"transfers {xfer:.2f} ms total over {sum(1 for e in ev if e.kind == 'send')} sends")
+    print(
+        f"\ntraced 1x1 step: span {span:.1f} ms; stage busy {busy[0]:.1f} / {busy[1]:.1f} ms; "
+        f"transfers {xfer:.2f} ms total over {sum(1 for e in ev if e.kind == 'send')} sends"
+    )
     result = {
         "ratio": tps["1x1 -> 1x1"] / tps["single"],
         "cores": len(os.sched_getaffinity(0)),

@@ -35,8 +35,10 @@ RUNS = [
 
 def main() -> None:
     result: dict = {"search_s": {}, "iteration_s": {}, "lower_bound_s": {}, "gap": {}}
-    print(f"{'cluster':<14} {'chips':>6} {'types':>5} {'tokens/step':>12} {'search s':>9} {'iter s':>8} "
-          f"{'bound s':>8} {'gap':>7} {'stages':>6} {'mem-desc':>8}")
+    print(
+        f"{'cluster':<14} {'chips':>6} {'types':>5} {'tokens/step':>12} {'search s':>9} {'iter s':>8} "
+        f"{'bound s':>8} {'gap':>7} {'stages':>6} {'mem-desc':>8}"
+    )
     for name, opts in RUNS:
         raw = yaml.safe_load((ROOT / "configs" / "clusters" / f"{name}.yaml").read_text())
         cluster = Cluster.load(ROOT / "configs" / "clusters" / f"{name}.yaml")
@@ -47,9 +49,12 @@ def main() -> None:
         result["iteration_s"][n] = round(r.iteration_s, 3)
         result["lower_bound_s"][n] = round(r.lower_bound_s, 3)
         result["gap"][n] = round(r.gap, 3)
-        print(f"{name:<14} {n:>6} {len(cluster.names):>5} {raw['global_batch'] * model.seq_len:>12,} "
-              f"{r.search_s:>9.2f} {r.iteration_s:>8.2f} {r.lower_bound_s:>8.2f} {100 * r.gap:>6.1f}% "
-              f"{r.plan.num_stages if r.plan else 0:>6} {str(r.memory_descending):>8}", flush=True)
+        print(
+            f"{name:<14} {n:>6} {len(cluster.names):>5} {raw['global_batch'] * model.seq_len:>12,} "
+            f"{r.search_s:>9.2f} {r.iteration_s:>8.2f} {r.lower_bound_s:>8.2f} {100 * r.gap:>6.1f}% "
+            f"{r.plan.num_stages if r.plan else 0:>6} {str(r.memory_descending):>8}",
+            flush=True,
+        )
     print("RESULT " + json.dumps(result))
 
 

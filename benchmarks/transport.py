@@ -26,12 +26,12 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import shutil
 import socket
 import subprocess
 import sys
 import time
-import platform
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,11 +66,10 @@ def fmt_size(n: int) -> str:
 
 # -- the measurements (both ranks run each; rank 0 starts every round trip) ---------------------------
 def measure_all(log: bool) -> None:
-    from mpi4py import MPI
-
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from mpi4py import MPI
 
     from h2jax import comm as hc
 
@@ -140,13 +139,16 @@ def measure_all(log: bool) -> None:
             return src, buf, tok
 
         # the receive buffer is donated and fed back, so no repetition pays for a copy of it
-        prog = jax.jit(lambda a, b: jax.lax.fori_loop(0, per, body_ping if rank == 0 else body_pong,
-                                                      (a, b, hc.new_token()))[1], donate_argnums=1)
+        prog = jax.jit(
+            lambda a, b: jax.lax.fori_loop(0, per, body_ping if rank == 0 else body_pong, (a, b, hc.new_token()))[1],
+            donate_argnums=1,
+        )
         state = [x + 0]
 
         def ffi_jit():
             state[0] = prog(x, state[0])
             state[0].block_until_ready()
+
         results["ffi_jit"][nbytes] = timed(ffi_jit, reps, per)
 
         # ffi_call: FfiTransport, a program per transfer
@@ -159,6 +161,7 @@ def measure_all(log: bool) -> None:
                     y = ffi_t.recv(like, peer=other, tag=3)
                     ffi_t.send(y, peer=other, tag=4)
                     ffi_t.flush()
+
         results["ffi_call"][nbytes] = timed(ffi_call, reps, per)
 
         def host():
@@ -170,6 +173,7 @@ def measure_all(log: bool) -> None:
                     y = host_t.recv(like, peer=other, tag=5)
                     host_t.send(y, peer=other, tag=6)
                 host_t.flush()
+
         results["host"][nbytes] = timed(host, reps, per)
 
         a, b = np.full(n, rank, np.float32), np.empty(n, np.float32)
@@ -183,6 +187,7 @@ def measure_all(log: bool) -> None:
                 else:
                     tcp_recv_into(bv)
                     sock.sendall(bv)
+
         results["tcp"][nbytes] = timed(tcp, reps, per)
 
         def mpi():
@@ -193,9 +198,11 @@ def measure_all(log: bool) -> None:
                 else:
                     world.Recv(b, source=other, tag=7)
                     world.Send(b, dest=other, tag=8)
+
         results["mpi4py"][nbytes] = timed(mpi, reps, per)
 
         if mpi4jax is not None:  # the same buffers as ffi_jit and mpi4py
+
             def m4j_ping(i, carry):
                 src, buf = carry
                 mpi4jax.send(src, other, tag=9, comm=mpi4jax_comm)
@@ -207,13 +214,15 @@ def measure_all(log: bool) -> None:
                 mpi4jax.send(buf, other, tag=10, comm=mpi4jax_comm)
                 return src, buf
 
-            m4j = jax.jit(lambda a, b: jax.lax.fori_loop(0, per, m4j_ping if rank == 0 else m4j_pong, (a, b))[1],
-                          donate_argnums=1)
+            m4j = jax.jit(
+                lambda a, b: jax.lax.fori_loop(0, per, m4j_ping if rank == 0 else m4j_pong, (a, b))[1], donate_argnums=1
+            )
             state = [x + 0]
 
             def m4j_run():
                 state[0] = m4j(x, state[0])
                 state[0].block_until_ready()
+
             results["mpi4jax"][nbytes] = timed(m4j_run, reps, per)
         else:
             results["mpi4jax"][nbytes] = None
@@ -229,13 +238,19 @@ def measure_all(log: bool) -> None:
             results["memcpy"][nbytes] = min(ts)
         del x, a, b, state
         if rank == 0:
-            print(f"  {fmt_size(nbytes):>8}: " + "  ".join(f"{p}={fmt_time(results[p][nbytes])}" for p in PATHS),
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {fmt_size(nbytes):>8}: " + "  ".join(f"{p}={fmt_time(results[p][nbytes])}" for p in PATHS),
+                file=sys.stderr,
+                flush=True,
+            )
     sock.close()
     if rank == 0:
         st = hc.stash_stats()
-        print(f"ffi messages that waited in the handlers' stash on rank 0: {st['messages']} ({st['bytes']} bytes)",
-              file=sys.stderr, flush=True)
+        print(
+            f"ffi messages that waited in the handlers' stash on rank 0: {st['messages']} ({st['bytes']} bytes)",
+            file=sys.stderr,
+            flush=True,
+        )
         report(results, mpi4jax is not None, log)
     world.Barrier()
 
@@ -255,8 +270,7 @@ def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
         "latency_ratio_tcp_over_ffi": min(results["tcp"][s] / ffi[s] for s in LAT_SIZES),
         "bw_ratio_ffi_over_memcpy": min(results["memcpy"][s] / ffi[s] for s in BW_SIZES if s >= 16 << 20),
         "max_ratio_ffi_over_mpi": max(ffi[s] / results["mpi4py"][s] for s in sizes),
-        "max_ratio_ffi_over_mpi4jax": (max(ffi[s] / results["mpi4jax"][s] for s in sizes) if have_mpi4jax
-                                       else None),
+        "max_ratio_ffi_over_mpi4jax": (max(ffi[s] / results["mpi4jax"][s] for s in sizes) if have_mpi4jax else None),
         "ffi_call_8B_us": results["ffi_call"][8] * 1e6,
         "ffi_jit_8B_us": ffi[8] * 1e6,
         "ffi_jit_256MiB_GBps": (256 << 20) / ffi[256 << 20] / 1e9,
@@ -270,11 +284,13 @@ def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
         import jax
 
         stamp = datetime.date.today().isoformat()
-        entry = (f"\n## {stamp} — transport benchmark (benchmarks/transport.py)\n\n"
-                 f"2 processes under mpirun on one {os.cpu_count()}-core host, jax {jax.__version__}, "
-                 f"CPU backend; one-way time per transfer, best repetition (ping-pong / 2); load average "
-                 f"{os.getloadavg()[0]:.1f} when it ended (other work shares these cores); {host_memory_line()}.\n\n{table}\n\n"
-                 f"`RESULT {json.dumps(res)}`\n")
+        entry = (
+            f"\n## {stamp} — transport benchmark (benchmarks/transport.py)\n\n"
+            f"2 processes under mpirun on one {os.cpu_count()}-core host, jax {jax.__version__}, "
+            f"CPU backend; one-way time per transfer, best repetition (ping-pong / 2); load average "
+            f"{os.getloadavg()[0]:.1f} when it ended (other work shares these cores); {host_memory_line()}.\n\n{table}\n\n"
+            f"`RESULT {json.dumps(res)}`\n"
+        )
         with open(REPO / "docs" / "LOG.md", "a") as f:
             f.write(entry)
     print("RESULT " + json.dumps(res), flush=True)
@@ -283,9 +299,13 @@ def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--log", action="store_true", help="append the table to docs/LOG.md")
-    ap.add_argument("--pages", choices=("huge", "4k"), default="huge",
-                    help="host memory of the two processes: transparent huge pages for XLA's buffers, as the "
-                         "h2jax command sets up (default), or plain 4 KiB pages")
+    ap.add_argument(
+        "--pages",
+        choices=("huge", "4k"),
+        default="huge",
+        help="host memory of the two processes: transparent huge pages for XLA's buffers, as the "
+        "h2jax command sets up (default), or plain 4 KiB pages",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child or "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:

@@ -69,9 +69,13 @@ def host_memory_line() -> str:
     if hugepages_active():
         how = "THP always" if mode == "always" else TUNABLE
         return f"host buffers: transparent huge pages ({how})"
-    why = ("switched off by H2JAX_HUGEPAGES=0" if os.environ.get(ENV_SWITCH) == "0"
-           else f"kernel THP mode {mode or 'unknown'}" if mode != "madvise"
-           else "not started through the h2jax command")
+    why = (
+        "switched off by H2JAX_HUGEPAGES=0"
+        if os.environ.get(ENV_SWITCH) == "0"
+        else f"kernel THP mode {mode or 'unknown'}"
+        if mode != "madvise"
+        else "not started through the h2jax command"
+    )
     return f"host buffers: 4 KiB pages ({why})"
 
 

@@ -36,21 +36,29 @@ def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
     for it in items:
         if "=" not in it:
             # a second file, or a missing '=': a config error (exit 2), like a bad override
-            raise ConfigError(it, f"got {it!r} after the config file; expected key=value overrides "
-                                  "(one config file at most)")
+            raise ConfigError(
+                it, f"got {it!r} after the config file; expected key=value overrides (one config file at most)"
+            )
     return path, items
 
 
 def _plan_table(cfg) -> Table:
-    t = Table(title=f"plan: {cfg.plan.num_stages} stages, {cfg.plan.schedule}, global batch "
-                    f"{cfg.plan.global_batch} = {cfg.plan.num_microbatches} x {cfg.plan.microbatch_size}")
+    t = Table(
+        title=f"plan: {cfg.plan.num_stages} stages, {cfg.plan.schedule}, global batch "
+        f"{cfg.plan.global_batch} = {cfg.plan.num_microbatches} x {cfg.plan.microbatch_size}"
+    )
     for col in ("stage", "chip", "data x tensor", "layers", "recompute", "chip memory"):
         t.add_column(col)
     for s, st in enumerate(cfg.plan.stages):
         chip = cfg.cluster.chips[st.chip]
-        t.add_row(str(s), st.chip + (" (emulated)" if chip.emulated else ""), f"{st.data} x {st.tensor}",
-                  f"{st.layers[0]}-{st.layers[1] - 1}", "yes" if st.recompute else "no",
-                  f"{chip.memory_gib:g} GiB")
+        t.add_row(
+            str(s),
+            st.chip + (" (emulated)" if chip.emulated else ""),
+            f"{st.data} x {st.tensor}",
+            f"{st.layers[0]}-{st.layers[1] - 1}",
+            "yes" if st.recompute else "no",
+            f"{chip.memory_gib:g} GiB",
+        )
     return t
 
 
@@ -63,8 +71,9 @@ def _load(args: argparse.Namespace):
         return load_config(path, overrides)
     except ConfigError as e:
         # escape: keys and values come from the user, and rich would read "[red]" as markup
-        Console(stderr=True).print(f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False,
-                                   soft_wrap=True)
+        Console(stderr=True).print(
+            f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True
+        )
         raise SystemExit(EXIT_CONFIG) from None
 
 
@@ -76,8 +85,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if args.print:
         console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
     console.print(_plan_table(cfg))
-    console.print(f"[green]config ok[/]: {cfg.name}, model {cfg.model.n_layers} layers x d_model "
-                  f"{cfg.model.d_model} ({cfg.model.num_params() / 1e6:.2f} M parameters)")
+    console.print(
+        f"[green]config ok[/]: {cfg.name}, model {cfg.model.n_layers} layers x d_model "
+        f"{cfg.model.d_model} ({cfg.model.num_params() / 1e6:.2f} M parameters)"
+    )
     from h2jax._hostmem import host_memory_line
 
     console.print(host_memory_line(), highlight=False)
@@ -101,12 +112,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     if launch is not None and launch.size > 1:  # mpirun/srun: this process runs one stage
         from h2jax.runtime._multiproc import run_multiprocess
 
-        return run_multiprocess(cfg, launch, fail_fast=fail_fast, run_dir=args.run_dir, console=console,
-                                restore_step=args.restore_step, init_from=args.init_from)
+        return run_multiprocess(
+            cfg,
+            launch,
+            fail_fast=fail_fast,
+            run_dir=args.run_dir,
+            console=console,
+            restore_step=args.restore_step,
+            init_from=args.init_from,
+        )
     if cfg.train.transport != "local":
-        console.print(f"[bold red]h2jax: config error:[/] train.transport: {cfg.train.transport!r} moves tensors "
-                      f"between processes; run one process per stage (mpirun -np {cfg.plan.num_stages} h2jax "
-                      "train ...) or use transport 'local'", highlight=False, soft_wrap=True)
+        console.print(
+            f"[bold red]h2jax: config error:[/] train.transport: {cfg.train.transport!r} moves tensors "
+            f"between processes; run one process per stage (mpirun -np {cfg.plan.num_stages} h2jax "
+            "train ...) or use transport 'local'",
+            highlight=False,
+            soft_wrap=True,
+        )
         return EXIT_CONFIG
     from h2jax.checkpoint import CheckpointError, CheckpointSaveError
     from h2jax.config import ConfigError, config_to_dict
@@ -120,13 +142,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
     console.print(_plan_table(cfg))
     if any(c.emulated for c in cfg.cluster.chips.values()):
-        console.print("[dim]emulated chip types: CPU PJRT clients sharing this host's cores; declared "
-                      "memory is enforced by the memory check, speed is not emulated.[/]")
+        console.print(
+            "[dim]emulated chip types: CPU PJRT clients sharing this host's cores; declared "
+            "memory is enforced by the memory check, speed is not emulated.[/]"
+        )
     try:
         trainer = Trainer(cfg, run_dir=args.run_dir, console=console)
         for s, (st, mem) in enumerate(zip(trainer.stages, trainer.memory)):
-            console.print(f"stage {s} on {trainer.placements[s].backend}: {mem.total / 2**20:.1f} MiB per device "
-                          f"(limit {cfg.cluster.chips[st.spec.chip].memory_gib:g} GiB)")
+            console.print(
+                f"stage {s} on {trainer.placements[s].backend}: {mem.total / 2**20:.1f} MiB per device "
+                f"(limit {cfg.cluster.chips[st.spec.chip].memory_gib:g} GiB)"
+            )
         resumed = trainer.resume(restore_step=args.restore_step, init_from=args.init_from)
         if resumed:
             console.print(f"[green]h2jax:[/] {escape(resumed)}", highlight=False, soft_wrap=True)
@@ -142,10 +168,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (NonFiniteLossError, StageFailure) as e:
         return failed("training failed", e)
     if trainer.preempted:
-        where = (f"saved step {trainer.step} to {trainer.checkpoint_dir}; run the same command to resume"
-                 if cfg.checkpoint.enabled else "checkpoints are off (checkpoint.enabled=false): nothing saved")
-        console.print(f"[yellow]h2jax: stopped by {trainer.preempted} after step {trainer.step}:[/] {escape(where)}",
-                      highlight=False, soft_wrap=True)
+        where = (
+            f"saved step {trainer.step} to {trainer.checkpoint_dir}; run the same command to resume"
+            if cfg.checkpoint.enabled
+            else "checkpoints are off (checkpoint.enabled=false): nothing saved"
+        )
+        console.print(
+            f"[yellow]h2jax: stopped by {trainer.preempted} after step {trainer.step}:[/] {escape(where)}",
+            highlight=False,
+            soft_wrap=True,
+        )
         print(trainer.run_dir)
         return 0
     if not history:
@@ -155,9 +187,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     first, last = history[0], history[-1]
     med = sorted(h.tokens_per_s for h in history[1:] or history)[len(history[1:] or history) // 2]
     skipped = sum(h.skipped for h in history)
-    console.print(f"loss {first.loss:.4f} -> {last.loss:.4f} over {len(history)} steps"
-                  f"{f' (from step {start})' if start else ''}; median {med:,.0f} tokens/s"
-                  f"{f'; {skipped} non-finite steps skipped' if skipped else ''}")
+    console.print(
+        f"loss {first.loss:.4f} -> {last.loss:.4f} over {len(history)} steps"
+        f"{f' (from step {start})' if start else ''}; median {med:,.0f} tokens/s"
+        f"{f'; {skipped} non-finite steps skipped' if skipped else ''}"
+    )
     if cfg.checkpoint.enabled:
         console.print(f"checkpoints: {trainer.checkpoint_dir} (latest step {trainer.step})")
     console.print(f"run folder: [bold]{trainer.run_dir}[/] (metrics.jsonl, tb/, trace.json, gantt.png, summary.json)")
@@ -171,12 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train an experiment (default: the embedded default job)")
     t.add_argument("config", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     t.add_argument("--run-dir", default=None, help="run folder (default: <train.out_dir>/<name>)")
-    t.add_argument("--restore-step", type=int, default=None, metavar="N",
-                   help="resume from committed checkpoint step N instead of the latest (with --init-from: "
-                        "take that step's weights)")
-    t.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start a new run (step 0, fresh optimizer) from the weights of the latest committed "
-                        "checkpoint in DIR, under this run's plan")
+    t.add_argument(
+        "--restore-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="resume from committed checkpoint step N instead of the latest (with --init-from: "
+        "take that step's weights)",
+    )
+    t.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start a new run (step 0, fresh optimizer) from the weights of the latest committed "
+        "checkpoint in DIR, under this run's plan",
+    )
     t.set_defaults(func=cmd_train)
     c = sub.add_parser("check-config", help="validate a config without touching any device")
     c.add_argument("config", nargs="*", help="[CONFIG.yaml] [key=value ...]")

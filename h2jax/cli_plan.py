@@ -20,11 +20,18 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register the planner's subcommands on the ``h2jax`` parser."""
     p = subparsers.add_parser("plan", help="search the fastest plan for a cluster (HeteroAuto)")
     p.add_argument("cluster", help="cluster YAML (configs/clusters/<name>.yaml or a name there)")
-    p.add_argument("--model", default=None, help="YAML with the model's fields (top level or under `model:`); "
-                                                 "default: the cluster file's `model:`")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="YAML with the model's fields (top level or under `model:`); default: the cluster file's `model:`",
+    )
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the cluster file's)")
-    p.add_argument("--other-global-batch", type=int, default=None,
-                   help="also report the ratio when the heterogeneous run uses this global batch")
+    p.add_argument(
+        "--other-global-batch",
+        type=int,
+        default=None,
+        help="also report the ratio when the heterogeneous run uses this global batch",
+    )
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     p.add_argument("--group-size", type=int, default=None, help="handle chips of a type this many at a time")
     p.add_argument("--beam", type=int, default=None, help="keep this many (stages, tensor) choices per chip type")
@@ -41,24 +48,34 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--grad-sync", default="step", choices=("step", "microbatch"))
     s.add_argument("--out", default=None, help="folder for trace.json and gantt.png")
     s.set_defaults(func=cmd_simulate)
-    f = subparsers.add_parser("profile", help="per-layer costs of a chip type: measured on its devices "
-                                              "(--measure) or a roofline estimate")
+    f = subparsers.add_parser(
+        "profile", help="per-layer costs of a chip type: measured on its devices (--measure) or a roofline estimate"
+    )
     f.add_argument("--chip", required=True, help="chip profile name (configs/chips/<name>.yaml)")
     f.add_argument("--model", required=True, help="model YAML")
     f.add_argument("--tensor", type=int, nargs="*", default=[1])
     f.add_argument("--microbatch", type=int, nargs="*", default=[1])
     f.add_argument("--out", default=None, help="JSON cache to write (merged with what is there)")
-    f.add_argument("--measure", action="store_true",
-                   help="time the real stage programs on this chip type's devices (emulated chips: this host's CPU)")
-    f.add_argument("--repeats", type=int, default=5,
-                   help="timed rounds per program, with --measure")
-    f.add_argument("--statistic", default="median", choices=("median", "lower-quartile"),
-                   help="what is kept of a program's timed rounds, with --measure: the median (what a "
-                        "training step sees on a machine that also runs other work; the default) or the "
-                        "lower quartile (the machine to itself)")
-    f.add_argument("--no-driver", action="store_true",
-                   help="with --measure on an emulated chip: skip timing the runtime driver's own host CPU "
-                        "(a few seconds through the real trainer)")
+    f.add_argument(
+        "--measure",
+        action="store_true",
+        help="time the real stage programs on this chip type's devices (emulated chips: this host's CPU)",
+    )
+    f.add_argument("--repeats", type=int, default=5, help="timed rounds per program, with --measure")
+    f.add_argument(
+        "--statistic",
+        default="median",
+        choices=("median", "lower-quartile"),
+        help="what is kept of a program's timed rounds, with --measure: the median (what a "
+        "training step sees on a machine that also runs other work; the default) or the "
+        "lower quartile (the machine to itself)",
+    )
+    f.add_argument(
+        "--no-driver",
+        action="store_true",
+        help="with --measure on an emulated chip: skip timing the runtime driver's own host CPU "
+        "(a few seconds through the real trainer)",
+    )
     f.set_defaults(func=cmd_profile)
 
 
@@ -72,8 +89,7 @@ def _fail(e: Exception) -> SystemExit:
     from h2jax.config import ConfigError
 
     err = e if isinstance(e, ConfigError) else ConfigError("plan", str(e))
-    Console(stderr=True).print(f"[bold red]h2jax: config error:[/] {escape(str(err))}", highlight=False,
-                               soft_wrap=True)
+    Console(stderr=True).print(f"[bold red]h2jax: config error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
     return SystemExit(EXIT_CONFIG)
 
 
@@ -147,12 +163,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model, model_raw = _model(args.model, raw.get("model") if isinstance(raw, dict) else None)
         gb = args.global_batch or raw.get("global_batch")
         if not isinstance(gb, int) or gb < 1:
-            raise ProfileError(f"global_batch: expected a positive integer (--global-batch or the cluster's "
-                               f"`global_batch:`), got {gb!r}")
+            raise ProfileError(
+                f"global_batch: expected a positive integer (--global-batch or the cluster's "
+                f"`global_batch:`), got {gb!r}"
+            )
         table = _table(args.profiles)
-        opts = SearchOptions(schedule=args.schedule, group_size=args.group_size, max_options_per_chip=args.beam,
-                             max_orders=args.max_orders, stage_in_node=_stage_in_node(cluster),
-                             cost=CostOptions(grad_sync=args.grad_sync))
+        opts = SearchOptions(
+            schedule=args.schedule,
+            group_size=args.group_size,
+            max_options_per_chip=args.beam,
+            max_orders=args.max_orders,
+            stage_in_node=_stage_in_node(cluster),
+            cost=CostOptions(grad_sync=args.grad_sync),
+        )
     except (ProfileError, PlanError, ValueError) as e:
         raise _fail(e) from None
     console = Console()
@@ -160,55 +183,83 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if res.plan is None:
         raise _fail(ProfileError(f"plan: no plan fits ({res.note}); try more chips, a smaller model or microbatch"))
     cost = res.cost
-    tbl = Table(title=f"{cluster.name}: {cluster.num_devices} chips, model {model.num_params() / 1e9:.2f} B params, "
-                      f"global batch {gb} seq = {gb * model.seq_len:,} tokens, {res.plan.num_microbatches} x "
-                      f"{res.plan.microbatch_size}, {res.plan.schedule}")
+    tbl = Table(
+        title=f"{cluster.name}: {cluster.num_devices} chips, model {model.num_params() / 1e9:.2f} B params, "
+        f"global batch {gb} seq = {gb * model.seq_len:,} tokens, {res.plan.num_microbatches} x "
+        f"{res.plan.microbatch_size}, {res.plan.schedule}"
+    )
     for col in ("stage", "chip", "data x tensor", "layers", "recompute", "fwd+bwd / mb", "memory / device"):
         tbl.add_column(col)
     for i, (s, c) in enumerate(zip(res.plan.stages, cost.stages)):
-        tbl.add_row(str(i), s.chip, f"{s.data} x {s.tensor}", f"{s.layers[0]}-{s.layers[1] - 1}",
-                    "yes" if s.recompute else "no", _fmt_s(c.t),
-                    f"{c.memory.total / GIB:.1f} / {c.memory_limit / GIB:.0f} GiB")
+        tbl.add_row(
+            str(i),
+            s.chip,
+            f"{s.data} x {s.tensor}",
+            f"{s.layers[0]}-{s.layers[1] - 1}",
+            "yes" if s.recompute else "no",
+            _fmt_s(c.t),
+            f"{c.memory.total / GIB:.1f} / {c.memory_limit / GIB:.0f} GiB",
+        )
     console.print(tbl)
     est = " (roofline estimates)" if any(c.estimated for c in cost.stages) else ""
-    console.print(f"estimated iteration {_fmt_s(cost.iteration_s)}{est}, {cost.tokens_per_s:,.0f} tokens/s, "
-                  f"bubble {100 * cost.bubble_fraction:.1f} %; lower bound {_fmt_s(res.lower_bound_s)} "
-                  f"(gap {100 * res.gap:.1f} %)")
-    console.print(f"search: {res.search_s:.3f} s ({res.configs_solved} configurations, {res.orders_solved} orders "
-                  f"solved); stage order {'is' if res.memory_descending else 'is not'} memory-descending")
+    console.print(
+        f"estimated iteration {_fmt_s(cost.iteration_s)}{est}, {cost.tokens_per_s:,.0f} tokens/s, "
+        f"bubble {100 * cost.bubble_fraction:.1f} %; lower bound {_fmt_s(res.lower_bound_s)} "
+        f"(gap {100 * res.gap:.1f} %)"
+    )
+    console.print(
+        f"search: {res.search_s:.3f} s ({res.configs_solved} configurations, {res.orders_solved} orders "
+        f"solved); stage order {'is' if res.memory_descending else 'is not'} memory-descending"
+    )
     for chip in cluster.names:
         n = cluster.devices(chip)
-        console.print(f"  TGS {chip}: {cost.tokens_per_s / cluster.num_devices:,.1f} tokens/chip/s over all "
-                      f"{cluster.num_devices} chips ({cost.devices_by_chip.get(chip, 0)} of {n} {chip} used)")
+        console.print(
+            f"  TGS {chip}: {cost.tokens_per_s / cluster.num_devices:,.1f} tokens/chip/s over all "
+            f"{cluster.num_devices} chips ({cost.devices_by_chip.get(chip, 0)} of {n} {chip} used)"
+        )
     if len(cluster.names) > 1:
-        ratio, base = heteros_speedup(cluster, model, global_batch=gb, hetero_tps=cost.tokens_per_s,
-                                      table=table, opts=opts)
+        ratio, base = heteros_speedup(
+            cluster, model, global_batch=gb, hetero_tps=cost.tokens_per_s, table=table, opts=opts
+        )
         for name, r in base.items():
-            console.print(f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: "
-                          + (f"{r.cost.tokens_per_s:,.0f} tokens/s" if r.plan else "no plan fits"))
-        console.print(f"[bold]HeteroSpeedupRatio at the same global batch ({gb} hetero, {gb} homogeneous): "
-                      f"{100 * ratio:.1f} %[/]")
+            console.print(
+                f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: "
+                + (f"{r.cost.tokens_per_s:,.0f} tokens/s" if r.plan else "no plan fits")
+            )
+        console.print(
+            f"[bold]HeteroSpeedupRatio at the same global batch ({gb} hetero, {gb} homogeneous): {100 * ratio:.1f} %[/]"
+        )
         if args.other_global_batch:
             ogb = args.other_global_batch
             other = search(cluster, model, global_batch=ogb, table=table, opts=opts)
             total = sum(r.cost.tokens_per_s for r in base.values() if r.plan is not None)
             if other.plan is not None and total > 0:
                 total = sum(r.cost.tokens_per_s for r in base.values() if r.plan is not None)
-                console.print(f"HeteroSpeedupRatio with hetero at global batch {ogb}, homogeneous at {gb} "
-                              f"(the mismatched ratio): {100 * other.cost.tokens_per_s / total:.1f} %")
-                ratio2, _ = heteros_speedup(cluster, model, global_batch=ogb, hetero_tps=other.cost.tokens_per_s,
-                                            table=table, opts=opts)
+                console.print(
+                    f"HeteroSpeedupRatio with hetero at global batch {ogb}, homogeneous at {gb} "
+                    f"(the mismatched ratio): {100 * other.cost.tokens_per_s / total:.1f} %"
+                )
+                ratio2, _ = heteros_speedup(
+                    cluster, model, global_batch=ogb, hetero_tps=other.cost.tokens_per_s, table=table, opts=opts
+                )
                 console.print(f"HeteroSpeedupRatio at the same global batch ({ogb} both): {100 * ratio2:.1f} %")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         res.plan.to_yaml(out / "plan.yaml")
-        exp = {"name": f"plan_{cluster.name}", "model": {k: model_raw[k] for k in model_raw},
-               "cluster": {"chips": cluster.to_config_chips()}, "plan": res.plan.to_dict()}
+        exp = {
+            "name": f"plan_{cluster.name}",
+            "model": {k: model_raw[k] for k in model_raw},
+            "cluster": {"chips": cluster.to_config_chips()},
+            "plan": res.plan.to_dict(),
+        }
         exp["plan"].pop("model", None)
-        (out / "experiment.yaml").write_text("# written by `h2jax plan`; run it with `h2jax train " +
-                                             str(out / "experiment.yaml") + "`\n" +
-                                             yaml.safe_dump(exp, sort_keys=False))
+        (out / "experiment.yaml").write_text(
+            "# written by `h2jax plan`; run it with `h2jax train "
+            + str(out / "experiment.yaml")
+            + "`\n"
+            + yaml.safe_dump(exp, sort_keys=False)
+        )
         console.print(f"wrote {out / 'plan.yaml'} and {out / 'experiment.yaml'}")
     return 0
 
@@ -231,16 +282,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan = Plan.from_dict(pdata)
         for i, s in enumerate(plan.stages):
             if s.chip not in cluster.names:
-                raise PlanError(f"plan.stages[{i}].chip", f"chip {s.chip!r} is not in the cluster "
-                                                          f"({', '.join(cluster.names)})")
-        sim, cost = simulate_plan(plan, model, cluster, table=_table(args.profiles),
-                                  opts=CostOptions(grad_sync=args.grad_sync))
+                raise PlanError(
+                    f"plan.stages[{i}].chip", f"chip {s.chip!r} is not in the cluster ({', '.join(cluster.names)})"
+                )
+        sim, cost = simulate_plan(
+            plan, model, cluster, table=_table(args.profiles), opts=CostOptions(grad_sync=args.grad_sync)
+        )
     except (ProfileError, PlanError, ValueError, KeyError) as e:
         raise _fail(e) from None
     console = Console()
-    console.print(f"simulated iteration {_fmt_s(sim.iteration_s)}; analytic estimate {_fmt_s(cost.iteration_s)} "
-                  f"({100 * (cost.iteration_s / sim.iteration_s - 1):+.1f} %); bubble {100 * sim.bubble_fraction:.1f} %; "
-                  f"{cost.tokens_per_step / sim.iteration_s:,.0f} tokens/s")
+    console.print(
+        f"simulated iteration {_fmt_s(sim.iteration_s)}; analytic estimate {_fmt_s(cost.iteration_s)} "
+        f"({100 * (cost.iteration_s / sim.iteration_s - 1):+.1f} %); bubble {100 * sim.bubble_fraction:.1f} %; "
+        f"{cost.tokens_per_step / sim.iteration_s:,.0f} tokens/s"
+    )
     for s, u in enumerate(sim.utilisation()):
         console.print(f"  stage {s} ({plan.stages[s].chip}): utilisation {100 * u:.1f} %")
     if not cost.fits:
@@ -272,8 +327,15 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
     from h2jax.plan._profiles import local_cores
     from h2jax.runtime._profile import profile_chip
 
-    rows = profile_chip(args.chip, chip, cfg, tensor_degrees=args.tensor, microbatches=args.microbatch,
-                        repeats=args.repeats, statistic=args.statistic)
+    rows = profile_chip(
+        args.chip,
+        chip,
+        cfg,
+        tensor_degrees=args.tensor,
+        microbatches=args.microbatch,
+        repeats=args.repeats,
+        statistic=args.statistic,
+    )
     if not chip.emulated:
         return {"rows": rows, "host_cores": None, "driver": None}
     # every emulated chip computes on this machine: what its figures are out of, and what the
@@ -307,17 +369,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
             parts = hit or roofline_costs(model, chip, tensor=t, microbatch=b)
             table.add(chip.name, model.key(), t, b, parts, host_cores=got["host_cores"] if hit else None)
             blk = parts["block"]
-            print(f"{chip.name} tensor={t} microbatch={b}: block fwd {blk.fwd_s * 1e3:.3f} ms, bwd "
-                  f"{blk.bwd_s * 1e3:.3f} ms, params {blk.param_bytes / 2**20:.1f} MiB, activations "
-                  f"{blk.act_bytes / 2**20:.1f} MiB ({'estimated: roofline' if blk.estimated else 'measured'})")
+            print(
+                f"{chip.name} tensor={t} microbatch={b}: block fwd {blk.fwd_s * 1e3:.3f} ms, bwd "
+                f"{blk.bwd_s * 1e3:.3f} ms, params {blk.param_bytes / 2**20:.1f} MiB, activations "
+                f"{blk.act_bytes / 2**20:.1f} MiB ({'estimated: roofline' if blk.estimated else 'measured'})"
+            )
     if got["host_cores"] is not None:
         print(f"host: {chip.host!r}, {got['host_cores']} cores (every emulated chip computes on this machine)")
     if got["driver"] is not None:
         d = got["driver"]
         table.driver[chip.host] = d
-        print(f"runtime driver on {chip.host!r}: {1e3 * d.step_s:.2f} ms per step outside the programs, CPU "
-              f"{1e3 * d.step_cpu_s:.2f} ms per step, {1e3 * d.op_cpu_s:.3f} ms per forward/backward beyond its "
-              f"call, {1e3 * d.transfer_cpu_s:.3f} ms per boundary tensor")
+        print(
+            f"runtime driver on {chip.host!r}: {1e3 * d.step_s:.2f} ms per step outside the programs, CPU "
+            f"{1e3 * d.step_cpu_s:.2f} ms per step, {1e3 * d.op_cpu_s:.3f} ms per forward/backward beyond its "
+            f"call, {1e3 * d.transfer_cpu_s:.3f} ms per boundary tensor"
+        )
     if args.out:
         table.save(args.out)
         print(f"wrote {args.out}")

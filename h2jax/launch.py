@@ -32,8 +32,14 @@ KNOWN = {
     "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
 }
 # variables that say "some launcher started me" even when it is none of the above
-HINTS = ("PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "MPI_LOCALRANKID", "ALPS_APP_PE",
-         "PALS_RANKID")  # SLURM_PROCID alone (sbatch's batch shell, no srun step) is a plain process
+HINTS = (
+    "PMIX_RANK",
+    "PMI_RANK",
+    "MV2_COMM_WORLD_RANK",
+    "MPI_LOCALRANKID",
+    "ALPS_APP_PE",
+    "PALS_RANKID",
+)  # SLURM_PROCID alone (sbatch's batch shell, no srun step) is a plain process
 
 
 def _int(env: Mapping[str, str], key: str, launcher: str) -> int:
@@ -53,23 +59,39 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo | None:
     if "OMPI_COMM_WORLD_RANK" in env:
         rank_k, size_k, local_k = KNOWN["openmpi"]
         # Open MPI 5 runs on PRRTE (PRTE_* variables); Open MPI 4 on ORTE (OMPI_MCA_orte_*)
-        v5 = any(k.startswith("PRTE_") for k in env) or "OMPI_MCA_prte_launch_agent" in env or (
-            "PMIX_RANK" in env and not any(k.startswith("OMPI_MCA_orte") for k in env))
-        return LaunchInfo("openmpi-5" if v5 else "openmpi-4", _int(env, rank_k, "openmpi"),
-                          _int(env, size_k, "openmpi"), int(env.get(local_k, "0")))
+        v5 = (
+            any(k.startswith("PRTE_") for k in env)
+            or "OMPI_MCA_prte_launch_agent" in env
+            or ("PMIX_RANK" in env and not any(k.startswith("OMPI_MCA_orte") for k in env))
+        )
+        return LaunchInfo(
+            "openmpi-5" if v5 else "openmpi-4",
+            _int(env, rank_k, "openmpi"),
+            _int(env, size_k, "openmpi"),
+            int(env.get(local_k, "0")),
+        )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
-        return LaunchInfo("slurm", _int(env, "SLURM_PROCID", "slurm"), _int(env, "SLURM_NTASKS", "slurm"),
-                          int(env.get("SLURM_LOCALID", "0")))
+        return LaunchInfo(
+            "slurm",
+            _int(env, "SLURM_PROCID", "slurm"),
+            _int(env, "SLURM_NTASKS", "slurm"),
+            int(env.get("SLURM_LOCALID", "0")),
+        )
     if "PMI_RANK" in env and "PMI_SIZE" in env:
-        return LaunchInfo("mpich", _int(env, "PMI_RANK", "mpich"), _int(env, "PMI_SIZE", "mpich"),
-                          int(env.get("MPI_LOCALRANKID", "0")))
+        return LaunchInfo(
+            "mpich",
+            _int(env, "PMI_RANK", "mpich"),
+            _int(env, "PMI_SIZE", "mpich"),
+            int(env.get("MPI_LOCALRANKID", "0")),
+        )
     hints = [k for k in HINTS if k in env]
     if hints:
         looked = "; ".join(f"{name}: ${', $'.join(keys)}" for name, keys in KNOWN.items())
         raise LauncherError(
             f"started by an unrecognised launcher (found ${', $'.join(hints)}); h2jax recognises "
             f"{looked} (SLURM inside a job step, i.e. srun). Launch with mpirun (Open MPI 4/5), srun or "
-            "mpiexec (MPICH/Hydra)")
+            "mpiexec (MPICH/Hydra)"
+        )
     return None
 
 
@@ -103,8 +125,9 @@ def stop_grace_s(env: Mapping[str, str] | None = None) -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise LauncherError(f"${STOP_GRACE_ENV}={raw!r}: expected a number of seconds > 0 "
-                            f"(default {DEFAULT_STOP_GRACE_S:g})")
+        raise LauncherError(
+            f"${STOP_GRACE_ENV}={raw!r}: expected a number of seconds > 0 (default {DEFAULT_STOP_GRACE_S:g})"
+        )
     return value
 
 
@@ -142,8 +165,10 @@ class FailFast:
 
     def line(self, why: str) -> str:
         lc = self.launch
-        return (f"h2jax: stage {self.stage} (rank {lc.rank}/{lc.size}, {lc.launcher}) {why}; "
-                f"last completed step {self.last_completed_step}")
+        return (
+            f"h2jax: stage {self.stage} (rank {lc.rank}/{lc.size}, {lc.launcher}) {why}; "
+            f"last completed step {self.last_completed_step}"
+        )
 
     @staticmethod
     def signals() -> set:
@@ -196,8 +221,10 @@ class FailFast:
             else:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._exit(f"stopped by {self.stop_signal}: the job reached no step boundary (or did not "
-                               f"finish its save) in time (another process of the job failed or hangs)")
+                    self._exit(
+                        f"stopped by {self.stop_signal}: the job reached no step boundary (or did not "
+                        f"finish its save) in time (another process of the job failed or hangs)"
+                    )
                 info = signal.sigtimedwait(sigs, min(left, 1.0))
                 if info is None:
                     continue
@@ -211,7 +238,11 @@ class FailFast:
             self._deadline = time.monotonic() + self._grace_s
             import sys
 
-            sys.stderr.write(self.line(f"{name} received: saving a checkpoint at the next step boundary, then "
-                                       f"exiting 0 (exit 1 if the job reaches none within {self._grace_s:g} s)")
-                             + "\n")
+            sys.stderr.write(
+                self.line(
+                    f"{name} received: saving a checkpoint at the next step boundary, then "
+                    f"exiting 0 (exit 1 if the job reaches none within {self._grace_s:g} s)"
+                )
+                + "\n"
+            )
             sys.stderr.flush()

@@ -20,4 +20,3 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
-

@@ -62,7 +62,8 @@ def register_emulated_chips(chips: Mapping[str, tuple[int, int]]) -> dict[str, l
         for chip, (nodes, per_node) in chips.items():
             if nodes < 1 or per_node < 1:
                 raise EmulatedBackendError(
-                    f"emulated chip {chip!r}: nodes={nodes}, devices_per_node={per_node}; both must be >= 1")
+                    f"emulated chip {chip!r}: nodes={nodes}, devices_per_node={per_node}; both must be >= 1"
+                )
             names = []
             for node in range(nodes):
                 name = backend_name(chip, node)
@@ -72,15 +73,16 @@ def register_emulated_chips(chips: Mapping[str, tuple[int, int]]) -> dict[str, l
                     missing.append((name, per_node))
                 elif have != per_node:
                     raise EmulatedBackendError(
-                        f"emulated backend {name!r} already has {have} devices in this process, "
-                        f"asked for {per_node}")
+                        f"emulated backend {name!r} already has {have} devices in this process, asked for {per_node}"
+                    )
             out[chip] = names
         if missing and _backends_initialized():
             raise EmulatedBackendError(
                 "JAX backends were initialised before the emulated chip types "
                 f"{[n for n, _ in missing]} could be registered; register them before the first "
                 "jax.devices() call (e.g. call h2jax before touching JAX, or register a superset "
-                "at start-up as tests/conftest.py does)")
+                "at start-up as tests/conftest.py does)"
+            )
         for i, (name, per_node) in enumerate(missing):
             xb.register_backend_factory(
                 name,

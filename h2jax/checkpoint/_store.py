@@ -113,8 +113,9 @@ def _alone() -> ocp.options.MultiprocessingOptions:
     """orbax options for a manager that only this process uses (no barriers with the other
     processes of its JAX cluster, if it has any)."""
     me = jax.process_index()
-    return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me} if jax.process_count() > 1
-                                              else None)
+    return ocp.options.MultiprocessingOptions(
+        primary_host=me, active_processes={me} if jax.process_count() > 1 else None
+    )
 
 
 def _rmdir_if_empty(d: Path) -> None:
@@ -152,9 +153,18 @@ class CheckpointStore:
             docstring); the cluster's process 0 keeps its books.
     """
 
-    def __init__(self, directory: str | Path, *, part: str = DEFAULT_PART, parts: Sequence[str] = (DEFAULT_PART,),
-                 keep_last: int = 3, keep_every: int = 0, async_save: bool = True, lead: bool = True,
-                 shared: bool = False):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        part: str = DEFAULT_PART,
+        parts: Sequence[str] = (DEFAULT_PART,),
+        keep_last: int = 3,
+        keep_every: int = 0,
+        async_save: bool = True,
+        lead: bool = True,
+        shared: bool = False,
+    ):
         self.dir = Path(directory).absolute()
         self.shared = shared
         # who keeps the books of this part: its only writer, or the shared part's process 0
@@ -306,8 +316,11 @@ class CheckpointStore:
         if not self.keeper:
             mgr.reload()  # the keeper may have deleted steps (retention, a re-save): orbax caches the list
         try:
-            mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(nest(state)),
-                                                   meta=ocp.args.JsonSave(dict(meta))), force=True)
+            mgr.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(nest(state)), meta=ocp.args.JsonSave(dict(meta))),
+                force=True,
+            )
         except Exception as e:  # noqa: BLE001 -- any failure of the write names the path and step
             raise CheckpointSaveError(self.part_dir() / str(step), step, e) from e
         self._pending = step
@@ -340,9 +353,10 @@ class CheckpointStore:
             failpoint("save_finalized", step)
             d = self._commit_dir(step)
             d.mkdir(parents=True, exist_ok=True)
-            _write_atomic(d / f"{self.part}.json",
-                          json.dumps({"step": step, "part": self.part, "parts": list(self.parts),
-                                      "time": time.time()}))
+            _write_atomic(
+                d / f"{self.part}.json",
+                json.dumps({"step": step, "part": self.part, "parts": list(self.parts), "time": time.time()}),
+            )
         except CheckpointSaveError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -361,8 +375,9 @@ class CheckpointStore:
     def holds(self, step: int) -> bool:
         """Whether this writer (the lead: or another writer set) has anything of ``step`` on disk
         (False for a shared part's writers other than its keeper: they delete nothing)."""
-        return self.keeper and any(step in self._part_steps(p) or (self._commit_dir(step) / f"{p}.json").exists()
-                   for p in self._holders())
+        return self.keeper and any(
+            step in self._part_steps(p) or (self._commit_dir(step) / f"{p}.json").exists() for p in self._holders()
+        )
 
     def delete(self, step: int) -> None:
         """Remove this part of ``step`` (the lead: and other writer sets' parts): the commit
@@ -408,11 +423,15 @@ class CheckpointStore:
         shares = self._part_steps(self.part)
         commits = self.dir / COMMITS_DIR
         if commits.is_dir():
-            shares |= {int(d.name) for d in commits.iterdir()
-                       if d.name.isdigit() and (d / f"{self.part}.json").exists()}
+            shares |= {
+                int(d.name) for d in commits.iterdir() if d.name.isdigit() and (d / f"{self.part}.json").exists()
+            }
         order = self._committed_here
-        gone += [s for s in shares if s < horizon and s not in committed and s != self._pending
-                 and order.get(s, -1) < order[horizon]]  # not one this writer saved again after the horizon
+        gone += [
+            s
+            for s in shares
+            if s < horizon and s not in committed and s != self._pending and order.get(s, -1) < order[horizon]
+        ]  # not one this writer saved again after the horizon
         for step in sorted(set(gone)):
             self.delete(step)
         return sorted(set(gone))
@@ -445,8 +464,9 @@ class CheckpointStore:
         parts = self.step_parts(step)
         if parts is None:
             have = self.committed_steps()
-            raise CheckpointError(f"{self.dir}: step {step} is not a committed checkpoint "
-                                  f"(committed steps: {have or 'none'})")
+            raise CheckpointError(
+                f"{self.dir}: step {step} is not a committed checkpoint (committed steps: {have or 'none'})"
+            )
         return parts
 
     def read_meta(self, step: int) -> dict[str, Any]:
@@ -475,20 +495,28 @@ class CheckpointStore:
                 owner[name] = part
         missing = sorted(set(targets) - set(shapes))
         if missing:
-            raise CheckpointError(f"{self.dir} step {step} lacks {len(missing)} arrays the model needs, "
-                                  f"e.g. {missing[:3]}")
+            raise CheckpointError(
+                f"{self.dir} step {step} lacks {len(missing)} arrays the model needs, e.g. {missing[:3]}"
+            )
         bad = [(n, shapes[n], tuple(t.shape)) for n, t in targets.items() if shapes[n] != tuple(t.shape)]
         if bad:
             n, have, want = bad[0]
-            raise CheckpointError(f"{self.dir} step {step}: {n} has shape {have} in the checkpoint, "
-                                  f"{want} in the model ({len(bad)} arrays differ)")
+            raise CheckpointError(
+                f"{self.dir} step {step}: {n} has shape {have} in the checkpoint, "
+                f"{want} in the model ({len(bad)} arrays differ)"
+            )
         out: dict[str, jax.Array] = {}
         for part in sorted(set(owner[n] for n in targets)):
             want = {n: t for n, t in targets.items() if owner[n] == part}
             item = nest(want)
             restore_args = jax.tree.map(
-                lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), item)
-            got = self._reader(part).restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))
+                lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), item
+            )
+            got = self._reader(part).restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+                ),
+            )
             out.update(unnest(dict(got["state"])))
         return out

@@ -52,8 +52,9 @@ class FfiUnavailableError(ImportError):
 
 def _extension(platform: str) -> Any:
     # libmpi first: the extension names libmpi by soname only and reuses mpi4py's copy
-    from mpi4py import MPI  # noqa: F401
     import importlib
+
+    from mpi4py import MPI  # noqa: F401
 
     name = _MODULES.get(platform)
     if name is None:
@@ -61,10 +62,14 @@ def _extension(platform: str) -> Any:
     try:
         return importlib.import_module(f"h2jax.comm.{name}")
     except ImportError as e:
-        hint = ("it is built only where a CUDA toolkit is found (H2JAX_FFI_CUDA=AUTO|ON)" if platform == "cuda"
-                else "it is built by `python3 -m pip install -e .` (needs a C++17 compiler and CMake)")
-        raise FfiUnavailableError(f"h2jax ffi: the {platform} extension h2jax.comm.{name} is unavailable ({e}); "
-                                  f"{hint}") from e
+        hint = (
+            "it is built only where a CUDA toolkit is found (H2JAX_FFI_CUDA=AUTO|ON)"
+            if platform == "cuda"
+            else "it is built by `python3 -m pip install -e .` (needs a C++17 compiler and CMake)"
+        )
+        raise FfiUnavailableError(
+            f"h2jax ffi: the {platform} extension h2jax.comm.{name} is unavailable ({e}); {hint}"
+        ) from e
 
 
 def register(platform: str = "cpu") -> None:
@@ -155,8 +160,15 @@ def _token(token: jax.Array | None) -> jax.Array:
     return token
 
 
-def send(x: jax.Array, *, peer: int | jax.Array, tag: int | jax.Array, comm: Any, token: jax.Array | None = None,
-         timeout_s: float = DEFAULT_TIMEOUT_S) -> jax.Array:
+def send(
+    x: jax.Array,
+    *,
+    peer: int | jax.Array,
+    tag: int | jax.Array,
+    comm: Any,
+    token: jax.Array | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> jax.Array:
     """Send ``x`` to rank ``peer`` of ``comm``; returns the next token.
 
     Returns once ``x`` has been delivered to the peer (received, or stashed by the peer
@@ -166,13 +178,27 @@ def send(x: jax.Array, *, peer: int | jax.Array, tag: int | jax.Array, comm: Any
     _check(comm, "peer", peer, tag, timeout_s)
     _register_all()
     call = jax.ffi.ffi_call("h2jax_send", _TOKEN, has_side_effect=True)
-    return call(_route(peer, tag), x, _token(token), comm=_comm_handle(comm), timeout_s=np.float64(timeout_s),
-                desc=_desc(x.shape, x.dtype))
+    return call(
+        _route(peer, tag),
+        x,
+        _token(token),
+        comm=_comm_handle(comm),
+        timeout_s=np.float64(timeout_s),
+        desc=_desc(x.shape, x.dtype),
+    )
 
 
-def recv(shape: tuple[int, ...], dtype: Any, *, peer: int | jax.Array, tag: int | jax.Array, comm: Any,
-         token: jax.Array | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-         into: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def recv(
+    shape: tuple[int, ...],
+    dtype: Any,
+    *,
+    peer: int | jax.Array,
+    tag: int | jax.Array,
+    comm: Any,
+    token: jax.Array | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    into: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Receive a ``dtype[shape]`` array from rank ``peer`` of ``comm``; returns ``(array, token)``.
 
     ``into``: a ``dtype[shape]`` buffer the result may reuse (its contents are overwritten; XLA
@@ -191,9 +217,19 @@ def recv(shape: tuple[int, ...], dtype: Any, *, peer: int | jax.Array, tag: int 
     return call(_route(peer, tag), _token(token), into, **attrs)
 
 
-def sendrecv(x: jax.Array, shape: tuple[int, ...], dtype: Any, *, dest: int, source: int, send_tag: int,
-             recv_tag: int, comm: Any, token: jax.Array | None = None,
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[jax.Array, jax.Array]:
+def sendrecv(
+    x: jax.Array,
+    shape: tuple[int, ...],
+    dtype: Any,
+    *,
+    dest: int,
+    source: int,
+    send_tag: int,
+    recv_tag: int,
+    comm: Any,
+    token: jax.Array | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[jax.Array, jax.Array]:
     """Send ``x`` to ``dest`` and receive a ``dtype[shape]`` array from ``source`` at once.
 
     The paired exchange of 1F1B's steady state (send forward, receive backward): both
@@ -206,5 +242,11 @@ def sendrecv(x: jax.Array, shape: tuple[int, ...], dtype: Any, *, dest: int, sou
     _register_all()
     call = jax.ffi.ffi_call("h2jax_sendrecv", (jax.ShapeDtypeStruct(shape, dtype), _TOKEN), has_side_effect=True)
     desc = f"send {_desc(x.shape, x.dtype)} / recv {_desc(shape, dtype)}"
-    return call(_route(dest, send_tag, source, recv_tag), x, _token(token), comm=_comm_handle(comm),
-                timeout_s=np.float64(timeout_s), desc=desc)
+    return call(
+        _route(dest, send_tag, source, recv_tag),
+        x,
+        _token(token),
+        comm=_comm_handle(comm),
+        timeout_s=np.float64(timeout_s),
+        desc=desc,
+    )

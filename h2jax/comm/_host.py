@@ -52,8 +52,9 @@ class HostTransport:
         self._pending.append((req, buf, peer, tag))
         self._reap()
 
-    def recv(self, like: jax.ShapeDtypeStruct, *, peer: int, tag: int,
-             sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    def recv(
+        self, like: jax.ShapeDtypeStruct, *, peer: int, tag: int, sharding: jax.sharding.Sharding | None = None
+    ) -> jax.Array:
         from mpi4py import MPI
 
         expected = int(np.prod(like.shape, dtype=np.int64)) * np.dtype(like.dtype).itemsize
@@ -63,16 +64,20 @@ class HostTransport:
         while not self.comm.Iprobe(source=peer, tag=tag, status=status):
             self._reap()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"h2jax host recv on rank {self.comm.Get_rank()}: timed out after "
-                                   f"{self.timeout_s:g} s: no message from peer {peer} with tag {tag} "
-                                   f"(expected {_desc(like.shape, like.dtype)}, {expected} bytes)")
+                raise TimeoutError(
+                    f"h2jax host recv on rank {self.comm.Get_rank()}: timed out after "
+                    f"{self.timeout_s:g} s: no message from peer {peer} with tag {tag} "
+                    f"(expected {_desc(like.shape, like.dtype)}, {expected} bytes)"
+                )
             spins += 1
             if spins > 1000:
                 time.sleep(20e-6)
         got = status.Get_count(MPI.BYTE)
         if got != expected:
-            raise ValueError(f"h2jax host recv on rank {self.comm.Get_rank()}: message from peer {peer} tag {tag} "
-                             f"has {got} bytes, expected {expected} ({_desc(like.shape, like.dtype)})")
+            raise ValueError(
+                f"h2jax host recv on rank {self.comm.Get_rank()}: message from peer {peer} tag {tag} "
+                f"has {got} bytes, expected {expected} ({_desc(like.shape, like.dtype)})"
+            )
         out = np.empty(like.shape, like.dtype)
         self.comm.Recv([_as_bytes(out), MPI.BYTE], source=peer, tag=tag)
         return jax.device_put(out, sharding if sharding is not None else _first_device(like, None))
@@ -87,8 +92,10 @@ class HostTransport:
             self._reap()
             if self._pending and time.monotonic() > deadline:
                 left = ", ".join(f"peer {p} tag {t} ({b.nbytes} bytes)" for _, b, p, t in self._pending)
-                raise TimeoutError(f"h2jax host flush on rank {self.comm.Get_rank()}: timed out after "
-                                   f"{self.timeout_s:g} s; sends not received: {left}")
+                raise TimeoutError(
+                    f"h2jax host flush on rank {self.comm.Get_rank()}: timed out after "
+                    f"{self.timeout_s:g} s; sends not received: {left}"
+                )
             time.sleep(20e-6)
 
     def close(self) -> None:

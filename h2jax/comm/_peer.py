@@ -26,8 +26,9 @@ class PeerTransport(Protocol):
         """Start sending ``x`` to ``peer``; returns without waiting for the receiver."""
         ...
 
-    def recv(self, like: jax.ShapeDtypeStruct, *, peer: int, tag: int,
-             sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    def recv(
+        self, like: jax.ShapeDtypeStruct, *, peer: int, tag: int, sharding: jax.sharding.Sharding | None = None
+    ) -> jax.Array:
         """The array that ``peer`` sent with ``tag``, laid out as ``sharding``."""
         ...
 
@@ -67,8 +68,10 @@ class FfiTransport:
                 fn = jax.jit(lambda x: _ffi.send(x, peer=peer, tag=tag, comm=comm, timeout_s=timeout_s))
             else:
                 sharding = jax.sharding.SingleDeviceSharding(device)
-                fn = jax.jit(lambda: _ffi.recv(like.shape, like.dtype, peer=peer, tag=tag, comm=comm,
-                                               timeout_s=timeout_s)[0], out_shardings=sharding)
+                fn = jax.jit(
+                    lambda: _ffi.recv(like.shape, like.dtype, peer=peer, tag=tag, comm=comm, timeout_s=timeout_s)[0],
+                    out_shardings=sharding,
+                )
             self._programs[key] = fn
         return fn
 
@@ -78,8 +81,9 @@ class FfiTransport:
         self._pending = [t for t in self._pending if not t.is_ready()]
         self._pending.append(self._program("send", peer, tag)(x))
 
-    def recv(self, like: jax.ShapeDtypeStruct, *, peer: int, tag: int,
-             sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    def recv(
+        self, like: jax.ShapeDtypeStruct, *, peer: int, tag: int, sharding: jax.sharding.Sharding | None = None
+    ) -> jax.Array:
         device = _first_device(like, sharding)
         like = jax.ShapeDtypeStruct(tuple(like.shape), like.dtype)
         y = self._program("recv", peer, tag, like, device)()

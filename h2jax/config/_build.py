@@ -12,7 +12,6 @@ from typing import Any
 
 from h2jax.config._errors import ConfigError
 
-
 # PyYAML (YAML 1.1) reads an exponent without a dot (1e-3, 5e4) as a string; only those
 # strings become floats -- not "nan", "inf" or "1_0", which Python's float() would accept.
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
@@ -116,7 +115,9 @@ def check_value(tp: Any, value: Any, key: str) -> Any:
 def build_dataclass(cls: type, raw: Any, key: str) -> Any:
     """``cls(**raw)`` with every key known and every value of its declared type."""
     if not isinstance(raw, dict):
-        raise ConfigError(key, f"got {raw!r}; expected a mapping with keys {sorted(f.name for f in dataclasses.fields(cls))}")
+        raise ConfigError(
+            key, f"got {raw!r}; expected a mapping with keys {sorted(f.name for f in dataclasses.fields(cls))}"
+        )
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(raw) - names, key=str)  # YAML keys may be ints

@@ -19,8 +19,9 @@ def resolve_chip(name: str, inline: dict[str, Any], *, key: str = "cluster.chips
         raise ConfigError(f"{key}.{name}", f"got {inline!r}; expected a mapping of chip fields (e.g. {{nodes: 1}})")
     profile = inline.get("profile")
     if profile is not None and not isinstance(profile, str):
-        raise ConfigError(f"{key}.{name}.profile",
-                          f"got {profile!r}; expected a chip profile name (e.g. sim_a) or a YAML path")
+        raise ConfigError(
+            f"{key}.{name}.profile", f"got {profile!r}; expected a chip profile name (e.g. sim_a) or a YAML path"
+        )
     profile_name = profile or name
     raw: dict[str, Any] = {}
     path = find_config("chips", profile_name)
@@ -30,7 +31,9 @@ def resolve_chip(name: str, inline: dict[str, Any], *, key: str = "cluster.chips
             raise ConfigError(f"{key}.{name}.profile", f"{path} does not hold a mapping")
         raw.update(loaded)
     elif inline.get("profile"):
-        raise ConfigError(f"{key}.{name}.profile",
-                          f"profile {profile_name!r} not found in {[str(d / 'chips') for d in config_dirs()]}")
+        raise ConfigError(
+            f"{key}.{name}.profile",
+            f"profile {profile_name!r} not found in {[str(d / 'chips') for d in config_dirs()]}",
+        )
     raw.update(inline)
     return build_dataclass(ChipSpec, raw, f"{key}.{name}")

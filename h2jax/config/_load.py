@@ -94,7 +94,9 @@ def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str
             candidates = [d / p for d in config_dirs()] + [d / f"{p}.yaml" for d in config_dirs()]
             found = next((c for c in candidates if c.is_file()), None)
             if found is None:
-                raise ConfigError("config", f"file {str(path)!r} not found (also looked in {[str(d) for d in config_dirs()]})")
+                raise ConfigError(
+                    "config", f"file {str(path)!r} not found (also looked in {[str(d) for d in config_dirs()]})"
+                )
             p = found
         try:
             user = yaml.safe_load(p.read_text()) or {}
@@ -130,8 +132,10 @@ def check_model_values(values: dict[str, Any], key: str = "model") -> None:
     if d_model % n_heads:
         raise ConfigError(f"{key}.n_heads", f"n_heads={n_heads} does not divide d_model={d_model}")
     if (d_model // n_heads) % 2:
-        raise ConfigError(f"{key}.d_model", f"head_dim = d_model/n_heads = {d_model}/{n_heads} = "
-                                            f"{d_model // n_heads}; rotary positions need it even")
+        raise ConfigError(
+            f"{key}.d_model",
+            f"head_dim = d_model/n_heads = {d_model}/{n_heads} = {d_model // n_heads}; rotary positions need it even",
+        )
     if values["dtype"] not in MODEL_DTYPES:
         raise ConfigError(f"{key}.dtype", f"dtype={values['dtype']!r}; expected one of {list(MODEL_DTYPES)}")
 
@@ -153,7 +157,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         if spec.memory_gib <= 0:
             raise ConfigError(f"cluster.chips.{name}.memory_gib", f"memory_gib={spec.memory_gib}; expected > 0")
         if not spec.emulated and spec.platform not in ("cpu", "cuda", "rocm", "tpu", "xpu"):
-            raise ConfigError(f"cluster.chips.{name}.platform", f"platform={spec.platform!r}; expected cpu, cuda, rocm, tpu or xpu")
+            raise ConfigError(
+                f"cluster.chips.{name}.platform", f"platform={spec.platform!r}; expected cpu, cuda, rocm, tpu or xpu"
+            )
     try:
         check_plan(
             cfg.plan,
@@ -184,8 +190,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     if c.every_steps < 0:
         raise ConfigError("checkpoint.every_steps", f"every_steps={c.every_steps}; expected >= 0 (0: only at the end)")
     if c.keep_last < 1:
-        raise ConfigError("checkpoint.keep_last", f"keep_last={c.keep_last}; expected >= 1 (the latest step is "
-                                                  "the restart point)")
+        raise ConfigError(
+            "checkpoint.keep_last", f"keep_last={c.keep_last}; expected >= 1 (the latest step is the restart point)"
+        )
     if c.keep_every < 0:
         raise ConfigError("checkpoint.keep_every", f"keep_every={c.keep_every}; expected >= 0 (0: none)")
     o = cfg.optimizer

@@ -31,13 +31,9 @@ def get_microbatch(
     shifted left by one (the next token at every position).
     """
     if microbatch_size < 1 or seq_len < 1:
-        raise ValueError(
-            f"microbatch_size and seq_len must be >= 1, got {microbatch_size} and {seq_len}"
-        )
+        raise ValueError(f"microbatch_size and seq_len must be >= 1, got {microbatch_size} and {seq_len}")
     if min(seed, step, microbatch_idx) < 0:
-        raise ValueError(
-            f"seed, step and microbatch_idx must be >= 0, got {seed}, {step}, {microbatch_idx}"
-        )
+        raise ValueError(f"seed, step and microbatch_idx must be >= 0, got {seed}, {step}, {microbatch_idx}")
     num_starts = len(dataset) - seq_len
     if num_starts < 1:
         raise ValueError(

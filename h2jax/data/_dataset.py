@@ -30,9 +30,7 @@ class TokenDataset:
         return cls(tokens=tokenizer.encode(text), vocab_size=int(tokenizer.vocab_size))
 
     @classmethod
-    def from_file(
-        cls, path: str | Path, *, dtype: str = "uint16", vocab_size: int | None = None
-    ) -> TokenDataset:
+    def from_file(cls, path: str | Path, *, dtype: str = "uint16", vocab_size: int | None = None) -> TokenDataset:
         """Memory-map a nanoGPT-layout token file: raw little-endian ids, no header.
 
         ``dtype`` is ``"uint16"`` (2 bytes/token) or ``"uint32"`` (4 bytes/token).
@@ -40,9 +38,7 @@ class TokenDataset:
         tokenizer's vocabulary size when you know it. Ids must be below ``vocab_size``.
         """
         if dtype not in _TOKEN_FILE_DTYPES:
-            raise ValueError(
-                f"data.token_dtype={dtype!r} is not valid: expected one of {_TOKEN_FILE_DTYPES}"
-            )
+            raise ValueError(f"data.token_dtype={dtype!r} is not valid: expected one of {_TOKEN_FILE_DTYPES}")
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"data.token_file: {str(path)!r} does not exist")
@@ -80,9 +76,7 @@ class TokenDataset:
         return int(self.tokens.shape[0])
 
 
-def load_dataset(
-    *, corpus: str, token_file: str | None, tokenizer: str, token_dtype: str
-) -> TokenDataset:
+def load_dataset(*, corpus: str, token_file: str | None, tokenizer: str, token_dtype: str) -> TokenDataset:
     """Build the dataset the ``data.*`` config keys describe.
 
     ``token_file`` (a pre-tokenized flat binary of ``token_dtype``) wins when given;

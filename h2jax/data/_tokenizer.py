@@ -43,10 +43,7 @@ class ByteTokenizer:
         """Bytes back to text; invalid UTF-8 (e.g. a window cut mid-character) becomes U+FFFD."""
         arr = np.asarray(ids)
         if arr.size and (arr.min() < 0 or arr.max() > 255):
-            raise ValueError(
-                f"ByteTokenizer.decode: ids must be in [0, 255], got range "
-                f"[{arr.min()}, {arr.max()}]"
-            )
+            raise ValueError(f"ByteTokenizer.decode: ids must be in [0, 255], got range [{arr.min()}, {arr.max()}]")
         return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:
@@ -90,6 +87,5 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
         return HFTokenizer(path)
     raise ValueError(
         f"data.tokenizer={spec!r} is not valid: expected 'byte' or the path to an existing "
-        f"Hugging Face tokenizer.json file"
-        + (" (no such file)" if path.suffix == ".json" else "")
+        f"Hugging Face tokenizer.json file" + (" (no such file)" if path.suffix == ".json" else "")
     )

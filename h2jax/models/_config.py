@@ -49,9 +49,7 @@ class GPTConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{name} must be a positive int, got {value!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
-            )
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(
                 f"head_dim = d_model / n_heads = {self.d_model} / {self.n_heads} = {self.head_dim} "

@@ -34,9 +34,7 @@ TENSOR = "tensor"
 """Mesh axis name that tensor parallelism shards over (stage meshes are ("data", "tensor"))."""
 
 
-def _param(
-    rngs: nnx.Rngs, shape: tuple[int, ...], std: float, sharding: tuple[str | None, ...]
-) -> nnx.Param:
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, sharding: tuple[str | None, ...]) -> nnx.Param:
     """A float32 normal(std) parameter annotated with its tensor-parallel layout.
 
     `eager_sharding=False`: the model is built on the host without a mesh; the runtime

@@ -16,9 +16,7 @@ def check_stageable(model: object) -> None:
     """
     name = type(model).__name__
     if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"{name} is not a flax.nnx.Module; h2jax trains NNX modules in the stageable form"
-        )
+        raise TypeError(f"{name} is not a flax.nnx.Module; h2jax trains NNX modules in the stageable form")
     missing = [attr for attr in ("embed", "blocks", "head") if not hasattr(model, attr)]
     if missing:
         raise TypeError(
@@ -32,10 +30,7 @@ def check_stageable(model: object) -> None:
             raise TypeError(f"{name}.{attr} is not callable ({kind})")
     blocks = model.blocks
     if not isinstance(blocks, Sequence | nnx.List) or isinstance(blocks, str):
-        raise TypeError(
-            f"{name}.blocks must be a sequence of blocks (e.g. nnx.List), "
-            f"got {type(blocks).__name__}"
-        )
+        raise TypeError(f"{name}.blocks must be a sequence of blocks (e.g. nnx.List), got {type(blocks).__name__}")
     if len(blocks) == 0:
         raise TypeError(f"{name}.blocks is empty; a stage needs at least one block to hold")
     for i, block in enumerate(blocks):

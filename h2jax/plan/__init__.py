@@ -55,6 +55,14 @@ __all__ = [
 ]
 
 # -- HeteroAuto: profiles, cost model, search, simulator (pure as the rest) --------------------
+from h2jax.plan._cost import (  # noqa: E402
+    CostOptions,
+    PlanCost,
+    StageCost,
+    estimate,
+    stage_cost,
+    transfer_s,
+)
 from h2jax.plan._profiles import (  # noqa: E402
     GIB,
     ChipProfile,
@@ -68,14 +76,6 @@ from h2jax.plan._profiles import (  # noqa: E402
     load_chip,
     roofline_costs,
 )
-from h2jax.plan._cost import (  # noqa: E402
-    CostOptions,
-    PlanCost,
-    StageCost,
-    estimate,
-    stage_cost,
-    transfer_s,
-)
 from h2jax.plan._search import (  # noqa: E402
     SearchOptions,
     SearchResult,
@@ -83,7 +83,6 @@ from h2jax.plan._search import (  # noqa: E402
     is_memory_descending,
     search,
 )
-
 from h2jax.plan._simulate import SimEvent, SimResult, simulate, simulate_plan  # noqa: E402
 
 __all__ += [

@@ -145,9 +145,11 @@ class StageMemoryEstimate:
         return self.params + self.grads + self.opt_state + self.activations + self.workspace
 
     def describe(self) -> str:
-        return (f"{self.total / GIB:.2f} GiB (params {self.params / GIB:.2f}, grads {self.grads / GIB:.2f}, "
-                f"optimizer {self.opt_state / GIB:.2f}, activations {self.activations / GIB:.2f}, "
-                f"workspace {self.workspace / GIB:.2f})")
+        return (
+            f"{self.total / GIB:.2f} GiB (params {self.params / GIB:.2f}, grads {self.grads / GIB:.2f}, "
+            f"optimizer {self.opt_state / GIB:.2f}, activations {self.activations / GIB:.2f}, "
+            f"workspace {self.workspace / GIB:.2f})"
+        )
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,7 @@ class PlanCost:
 
     @property
     def bound_by(self) -> str:
-        """"pipeline", or "host <name>" when a shared host's cores bound the step."""
+        """ "pipeline", or "host <name>" when a shared host's cores bound the step."""
         if self.host_bound_s:
             h, w = max(self.host_bound_s.items(), key=lambda kv: kv[1])
             if w > self.pipeline_bound_s:
@@ -247,8 +249,9 @@ class PlanCost:
         return (m - 1) * max(ts) + sum(ts) + sum(self.transfers_fwd) + sum(self.transfers_bwd)
 
 
-def part_costs(model: ModelShape, chip: ChipProfile, table: ProfileTable | None, *, tensor: int,
-               microbatch_per_device: int) -> dict[str, LayerCost]:
+def part_costs(
+    model: ModelShape, chip: ChipProfile, table: ProfileTable | None, *, tensor: int, microbatch_per_device: int
+) -> dict[str, LayerCost]:
     table = table if table is not None else _DEFAULT_TABLE
     return table.costs(model, chip, tensor=tensor, microbatch=microbatch_per_device)
 
@@ -284,9 +287,21 @@ def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage_idx: 
     return min(num_stages - stage_idx, num_microbatches)
 
 
-def stage_cost(model: ModelShape, chip: ChipProfile, *, layers: int, first: bool, last: bool, data: int,
-               tensor: int, microbatch: int, recompute: bool, in_flight: int, table: ProfileTable | None = None,
-               opts: CostOptions = CostOptions()) -> StageCost:
+def stage_cost(
+    model: ModelShape,
+    chip: ChipProfile,
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    data: int,
+    tensor: int,
+    microbatch: int,
+    recompute: bool,
+    in_flight: int,
+    table: ProfileTable | None = None,
+    opts: CostOptions = CostOptions(),
+) -> StageCost:
     """Cost of one stage holding `layers` blocks (plus embedding if `first`, head if `last`).
 
     `microbatch` is the stage's microbatch in sequences (split over `data` devices).
@@ -345,15 +360,35 @@ def stage_cost(model: ModelShape, chip: ChipProfile, *, layers: int, first: bool
         fwd_c = data * fwd_w / fwd if fwd > 0 else 1.0
         bwd_c = data * bwd_w / bwd if bwd > 0 else 1.0
         tail_c = data * tail_w / (update + sync) if update + sync > 0 else 1.0
-    mem = StageMemoryEstimate(params=pbytes, grads=pbytes, opt_state=2 * pbytes, activations=activations,
-                              workspace=temp)
-    return StageCost(fwd_s=fwd, bwd_s=bwd, grad_sync_s=sync, update_s=update, memory=mem,
-                     memory_limit=chip.memory_bytes - opts.mem_reserve_gib * GIB, in_flight=in_flight,
-                     estimated=estimated, host=host, fwd_cores=fwd_c, bwd_cores=bwd_c, tail_cores=tail_c)
+    mem = StageMemoryEstimate(
+        params=pbytes, grads=pbytes, opt_state=2 * pbytes, activations=activations, workspace=temp
+    )
+    return StageCost(
+        fwd_s=fwd,
+        bwd_s=bwd,
+        grad_sync_s=sync,
+        update_s=update,
+        memory=mem,
+        memory_limit=chip.memory_bytes - opts.mem_reserve_gib * GIB,
+        in_flight=in_flight,
+        estimated=estimated,
+        host=host,
+        fwd_cores=fwd_c,
+        bwd_cores=bwd_c,
+        tail_cores=tail_c,
+    )
 
 
-def transfer_s(model: ModelShape, src_chip: ChipProfile, src: tuple[int, int], dst_chip: ChipProfile,
-               dst: tuple[int, int], *, microbatch: int, eff: Efficiency = Efficiency()) -> float:
+def transfer_s(
+    model: ModelShape,
+    src_chip: ChipProfile,
+    src: tuple[int, int],
+    dst_chip: ChipProfile,
+    dst: tuple[int, int],
+    *,
+    microbatch: int,
+    eff: Efficiency = Efficiency(),
+) -> float:
     """Seconds to move one boundary tensor (mb x seq x d_model) from a (data, tensor) mesh to another.
 
     Each destination (data slice, tensor slot) receives a distinct 1/tensor piece of its
@@ -373,16 +408,23 @@ def transfer_s(model: ModelShape, src_chip: ChipProfile, src: tuple[int, int], d
     return t
 
 
-def iteration_time(ts: Sequence[float], transfers: float, tails: Sequence[float], num_microbatches: int, *,
-                   period: float | None = None) -> float:
+def iteration_time(
+    ts: Sequence[float], transfers: float, tails: Sequence[float], num_microbatches: int, *, period: float | None = None
+) -> float:
     """(m - 1) * P + sum t + transfers + max tail: the formula every estimate uses, with the
     steady-state period P = max t (or `period`: on shared hosts, :func:`steady_period`)."""
     p = max(ts) if period is None else period
     return (num_microbatches - 1) * p + sum(ts) + transfers + max(tails)
 
 
-def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, ChipProfile], *,
-             table: ProfileTable | None = None, opts: CostOptions = CostOptions()) -> PlanCost:
+def estimate(
+    plan: Plan,
+    model: ModelShape,
+    cluster: Cluster | Mapping[str, ChipProfile],
+    *,
+    table: ProfileTable | None = None,
+    opts: CostOptions = CostOptions(),
+) -> PlanCost:
     """Price `plan`: per-stage times and memory, transfers, iteration time, fit.
 
     `cluster` gives the chip profiles (a Cluster also gives device counts for TGS).
@@ -396,33 +438,60 @@ def estimate(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, Chip
     stages: list[StageCost] = []
     for i, s in enumerate(plan.stages):
         chip = profiles[s.chip]
-        sc = stage_cost(model, chip, layers=s.num_layers, first=i == 0, last=i == n - 1, data=s.data,
-                        tensor=s.tensor, microbatch=mb, recompute=s.recompute,
-                        in_flight=in_flight(plan.schedule, n, m, i), table=table, opts=opts)
+        sc = stage_cost(
+            model,
+            chip,
+            layers=s.num_layers,
+            first=i == 0,
+            last=i == n - 1,
+            data=s.data,
+            tensor=s.tensor,
+            microbatch=mb,
+            recompute=s.recompute,
+            in_flight=in_flight(plan.schedule, n, m, i),
+            table=table,
+            opts=opts,
+        )
         stages.append(sc)
         if not sc.fits:
-            reasons.append(f"stage {i} ({s.chip} {s.data}x{s.tensor}, {s.num_layers} layers, recompute "
-                           f"{'on' if s.recompute else 'off'}, {sc.in_flight} microbatches in flight) needs "
-                           f"{sc.memory.describe()} per device; {s.chip} has {sc.memory_limit / GIB:.2f} GiB")
+            reasons.append(
+                f"stage {i} ({s.chip} {s.data}x{s.tensor}, {s.num_layers} layers, recompute "
+                f"{'on' if s.recompute else 'off'}, {sc.in_flight} microbatches in flight) needs "
+                f"{sc.memory.describe()} per device; {s.chip} has {sc.memory_limit / GIB:.2f} GiB"
+            )
     fwd_x, bwd_x = boundary_transfers(plan.stages, model, profiles, microbatch=mb, eff=table.eff, table=table)
     stages, step_s, step_cpu = with_driver(stages, table)
     cores = shared_host_cores(plan.stages, [s.host for s in stages], profiles, table)
     moves = transfer_jobs(plan.stages, model, profiles, fwd_x, bwd_x, microbatch=mb, table=table)
     period = steady_period(stages, cores, m, extra=step_cpu, transfers=moves)
-    t_pipe = iteration_time([s.t for s in stages], sum(fwd_x) + sum(bwd_x), [s.tail_s for s in stages], m,
-                            period=period) + step_s
+    t_pipe = (
+        iteration_time([s.t for s in stages], sum(fwd_x) + sum(bwd_x), [s.tail_s for s in stages], m, period=period)
+        + step_s
+    )
     per_step = {h: step_cpu.get(h, 0.0) + m * sum(w for w, _ in moves.get(h, ())) for h in cores}
     bounds, work = host_bounds(stages, m, cores, extra=per_step)
     t = max([t_pipe, *bounds.values()])
     used: dict[str, int] = {}
     for s in plan.stages:
         used[s.chip] = used.get(s.chip, 0) + s.num_devices
-    total = ({name: cluster.devices(name) for name in cluster.names} if isinstance(cluster, Cluster)
-             else dict(used))
-    return PlanCost(plan=plan, stages=stages, transfers_fwd=fwd_x, transfers_bwd=bwd_x, iteration_s=t,
-                    tokens_per_step=plan.global_batch * model.seq_len, devices_by_chip=used,
-                    cluster_devices_by_chip=total, reasons=reasons, pipeline_bound_s=t_pipe, period_s=period,
-                    host_bound_s=bounds, host_work_s=work, host_cores=cores, driver_step_s=step_s)
+    total = {name: cluster.devices(name) for name in cluster.names} if isinstance(cluster, Cluster) else dict(used)
+    return PlanCost(
+        plan=plan,
+        stages=stages,
+        transfers_fwd=fwd_x,
+        transfers_bwd=bwd_x,
+        iteration_s=t,
+        tokens_per_step=plan.global_batch * model.seq_len,
+        devices_by_chip=used,
+        cluster_devices_by_chip=total,
+        reasons=reasons,
+        pipeline_bound_s=t_pipe,
+        period_s=period,
+        host_bound_s=bounds,
+        host_work_s=work,
+        host_cores=cores,
+        driver_step_s=step_s,
+    )
 
 
 def with_driver(stages: list[StageCost], table: ProfileTable) -> tuple[list[StageCost], float, dict[str, float]]:
@@ -438,15 +507,24 @@ def with_driver(stages: list[StageCost], table: ProfileTable) -> tuple[list[Stag
             continue
         extra_f = d.op_cpu_s + (d.transfer_cpu_s if i < n - 1 else 0.0)
         extra_b = d.op_cpu_s + (d.transfer_cpu_s if i > 0 else 0.0)
-        out.append(replace(s, fwd_cores=(s.fwd_s * s.fwd_cores + extra_f) / s.fwd_s if s.fwd_s > 0 else s.fwd_cores,
-                           bwd_cores=(s.bwd_s * s.bwd_cores + extra_b) / s.bwd_s if s.bwd_s > 0 else s.bwd_cores))
+        out.append(
+            replace(
+                s,
+                fwd_cores=(s.fwd_s * s.fwd_cores + extra_f) / s.fwd_s if s.fwd_s > 0 else s.fwd_cores,
+                bwd_cores=(s.bwd_s * s.bwd_cores + extra_b) / s.bwd_s if s.bwd_s > 0 else s.bwd_cores,
+            )
+        )
         step_s = max(step_s, d.step_s)
         step_cpu[s.host] = d.step_cpu_s
     return out, step_s, step_cpu
 
 
-def shared_host_cores(specs: Sequence[StageSpec], hosts: Sequence[str | None],
-                      profiles: Mapping[str, ChipProfile], table: ProfileTable | None = None) -> dict[str, int]:
+def shared_host_cores(
+    specs: Sequence[StageSpec],
+    hosts: Sequence[str | None],
+    profiles: Mapping[str, ChipProfile],
+    table: ProfileTable | None = None,
+) -> dict[str, int]:
     """Cores of every shared host the stages use (the fewest any of its chips reports)."""
     out: dict[str, int] = {}
     for spec, h in zip(specs, hosts):
@@ -456,8 +534,13 @@ def shared_host_cores(specs: Sequence[StageSpec], hosts: Sequence[str | None],
     return out
 
 
-def host_bounds(stages: Sequence[StageCost], num_microbatches: int, cores: Mapping[str, float], *,
-                extra: Mapping[str, float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+def host_bounds(
+    stages: Sequence[StageCost],
+    num_microbatches: int,
+    cores: Mapping[str, float],
+    *,
+    extra: Mapping[str, float] | None = None,
+) -> tuple[dict[str, float], dict[str, float]]:
     """(host -> W_h / C_h, host -> W_h) of every shared host (module docstring): W_h the
     core-seconds one step needs of host h (its stages' ``m x work + tail work``, plus
     ``extra[h]`` per step: the driver's); no schedule delivers them faster."""
@@ -471,9 +554,14 @@ def host_bounds(stages: Sequence[StageCost], num_microbatches: int, cores: Mappi
     return {h: w / cores[h] for h, w in work.items()}, work
 
 
-def steady_period(stages: Sequence[StageCost], cores: Mapping[str, float], num_microbatches: int, *,
-                  extra: Mapping[str, float] | None = None,
-                  transfers: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> float:
+def steady_period(
+    stages: Sequence[StageCost],
+    cores: Mapping[str, float],
+    num_microbatches: int,
+    *,
+    extra: Mapping[str, float] | None = None,
+    transfers: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+) -> float:
     """The steady-state period P of the pipeline (module docstring): max_s t_s, and on every
     shared host h the time its cores take to run one microbatch's forward and backward of
     each of its stages started together (:func:`fluid_makespan`; a stage uses at most its
@@ -516,8 +604,9 @@ def fluid_makespan(jobs: Sequence[tuple[float, float]], cores: float) -> float:
     return t
 
 
-def measured_transfer(table: ProfileTable | None, model: ModelShape, chip: ChipProfile, src: StageSpec,
-                      microbatch: int) -> LayerCost | None:
+def measured_transfer(
+    table: ProfileTable | None, model: ModelShape, chip: ChipProfile, src: StageSpec, microbatch: int
+) -> LayerCost | None:
     """The profiler's ``"transfer"`` row of the sending stage's chip at its tensor degree and
     per-device microbatch (a boundary tensor moved through a shared host's memory), if any."""
     if table is None:
@@ -525,9 +614,15 @@ def measured_transfer(table: ProfileTable | None, model: ModelShape, chip: ChipP
     return table.costs(model, chip, tensor=src.tensor, microbatch=max(1, microbatch // src.data)).get(TRANSFER)
 
 
-def boundary_transfers(stages: Sequence[StageSpec], model: ModelShape, profiles: Mapping[str, ChipProfile], *,
-                       microbatch: int, eff: Efficiency = Efficiency(),
-                       table: ProfileTable | None = None) -> tuple[list[float], list[float]]:
+def boundary_transfers(
+    stages: Sequence[StageSpec],
+    model: ModelShape,
+    profiles: Mapping[str, ChipProfile],
+    *,
+    microbatch: int,
+    eff: Efficiency = Efficiency(),
+    table: ProfileTable | None = None,
+) -> tuple[list[float], list[float]]:
     """Per boundary: seconds of the forward activation and of the backward gradient transfer.
 
     Between two chips on one shared host (emulated chips) the tensor crosses that host's
@@ -540,15 +635,26 @@ def boundary_transfers(stages: Sequence[StageSpec], model: ModelShape, profiles:
         same_host = ca.host is not None and ca.host == cb.host
         for src, dst, cs, cd, out, kind in ((a, b, ca, cb, fwd, "fwd_s"), (b, a, cb, ca, bwd, "bwd_s")):
             hit = measured_transfer(table, model, cs, src, microbatch) if same_host else None
-            out.append(getattr(hit, kind) if hit is not None else
-                       transfer_s(model, cs, (src.data, src.tensor), cd, (dst.data, dst.tensor),
-                                  microbatch=microbatch, eff=eff))
+            out.append(
+                getattr(hit, kind)
+                if hit is not None
+                else transfer_s(
+                    model, cs, (src.data, src.tensor), cd, (dst.data, dst.tensor), microbatch=microbatch, eff=eff
+                )
+            )
     return fwd, bwd
 
 
-def transfer_jobs(stages: Sequence[StageSpec], model: ModelShape, profiles: Mapping[str, ChipProfile],
-                  fwd: Sequence[float], bwd: Sequence[float], *, microbatch: int,
-                  table: ProfileTable | None) -> dict[str, list[tuple[float, float]]]:
+def transfer_jobs(
+    stages: Sequence[StageSpec],
+    model: ModelShape,
+    profiles: Mapping[str, ChipProfile],
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    *,
+    microbatch: int,
+    table: ProfileTable | None,
+) -> dict[str, list[tuple[float, float]]]:
     """host -> [(core-seconds per microbatch, cores)] of the boundary tensors moved through a
     shared host's memory (both sides on it): each transfer of `fwd` / `bwd` seconds keeps the
     measured ``"transfer"``'s cores busy (the runtime's transfer threads copy on the host's

@@ -137,9 +137,7 @@ class Plan:
                 f"{key_prefix}.stages",
                 f"expected a list of stages, got {type(stages_raw).__name__} {stages_raw!r}",
             )
-        stages = tuple(
-            _stage_from_dict(s, f"{key_prefix}.stages[{i}]") for i, s in enumerate(stages_raw)
-        )
+        stages = tuple(_stage_from_dict(s, f"{key_prefix}.stages[{i}]") for i, s in enumerate(stages_raw))
         model = d.get("model")
         if model is not None and not isinstance(model, str):
             raise PlanError(
@@ -150,8 +148,7 @@ class Plan:
         if not isinstance(schedule, str):
             raise PlanError(
                 f"{key_prefix}.schedule",
-                f"expected a string (one of {', '.join(SCHEDULES)}), "
-                f"got {type(schedule).__name__} {schedule!r}",
+                f"expected a string (one of {', '.join(SCHEDULES)}), got {type(schedule).__name__} {schedule!r}",
             )
         return cls(
             stages=stages,
@@ -183,9 +180,7 @@ class Plan:
             else "microbatches per step"
         )
         lines.append(_commented(f"num_microbatches: {_scalar(self.num_microbatches)}", mb))
-        lines.append(
-            _commented(f"schedule: {_scalar(self.schedule)}", " | ".join(SCHEDULES))
-        )
+        lines.append(_commented(f"schedule: {_scalar(self.schedule)}", " | ".join(SCHEDULES)))
         lines.append(_commented("stages:", "ordered: stage 0 = embedding side"))
         for stage in self.to_dict()["stages"]:
             lines.append(f"  - {_scalar(stage)}")
@@ -318,8 +313,7 @@ def check_plan(
             if s.chip not in inventory:
                 raise PlanError(
                     f"{p}.stages[{i}].chip",
-                    f"chip {s.chip!r} is not in the cluster; known chips: "
-                    f"{', '.join(sorted(inventory)) or '(none)'}",
+                    f"chip {s.chip!r} is not in the cluster; known chips: {', '.join(sorted(inventory)) or '(none)'}",
                 )
     if chip_devices is not None:
         for chip, idxs in _stages_by_chip(plan).items():
@@ -343,14 +337,11 @@ def check_plan(
     if plan.global_batch < 1:
         raise PlanError(f"{p}.global_batch", f"global_batch={plan.global_batch}; expected >= 1")
     if plan.num_microbatches < 1:
-        raise PlanError(
-            f"{p}.num_microbatches", f"num_microbatches={plan.num_microbatches}; expected >= 1"
-        )
+        raise PlanError(f"{p}.num_microbatches", f"num_microbatches={plan.num_microbatches}; expected >= 1")
     if plan.global_batch % plan.num_microbatches:
         raise PlanError(
             f"{p}.num_microbatches",
-            f"num_microbatches={plan.num_microbatches} does not divide "
-            f"global_batch={plan.global_batch}",
+            f"num_microbatches={plan.num_microbatches} does not divide global_batch={plan.global_batch}",
         )
     mb = plan.microbatch_size
     for i, s in enumerate(plan.stages):
@@ -363,14 +354,10 @@ def check_plan(
     for name, size in (divisible_by_tensor or {}).items():
         for i, s in enumerate(plan.stages):
             if size % s.tensor:
-                raise PlanError(
-                    f"{p}.stages[{i}].tensor", f"tensor={s.tensor} does not divide {name}={size}"
-                )
+                raise PlanError(f"{p}.stages[{i}].tensor", f"tensor={s.tensor} does not divide {name}={size}")
 
     if plan.schedule not in SCHEDULES:
-        raise PlanError(
-            f"{p}.schedule", f"schedule={plan.schedule!r} is not one of {', '.join(SCHEDULES)}"
-        )
+        raise PlanError(f"{p}.schedule", f"schedule={plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
 
 
 def _stages_by_chip(plan: Plan) -> dict[str, list[int]]:
@@ -385,9 +372,7 @@ def _sum_text(need: Sequence[int]) -> str:
 
 
 def _stage_shapes(plan: Plan, idxs: Sequence[int]) -> str:
-    return ", ".join(
-        f"stage {i}: {plan.stages[i].data}x{plan.stages[i].tensor}" for i in idxs
-    )
+    return ", ".join(f"stage {i}: {plan.stages[i].data}x{plan.stages[i].tensor}" for i in idxs)
 
 
 # -- placement ---------------------------------------------------------------------------

@@ -40,8 +40,20 @@ import yaml
 GIB = 2**30
 GB = 1e9
 
-_CHIP_FIELDS = ("nodes", "devices_per_node", "memory_gib", "peak_tflops", "mem_bw_gbps",
-                "intra_node_gbps", "inter_node_gbps", "platform", "emulated", "profile", "host", "host_cores")
+_CHIP_FIELDS = (
+    "nodes",
+    "devices_per_node",
+    "memory_gib",
+    "peak_tflops",
+    "mem_bw_gbps",
+    "intra_node_gbps",
+    "inter_node_gbps",
+    "platform",
+    "emulated",
+    "profile",
+    "host",
+    "host_cores",
+)
 
 LOCAL_HOST = "local"  # the machine that runs the job: where every emulated chip computes
 
@@ -143,8 +155,7 @@ def chip_from_dict(name: str, raw: Mapping[str, Any], *, where: str = "chip") ->
         platform=str(raw.get("platform", "cpu")),
         emulated=bool(raw.get("emulated", False)),
         host=None if raw.get("host") is None else str(raw["host"]),
-        host_cores=(None if raw.get("host_cores") is None
-                    else int(_num(raw, "host_cores", where, integer=True))),
+        host_cores=(None if raw.get("host_cores") is None else int(_num(raw, "host_cores", where, integer=True))),
     )
     nodes = int(raw.get("nodes", 1))
     return prof, nodes
@@ -159,8 +170,10 @@ def load_chip(name: str, inline: Mapping[str, Any] | None = None) -> tuple[ChipP
     if path is not None:
         raw.update(yaml.safe_load(path.read_text()) or {})
     elif "profile" in inline or not {"memory_gib", "peak_tflops"} <= set(inline):
-        raise ProfileError(f"chips.{name}: no profile configs/chips/{prof_name}.yaml found in "
-                           f"{[str(d) for d in config_dirs()]} and the entry does not give every field")
+        raise ProfileError(
+            f"chips.{name}: no profile configs/chips/{prof_name}.yaml found in "
+            f"{[str(d) for d in config_dirs()]} and the entry does not give every field"
+        )
     raw.update(inline)
     count = raw.pop("count", None)
     raw.pop("profile", None)
@@ -169,8 +182,9 @@ def load_chip(name: str, inline: Mapping[str, Any] | None = None) -> tuple[ChipP
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ProfileError(f"chips.{name}.count: expected a positive integer, got {count!r}")
         if count % prof.devices_per_node:
-            raise ProfileError(f"chips.{name}.count: {count} is not a multiple of devices_per_node="
-                               f"{prof.devices_per_node}")
+            raise ProfileError(
+                f"chips.{name}.count: {count} is not a multiple of devices_per_node={prof.devices_per_node}"
+            )
         nodes = count // prof.devices_per_node
     return prof, nodes
 
@@ -217,8 +231,10 @@ class Cluster:
     @classmethod
     def from_dict(cls, raw: Any, *, name: str = "cluster") -> Cluster:
         if not isinstance(raw, Mapping) or not isinstance(raw.get("chips"), Mapping) or not raw["chips"]:
-            raise ProfileError(f"{name}: expected a mapping with a non-empty `chips:` mapping "
-                               "(chip type -> {nodes: N} or {count: N})")
+            raise ProfileError(
+                f"{name}: expected a mapping with a non-empty `chips:` mapping "
+                "(chip type -> {nodes: N} or {count: N})"
+            )
         chips = []
         for chip, inline in raw["chips"].items():
             if not isinstance(inline, Mapping):
@@ -254,10 +270,17 @@ class ModelShape:
     def from_config(cls, cfg: Any) -> ModelShape:
         """From a GPTConfig (or any object/mapping with its fields)."""
         get = (lambda k: cfg[k]) if isinstance(cfg, Mapping) else (lambda k: getattr(cfg, k))
-        dtype = (cfg.get("dtype", "bfloat16") if isinstance(cfg, Mapping) else getattr(cfg, "dtype", "bfloat16"))
+        dtype = cfg.get("dtype", "bfloat16") if isinstance(cfg, Mapping) else getattr(cfg, "dtype", "bfloat16")
         act = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(dtype), 2)
-        return cls(n_layers=get("n_layers"), d_model=get("d_model"), n_heads=get("n_heads"), d_ff=get("d_ff"),
-                   vocab_size=get("vocab_size"), seq_len=get("seq_len"), act_bytes=act)
+        return cls(
+            n_layers=get("n_layers"),
+            d_model=get("d_model"),
+            n_heads=get("n_heads"),
+            d_ff=get("d_ff"),
+            vocab_size=get("vocab_size"),
+            seq_len=get("seq_len"),
+            act_bytes=act,
+        )
 
     @functools.cached_property
     def _key(self) -> str:
@@ -271,8 +294,10 @@ class ModelShape:
         d = asdict(self)
         d.pop("n_layers")
         text = json.dumps(d, sort_keys=True)
-        return f"d{self.d_model}h{self.n_heads}f{self.d_ff}v{self.vocab_size}s{self.seq_len}a{self.act_bytes}-" + \
-            hashlib.sha1(text.encode()).hexdigest()[:8]
+        return (
+            f"d{self.d_model}h{self.n_heads}f{self.d_ff}v{self.vocab_size}s{self.seq_len}a{self.act_bytes}-"
+            + hashlib.sha1(text.encode()).hexdigest()[:8]
+        )
 
     @property
     def block_params(self) -> int:
@@ -292,8 +317,9 @@ class ModelShape:
 
     def tensor_degrees(self, limit: int) -> list[int]:
         """Tensor degrees up to `limit` that divide heads, d_ff and vocab (as check_plan requires)."""
-        return [t for t in range(1, limit + 1)
-                if self.n_heads % t == 0 and self.d_ff % t == 0 and self.vocab_size % t == 0]
+        return [
+            t for t in range(1, limit + 1) if self.n_heads % t == 0 and self.d_ff % t == 0 and self.vocab_size % t == 0
+        ]
 
 
 PART_KINDS = ("embed", "block", "head")
@@ -367,8 +393,9 @@ class Efficiency:
     collective_latency_s: float = 10e-6
 
 
-def roofline_costs(model: ModelShape, chip: ChipProfile, *, tensor: int, microbatch: int,
-                   eff: Efficiency = Efficiency()) -> dict[str, LayerCost]:
+def roofline_costs(
+    model: ModelShape, chip: ChipProfile, *, tensor: int, microbatch: int, eff: Efficiency = Efficiency()
+) -> dict[str, LayerCost]:
     """Estimated per-part costs from FLOPs, bytes and the chip profile (marked estimated).
 
     `microbatch` is sequences per device (a stage's microbatch / its data degree).
@@ -410,14 +437,28 @@ def roofline_costs(model: ModelShape, chip: ChipProfile, *, tensor: int, microba
     ar_block = allreduce(hidden, t)
     blk_f = compute(fl_block, by_block) + 2 * ar_block
     blk_b = compute(2 * fl_block, 2 * by_block) + 2 * ar_block
-    block = LayerCost(fwd_s=blk_f, bwd_s=blk_b, param_bytes=4 * (w_block + 2 * d), act_bytes=act_block,
-                      input_bytes=hidden, temp_bytes=act_block, tp_comm_s=4 * ar_block)
+    block = LayerCost(
+        fwd_s=blk_f,
+        bwd_s=blk_b,
+        param_bytes=4 * (w_block + 2 * d),
+        act_bytes=act_block,
+        input_bytes=hidden,
+        temp_bytes=act_block,
+        tp_comm_s=4 * ar_block,
+    )
     # embed: a gather of [b, s] rows of d/t columns, then an all-gather of [b, s, d]
     ag = 0.0 if t <= 1 else (t - 1) / t * hidden / link + eff.collective_latency_s
     emb_f = compute(0.0, 2 * hidden / t + hidden) + ag
     emb_b = compute(0.0, 2 * hidden / t + 4 * v * d / t) + ag
-    embed = LayerCost(fwd_s=emb_f, bwd_s=emb_b, param_bytes=4 * v * d / t, act_bytes=tokens * 4,
-                      input_bytes=tokens * 4, temp_bytes=hidden, tp_comm_s=2 * ag)
+    embed = LayerCost(
+        fwd_s=emb_f,
+        bwd_s=emb_b,
+        param_bytes=4 * v * d / t,
+        act_bytes=tokens * 4,
+        input_bytes=tokens * 4,
+        temp_bytes=hidden,
+        tp_comm_s=2 * ag,
+    )
     # head: norm, [b, s, d] x [d, v/t] logits in fp32, cross-entropy reduced across t
     fl_head = 2 * tokens * d * v / t
     logits = tokens * v / t * 4
@@ -428,8 +469,15 @@ def roofline_costs(model: ModelShape, chip: ChipProfile, *, tensor: int, microba
     # last block's output, which the block's count holds and the head consumes (the program
     # of a last stage outputs a loss, not that [b, s, d] array)
     act_head = tokens * ((12 + a) * d + 4 * v / t + 20) + d * v / t * a - hidden
-    head = LayerCost(fwd_s=hd_f, bwd_s=hd_b, param_bytes=4 * (d * v / t + d), act_bytes=act_head,
-                     input_bytes=hidden, temp_bytes=2 * logits, tp_comm_s=2 * allreduce(tokens * 4, t))
+    head = LayerCost(
+        fwd_s=hd_f,
+        bwd_s=hd_b,
+        param_bytes=4 * (d * v / t + d),
+        act_bytes=act_head,
+        input_bytes=hidden,
+        temp_bytes=2 * logits,
+        tp_comm_s=2 * allreduce(tokens * 4, t),
+    )
     return {"embed": embed, "block": block, "head": head}
 
 
@@ -449,8 +497,16 @@ class ProfileTable:
     driver: dict[str, DriverCost] = field(default_factory=dict)  # shared host -> the driver's own costs there
     _estimates: dict[tuple, dict[str, LayerCost]] = field(default_factory=dict, repr=False, compare=False)
 
-    def add(self, chip: str, model_key: str, tensor: int, microbatch: int, parts: Mapping[str, LayerCost],
-            *, host_cores: int | None = None) -> None:
+    def add(
+        self,
+        chip: str,
+        model_key: str,
+        tensor: int,
+        microbatch: int,
+        parts: Mapping[str, LayerCost],
+        *,
+        host_cores: int | None = None,
+    ) -> None:
         self.entries[(chip, model_key, tensor, microbatch)] = dict(parts)
         if host_cores is not None:
             self.host_cores[chip] = int(host_cores)
@@ -463,8 +519,7 @@ class ProfileTable:
         key = (chip, model, tensor, microbatch)
         est = self._estimates.get(key)
         if est is None:
-            est = self._estimates[key] = roofline_costs(model, chip, tensor=tensor, microbatch=microbatch,
-                                                        eff=self.eff)
+            est = self._estimates[key] = roofline_costs(model, chip, tensor=tensor, microbatch=microbatch, eff=self.eff)
         return est
 
     def measured(self, chip: str) -> bool:
@@ -474,8 +529,15 @@ class ProfileTable:
     def to_json(self) -> dict[str, Any]:
         rows = []
         for (chip, mkey, t, b), parts in sorted(self.entries.items()):
-            rows.append({"chip": chip, "model": mkey, "tensor": t, "microbatch": b,
-                         "parts": {k: asdict(v) for k, v in parts.items()}})
+            rows.append(
+                {
+                    "chip": chip,
+                    "model": mkey,
+                    "tensor": t,
+                    "microbatch": b,
+                    "parts": {k: asdict(v) for k, v in parts.items()},
+                }
+            )
         out: dict[str, Any] = {"version": 1, "entries": rows}
         if self.host_cores:
             out["host_cores"] = dict(sorted(self.host_cores.items()))
@@ -495,8 +557,9 @@ class ProfileTable:
         for chip, cores in (data.get("host_cores") or {}).items():
             self.host_cores[str(chip)] = int(cores)
         for host, d in (data.get("driver") or {}).items():
-            self.driver[str(host)] = DriverCost(**{k: float(v) for k, v in d.items()
-                                                   if k in {f.name for f in fields(DriverCost)}})
+            self.driver[str(host)] = DriverCost(
+                **{k: float(v) for k, v in d.items() if k in {f.name for f in fields(DriverCost)}}
+            )
 
     @classmethod
     def load(cls, *paths: str | os.PathLike[str], eff: Efficiency | None = None) -> ProfileTable:

@@ -40,9 +40,7 @@ Event = tuple[int, str, int, float, float]
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
     if num_stages < 1 or num_microbatches < 1:
-        raise ValueError(
-            f"num_stages={num_stages}, num_microbatches={num_microbatches}; expected both >= 1"
-        )
+        raise ValueError(f"num_stages={num_stages}, num_microbatches={num_microbatches}; expected both >= 1")
 
 
 def _place(ops: Sequence[Sequence[Task]]) -> Grid:
@@ -207,8 +205,7 @@ def check_execution(
         start, end = float(start), float(end)
         if not (0 <= s < num_stages) or kind not in (FORWARD, BACKWARD) or not (0 <= m < num_microbatches):
             errors.append(
-                f"event {ev!r}: expected stage in [0, {num_stages}), kind F or B, "
-                f"microbatch in [0, {num_microbatches})"
+                f"event {ev!r}: expected stage in [0, {num_stages}), kind F or B, microbatch in [0, {num_microbatches})"
             )
             continue
         if end < start - eps:
@@ -246,8 +243,7 @@ def check_execution(
         for (a_start, a_end, a), (b_start, _, b) in zip(evs, evs[1:]):
             if b_start < a_end - eps:
                 errors.append(
-                    f"stage {s}: {b} starts at {_fmt(b_start)} while {a} runs "
-                    f"[{_fmt(a_start)}, {_fmt(a_end)})"
+                    f"stage {s}: {b} starts at {_fmt(b_start)} while {a} runs [{_fmt(a_start)}, {_fmt(a_end)})"
                 )
 
     if max_in_flight is not None:
@@ -292,8 +288,7 @@ def _in_flight_violations(
             count += delta
             if count > max_in_flight[s]:
                 errors.append(
-                    f"stage {s}: {count} microbatches in flight at {_fmt(time)}, "
-                    f"max_in_flight[{s}]={max_in_flight[s]}"
+                    f"stage {s}: {count} microbatches in flight at {_fmt(time)}, max_in_flight[{s}]={max_in_flight[s]}"
                 )
                 break
     return errors

@@ -149,8 +149,9 @@ def microbatch_sizes(global_batch: int, opts: SearchOptions) -> list[int]:
     return [b for b in range(1, min(top, global_batch) + 1) if global_batch % b == 0]
 
 
-def derive_data(chip: ChipProfile, nodes: int, *, stages: int, tensor: int, microbatch: int,
-                stage_in_node: bool) -> int:
+def derive_data(
+    chip: ChipProfile, nodes: int, *, stages: int, tensor: int, microbatch: int, stage_in_node: bool
+) -> int:
     """The data degree of `stages` stages of `tensor`-wide meshes on this chip type (0: none fits)."""
     devices = nodes * chip.devices_per_node
     top = devices // (stages * tensor)
@@ -165,8 +166,9 @@ def derive_data(chip: ChipProfile, nodes: int, *, stages: int, tensor: int, micr
     return 0
 
 
-def chip_choices(cluster: Cluster, model: ModelShape, microbatch: int, opts: SearchOptions,
-                 table: ProfileTable | None) -> dict[str, list[ChipChoice]]:
+def chip_choices(
+    cluster: Cluster, model: ModelShape, microbatch: int, opts: SearchOptions, table: ProfileTable | None
+) -> dict[str, list[ChipChoice]]:
     """Every (k, data, tensor) of every chip type for this microbatch size."""
     out: dict[str, list[ChipChoice]] = {}
     L = model.n_layers
@@ -180,8 +182,9 @@ def chip_choices(cluster: Cluster, model: ModelShape, microbatch: int, opts: Sea
             if opts.group_size:
                 kmax = min(kmax, max(1, math.ceil(devices / opts.group_size)))
             for k in range(1, kmax + 1):
-                d = derive_data(chip, nodes, stages=k, tensor=t, microbatch=microbatch,
-                                stage_in_node=opts.stage_in_node)
+                d = derive_data(
+                    chip, nodes, stages=k, tensor=t, microbatch=microbatch, stage_in_node=opts.stage_in_node
+                )
                 if d == 0:
                     continue
                 blk = part_costs(model, chip, table, tensor=t, microbatch_per_device=microbatch // d)["block"]
@@ -192,8 +195,17 @@ def chip_choices(cluster: Cluster, model: ModelShape, microbatch: int, opts: Sea
                     infl = j if opts.schedule == "1f1b" else global_batch_m(microbatch, opts)
                     row = []
                     for rc in (False, True):
-                        kw = dict(first=False, last=False, data=d, tensor=t, microbatch=microbatch, recompute=rc,
-                                  in_flight=infl, table=table, opts=opts.cost)
+                        kw = dict(
+                            first=False,
+                            last=False,
+                            data=d,
+                            tensor=t,
+                            microbatch=microbatch,
+                            recompute=rc,
+                            in_flight=infl,
+                            table=table,
+                            opts=opts.cost,
+                        )
                         c0 = stage_cost(model, chip, layers=0, **kw)
                         c1 = stage_cost(model, chip, layers=1, **kw)
                         slope = c1.memory.total - c0.memory.total
@@ -287,8 +299,16 @@ class _Solver:
         if hit is not None:
             return hit
         prof = self.cluster.profile(chip)
-        kw = dict(first=first, last=last, data=data, tensor=tensor, microbatch=mb, in_flight=infl,
-                  table=self.table, opts=self.opts.cost)
+        kw = dict(
+            first=first,
+            last=last,
+            data=data,
+            tensor=tensor,
+            microbatch=mb,
+            in_flight=infl,
+            table=self.table,
+            opts=self.opts.cost,
+        )
         l = self.layers
         t_ = {}
         for rc in (False, True):
@@ -312,10 +332,11 @@ class _Solver:
         key = (a, b, mb)
         hit = self._xfer.get(key)
         if hit is None:
-            eff = (self.table.eff if self.table is not None else ProfileTable().eff)
+            eff = self.table.eff if self.table is not None else ProfileTable().eff
             pa, pb = self.cluster.profile(a[0]), self.cluster.profile(b[0])
-            hit = (transfer_s(self.model, pa, a[1:], pb, b[1:], microbatch=mb, eff=eff)
-                   + transfer_s(self.model, pb, b[1:], pa, a[1:], microbatch=mb, eff=eff))
+            hit = transfer_s(self.model, pa, a[1:], pb, b[1:], microbatch=mb, eff=eff) + transfer_s(
+                self.model, pb, b[1:], pa, a[1:], microbatch=mb, eff=eff
+            )
             self._xfer[key] = hit
         return hit
 
@@ -325,12 +346,12 @@ class _Solver:
         L = self.L
         ext = np.full(L + 2, INF)
         first = ts[0].copy()
-        first[caps[0] + 1:] = INF
+        first[caps[0] + 1 :] = INF
         v = first
         back = []
         for t, cap in zip(ts[1:], caps[1:]):
             tt = t.copy()
-            tt[cap + 1:] = INF
+            tt[cap + 1 :] = INF
             ext[: L + 1] = v
             mat = ext[self._idx] + tt[None, :]
             arg = np.argmin(mat, axis=1)
@@ -348,8 +369,9 @@ class _Solver:
         layers.reverse()
         return float(v[L]), layers
 
-    def solve(self, stages: Sequence[_StageArrays], m: int, transfers: float, best: float
-              ) -> tuple[float, list[int], list[bool]] | None:
+    def solve(
+        self, stages: Sequence[_StageArrays], m: int, transfers: float, best: float
+    ) -> tuple[float, list[int], list[bool]] | None:
         """The best layer split and recompute flags of this stage sequence, if it beats `best`."""
         L, S = self.L, len(stages)
         if S > L:
@@ -466,8 +488,14 @@ class _Bounds:
         return (self.m - 1) * b_lb + self.L * amin
 
 
-def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: ProfileTable | None = None,
-           opts: SearchOptions = SearchOptions()) -> SearchResult:
+def search(
+    cluster: Cluster,
+    model: ModelShape,
+    *,
+    global_batch: int,
+    table: ProfileTable | None = None,
+    opts: SearchOptions = SearchOptions(),
+) -> SearchResult:
     """The fastest plan of the space (see module docstring) that fits, with its lower bound and timing."""
     t0 = time.perf_counter()
     L = model.n_layers
@@ -499,10 +527,14 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
             S = len(seq)
             if S > L:
                 return
-            arrays = [solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == S - 1,
-                                    in_flight(opts.schedule, S, m, i)) for i, c in enumerate(seq)]
-            xfer = sum(solver.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
-                       for a, b in zip(seq, seq[1:]))
+            arrays = [
+                solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == S - 1, in_flight(opts.schedule, S, m, i))
+                for i, c in enumerate(seq)
+            ]
+            xfer = sum(
+                solver.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
+                for a, b in zip(seq, seq[1:])
+            )
             stats["orders"] += 1
             res = solver.solve(arrays, m, xfer, best)
             if res is None or res[0] >= best:
@@ -510,9 +542,18 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
             value, layers, recompute = res[0], list(res[1]), list(res[2])
             if shared:  # contention on the host: price in full, then improve the split
                 value, layers, recompute = polish_split(
-                    seq, layers, recompute, lambda ls, rc: _full_time(build_plan(
-                        seq, ls, rc, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule),
-                        model, cluster, table, opts.cost), allow_recompute=opts.allow_recompute)
+                    seq,
+                    layers,
+                    recompute,
+                    lambda ls, rc: _full_time(
+                        build_plan(seq, ls, rc, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule),
+                        model,
+                        cluster,
+                        table,
+                        opts.cost,
+                    ),
+                    allow_recompute=opts.allow_recompute,
+                )
                 if value >= best:
                     continue
             best = value
@@ -541,25 +582,44 @@ def search(cluster: Cluster, model: ModelShape, *, global_batch: int, table: Pro
 
     elapsed = time.perf_counter() - t0
     if best_plan is None:
-        return SearchResult(None, None, INF, lower, elapsed, stats["configs"], stats["solved"], stats["orders"],
-                            solver.dp_solves, note="no plan of the space fits the chips' memory")
+        return SearchResult(
+            None,
+            None,
+            INF,
+            lower,
+            elapsed,
+            stats["configs"],
+            stats["solved"],
+            stats["orders"],
+            solver.dp_solves,
+            note="no plan of the space fits the chips' memory",
+        )
     seq, layers, recompute, mb, m = best_plan
-    plan = build_plan(seq, layers, recompute, global_batch=global_batch, num_microbatches=m,
-                      schedule=opts.schedule)
+    plan = build_plan(seq, layers, recompute, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule)
     cost = estimate(plan, model, cluster, table=table, opts=opts.cost)
     elapsed = time.perf_counter() - t0
-    return SearchResult(plan, cost, cost.iteration_s, lower, elapsed, stats["configs"], stats["solved"],
-                        stats["orders"], solver.dp_solves, memory_descending=is_memory_descending(plan, cluster))
+    return SearchResult(
+        plan,
+        cost,
+        cost.iteration_s,
+        lower,
+        elapsed,
+        stats["configs"],
+        stats["solved"],
+        stats["orders"],
+        solver.dp_solves,
+        memory_descending=is_memory_descending(plan, cluster),
+    )
 
 
-def _full_time(plan: Plan, model: ModelShape, cluster: Cluster, table: ProfileTable | None,
-               opts: CostOptions) -> float:
+def _full_time(plan: Plan, model: ModelShape, cluster: Cluster, table: ProfileTable | None, opts: CostOptions) -> float:
     cost = estimate(plan, model, cluster, table=table, opts=opts)
     return cost.iteration_s if cost.fits else INF
 
 
-def polish_split(seq: Sequence[ChipChoice], layers: list[int], recompute: list[bool], price, *,
-                 allow_recompute: bool) -> tuple[float, list[int], list[bool]]:
+def polish_split(
+    seq: Sequence[ChipChoice], layers: list[int], recompute: list[bool], price, *, allow_recompute: bool
+) -> tuple[float, list[int], list[bool]]:
     """Hill-climb from a layer split by the full estimate `price(layers, recompute)`: give one
     layer of any stage to any other (the stages between keep their counts, their ranges
     shift) or flip one stage's recompute flag, take the best move while it helps. With
@@ -599,15 +659,22 @@ def has_shared_host(cluster: Cluster) -> bool:
     return any(n > 1 for n in on_host.values())
 
 
-def build_plan(seq: Sequence[ChipChoice], layers: Sequence[int], recompute: Sequence[bool], *, global_batch: int,
-               num_microbatches: int, schedule: str) -> Plan:
+def build_plan(
+    seq: Sequence[ChipChoice],
+    layers: Sequence[int],
+    recompute: Sequence[bool],
+    *,
+    global_batch: int,
+    num_microbatches: int,
+    schedule: str,
+) -> Plan:
     stages, start = [], 0
     for c, n, rc in zip(seq, layers, recompute):
-        stages.append(StageSpec(chip=c.chip, layers=(start, start + n), data=c.data, tensor=c.tensor,
-                                recompute=bool(rc)))
+        stages.append(
+            StageSpec(chip=c.chip, layers=(start, start + n), data=c.data, tensor=c.tensor, recompute=bool(rc))
+        )
         start += n
-    return Plan(stages=tuple(stages), global_batch=global_batch, num_microbatches=num_microbatches,
-                schedule=schedule)
+    return Plan(stages=tuple(stages), global_batch=global_batch, num_microbatches=num_microbatches, schedule=schedule)
 
 
 # -- the reference: every plan of the same space --------------------------------------------------
@@ -619,8 +686,14 @@ def _compositions(total: int, parts: int) -> Iterable[tuple[int, ...]]:
         yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def exhaustive(cluster: Cluster, model: ModelShape, *, global_batch: int, table: ProfileTable | None = None,
-               opts: SearchOptions = SearchOptions()) -> tuple[Plan | None, float, int]:
+def exhaustive(
+    cluster: Cluster,
+    model: ModelShape,
+    *,
+    global_batch: int,
+    table: ProfileTable | None = None,
+    opts: SearchOptions = SearchOptions(),
+) -> tuple[Plan | None, float, int]:
     """Brute force over the search space: (best plan, its estimated time, plans priced).
 
     Every (microbatch, order, per-chip choice, layer split, recompute flags) is built as a
@@ -643,11 +716,11 @@ def exhaustive(cluster: Cluster, model: ModelShape, *, global_batch: int, table:
                     continue
                 for split in _compositions(L, S):
                     for rc in itertools.product(flags, repeat=S):
-                        plan = build_plan(seq, split, rc, global_batch=global_batch, num_microbatches=m,
-                                          schedule=opts.schedule)
+                        plan = build_plan(
+                            seq, split, rc, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule
+                        )
                         cost = estimate(plan, model, cluster, table=table, opts=opts.cost)
                         count += 1
                         if cost.fits and cost.iteration_s < best:
                             best, best_plan = cost.iteration_s, plan
     return best_plan, best, count
-

@@ -65,8 +65,9 @@ class SimResult:
 
     def stage_order(self, stage: int) -> list[tuple[str, int]]:
         """(kind "F"/"B", microbatch) of one stage's compute, in start order."""
-        evs = sorted((e for e in self.events if e.stage == stage and e.kind in ("fwd", "bwd")),
-                     key=lambda e: (e.start, e.end))
+        evs = sorted(
+            (e for e in self.events if e.stage == stage and e.kind in ("fwd", "bwd")), key=lambda e: (e.start, e.end)
+        )
         return [("F" if e.kind == "fwd" else "B", e.microbatch) for e in evs]
 
     @property
@@ -91,20 +92,38 @@ class SimResult:
 
     def to_chrome_trace(self, *, step: int = 0, stage_labels: Sequence[str] | None = None) -> dict[str, Any]:
         """The events as the runtime's Chrome/Perfetto trace JSON (µs)."""
-        labels = list(stage_labels or [f"stage {s}" + (f" · {self.chips[s]}" if self.chips else "")
-                                       for s in range(self.num_stages)])
+        labels = list(
+            stage_labels
+            or [f"stage {s}" + (f" · {self.chips[s]}" if self.chips else "") for s in range(self.num_stages)]
+        )
         out: list[dict[str, Any]] = []
         for s in range(self.num_stages):
             out.append({"ph": "M", "name": "process_name", "pid": s, "tid": 0, "args": {"name": labels[s]}})
             out.append({"ph": "M", "name": "process_sort_index", "pid": s, "tid": 0, "args": {"sort_index": s}})
         for e in sorted(self.events, key=lambda e: (e.start, e.stage)):
             name = {"fwd": f"F{e.microbatch}", "bwd": f"B{e.microbatch}"}.get(
-                e.kind, f"{e.kind} {e.extra.get('phase', '')}{'' if e.microbatch is None else e.microbatch}")
-            args = {"step": step, "stage": e.stage, "microbatch": e.microbatch, "kind": e.kind,
-                    "chip": self.chips[e.stage] if self.chips else "", **e.extra}
-            out.append({"name": name.strip(), "cat": e.kind, "ph": "X", "ts": e.start * 1e6,
-                        "dur": (e.end - e.start) * 1e6, "pid": e.stage,
-                        "tid": 1 if e.kind in ("send", "recv") else 0, "args": args})
+                e.kind, f"{e.kind} {e.extra.get('phase', '')}{'' if e.microbatch is None else e.microbatch}"
+            )
+            args = {
+                "step": step,
+                "stage": e.stage,
+                "microbatch": e.microbatch,
+                "kind": e.kind,
+                "chip": self.chips[e.stage] if self.chips else "",
+                **e.extra,
+            }
+            out.append(
+                {
+                    "name": name.strip(),
+                    "cat": e.kind,
+                    "ph": "X",
+                    "ts": e.start * 1e6,
+                    "dur": (e.end - e.start) * 1e6,
+                    "pid": e.stage,
+                    "tid": 1 if e.kind in ("send", "recv") else 0,
+                    "args": args,
+                }
+            )
         return {"traceEvents": out, "displayTimeUnit": "ms"}
 
     def save_trace(self, path: str | Path, **kw: Any) -> Path:
@@ -124,14 +143,23 @@ class SimResult:
         unit = "ms" if scale == 1e3 else "s"
         for e in self.events:
             lane = (e.stage + 0.22, 0.15) if e.kind in ("send", "recv") else (e.stage - 0.38, 0.58)
-            ax.broken_barh([(e.start * scale, (e.end - e.start) * scale)], lane,
-                           facecolors=colours.get(e.kind, "#999999"), edgecolor="white", linewidth=0.3)
+            ax.broken_barh(
+                [(e.start * scale, (e.end - e.start) * scale)],
+                lane,
+                facecolors=colours.get(e.kind, "#999999"),
+                edgecolor="white",
+                linewidth=0.3,
+            )
         labels = [f"stage {s}" + (f" · {self.chips[s]}" if self.chips else "") for s in range(self.num_stages)]
         ax.set_yticks(range(self.num_stages), labels)
         ax.set_ylim(self.num_stages - 0.5, -0.5)
         ax.set_xlabel(f"time ({unit})")
-        ax.set_title(f"{title}\nsimulated: {self.iteration_s * scale:.4g} {unit} per step, "
-                     f"bubble {100 * self.bubble_fraction:.1f} %", loc="left", fontsize=10)
+        ax.set_title(
+            f"{title}\nsimulated: {self.iteration_s * scale:.4g} {unit} per step, "
+            f"bubble {100 * self.bubble_fraction:.1f} %",
+            loc="left",
+            fontsize=10,
+        )
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, format="png")
@@ -146,12 +174,22 @@ def _per_mb(value: float | Sequence[float], m: int) -> list[float]:
     return [float(v) for v in value]
 
 
-def simulate(*, schedule: str, num_microbatches: int, fwd: Sequence[float | Sequence[float]],
-             bwd: Sequence[float | Sequence[float]], transfer_fwd: Sequence[float] | None = None,
-             transfer_bwd: Sequence[float] | None = None, tail: Sequence[float] | None = None,
-             chips: Sequence[str] = (), hosts: Sequence[str | None] | None = None,
-             host_cores: Mapping[str, float] | None = None, fwd_cores: Sequence[float] | None = None,
-             bwd_cores: Sequence[float] | None = None, tail_cores: Sequence[float] | None = None) -> SimResult:
+def simulate(
+    *,
+    schedule: str,
+    num_microbatches: int,
+    fwd: Sequence[float | Sequence[float]],
+    bwd: Sequence[float | Sequence[float]],
+    transfer_fwd: Sequence[float] | None = None,
+    transfer_bwd: Sequence[float] | None = None,
+    tail: Sequence[float] | None = None,
+    chips: Sequence[str] = (),
+    hosts: Sequence[str | None] | None = None,
+    host_cores: Mapping[str, float] | None = None,
+    fwd_cores: Sequence[float] | None = None,
+    bwd_cores: Sequence[float] | None = None,
+    tail_cores: Sequence[float] | None = None,
+) -> SimResult:
     """Replay one step. `fwd[s]` / `bwd[s]`: seconds per microbatch of stage s running alone
     (a number, or one per microbatch); `transfer_*[b]`: seconds to cross boundary b (stage
     b <-> b + 1); `hosts[s]`, `host_cores[host]`, `*_cores[s]`: shared hosts (module docstring)."""
@@ -174,9 +212,19 @@ def simulate(*, schedule: str, num_microbatches: int, fwd: Sequence[float | Sequ
         if missing:
             raise ValueError(f"host_cores has no entry for shared host(s) {missing}")
         ones = [1.0] * n
-        return _replay_shared(ops, f, b, xf, xb, tails, n=n, chips=chips,
-                              hosts=[h if h in shared else None for h in hosts], host_cores=dict(host_cores or {}),
-                              cores=(list(fwd_cores or ones), list(bwd_cores or ones), list(tail_cores or ones)))
+        return _replay_shared(
+            ops,
+            f,
+            b,
+            xf,
+            xb,
+            tails,
+            n=n,
+            chips=chips,
+            hosts=[h if h in shared else None for h in hosts],
+            host_cores=dict(host_cores or {}),
+            cores=(list(fwd_cores or ones), list(bwd_cores or ones), list(tail_cores or ones)),
+        )
     cursor = [0] * n
     free = [0.0] * n
     done: dict[tuple[int, str, int], float] = {}  # compute end
@@ -239,9 +287,20 @@ def simulate(*, schedule: str, num_microbatches: int, fwd: Sequence[float | Sequ
     return SimResult(events=events, iteration_s=finish, num_stages=n, chips=tuple(chips))
 
 
-def _replay_shared(ops: list[list[Any]], f: list[list[float]], b: list[list[float]], xf: list[float],
-                   xb: list[float], tails: list[float], *, n: int, chips: Sequence[str], hosts: list[str | None],
-                   host_cores: dict[str, float], cores: tuple[list[float], list[float], list[float]]) -> SimResult:
+def _replay_shared(
+    ops: list[list[Any]],
+    f: list[list[float]],
+    b: list[list[float]],
+    xf: list[float],
+    xb: list[float],
+    tails: list[float],
+    *,
+    n: int,
+    chips: Sequence[str],
+    hosts: list[str | None],
+    host_cores: dict[str, float],
+    cores: tuple[list[float], list[float], list[float]],
+) -> SimResult:
     """The replay with processor sharing on shared hosts (module docstring), event by event."""
     cf, cb, ct = cores
     cursor = [0] * n
@@ -295,8 +354,13 @@ def _replay_shared(ops: list[list[Any]], f: list[list[float]], b: list[list[floa
                 running[s] = [task.kind, task.microbatch, now, d, (cf if task.kind == FORWARD else cb)[s], d]
         if all(finished):
             break
-        pending = [r for s in range(n) if s not in running and not finished[s] and cursor[s] < len(ops[s])
-                   for r in (ready_at(s),) if r is not None and r > now]
+        pending = [
+            r
+            for s in range(n)
+            if s not in running and not finished[s] and cursor[s] < len(ops[s])
+            for r in (ready_at(s),)
+            if r is not None and r > now
+        ]
         if not running:
             if not pending:
                 raise RuntimeError(f"simulation deadlocks; cursors {cursor}")
@@ -306,8 +370,10 @@ def _replay_shared(ops: list[list[Any]], f: list[list[float]], b: list[list[floa
         for s, job in running.items():
             if hosts[s] is not None:
                 demand[hosts[s]] = demand.get(hosts[s], 0.0) + job[4]
-        rate = {s: 1.0 if hosts[s] is None or demand[hosts[s]] <= 0
-                else min(1.0, host_cores[hosts[s]] / demand[hosts[s]]) for s in running}
+        rate = {
+            s: 1.0 if hosts[s] is None or demand[hosts[s]] <= 0 else min(1.0, host_cores[hosts[s]] / demand[hosts[s]])
+            for s in running
+        }
         t_next = min(now + job[3] / rate[s] for s, job in running.items())
         if pending:
             t_next = min(t_next, min(pending))
@@ -335,20 +401,35 @@ def _replay_shared(ops: list[list[Any]], f: list[list[float]], b: list[list[floa
     return SimResult(events=events, iteration_s=finish, num_stages=n, chips=tuple(chips))
 
 
-def simulate_plan(plan: Plan, model: ModelShape, cluster: Cluster | Mapping[str, ChipProfile], *,
-                  table: ProfileTable | None = None, opts: CostOptions = CostOptions()) -> tuple[SimResult, PlanCost]:
+def simulate_plan(
+    plan: Plan,
+    model: ModelShape,
+    cluster: Cluster | Mapping[str, ChipProfile],
+    *,
+    table: ProfileTable | None = None,
+    opts: CostOptions = CostOptions(),
+) -> tuple[SimResult, PlanCost]:
     """Simulate `plan` with the cost model's per-stage durations; returns (simulation, estimate).
 
     Stages on a shared host (emulated chips) share its cores as the cost model says; the
     runtime driver's measured seconds per step outside the pipeline are added at the end."""
     cost = estimate(plan, model, cluster, table=table, opts=opts)
     st = cost.stages
-    sim = simulate(schedule=plan.schedule, num_microbatches=plan.num_microbatches,
-                   fwd=[s.fwd_s for s in st], bwd=[s.bwd_s for s in st],
-                   transfer_fwd=cost.transfers_fwd, transfer_bwd=cost.transfers_bwd,
-                   tail=[s.tail_s for s in st], chips=[s.chip for s in plan.stages],
-                   hosts=[s.host for s in st], host_cores=cost.host_cores, fwd_cores=[s.fwd_cores for s in st],
-                   bwd_cores=[s.bwd_cores for s in st], tail_cores=[s.tail_cores for s in st])
+    sim = simulate(
+        schedule=plan.schedule,
+        num_microbatches=plan.num_microbatches,
+        fwd=[s.fwd_s for s in st],
+        bwd=[s.bwd_s for s in st],
+        transfer_fwd=cost.transfers_fwd,
+        transfer_bwd=cost.transfers_bwd,
+        tail=[s.tail_s for s in st],
+        chips=[s.chip for s in plan.stages],
+        hosts=[s.host for s in st],
+        host_cores=cost.host_cores,
+        fwd_cores=[s.fwd_cores for s in st],
+        bwd_cores=[s.bwd_cores for s in st],
+        tail_cores=[s.tail_cores for s in st],
+    )
     if cost.driver_step_s > 0:  # the driver's per-step time outside the pipeline (measured)
         sim.iteration_s += cost.driver_step_s
     return sim, cost

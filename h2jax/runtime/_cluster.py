@@ -59,17 +59,18 @@ def place_stages(plan: Plan, cluster: ClusterConfig) -> list[StagePlacement]:
         except RuntimeError as e:
             raise RuntimeError(
                 f"stage {s} needs chip type {spec.chip!r} (backend {backend!r}), which JAX cannot "
-                f"find in this process: {e}") from e
+                f"find in this process: {e}"
+            ) from e
         if max(idxs) >= len(devs):
-            raise RuntimeError(
-                f"stage {s} needs devices {list(idxs)} of backend {backend!r}, which has {len(devs)}")
+            raise RuntimeError(f"stage {s} needs devices {list(idxs)} of backend {backend!r}, which has {len(devs)}")
         chip = cluster.chips[spec.chip]
         if not chip.emulated and ":" in spec.chip:  # cuda:H100 -> the device kind must say H100
             want = spec.chip.split(":", 1)[1].lower()
             kinds = sorted({d.device_kind for d in devs})
             if not any(want in k.lower() for k in kinds):
-                raise RuntimeError(f"stage {s} wants chip type {spec.chip!r}, but backend {backend!r} has "
-                                   f"devices of kind {kinds}")
+                raise RuntimeError(
+                    f"stage {s} wants chip type {spec.chip!r}, but backend {backend!r} has devices of kind {kinds}"
+                )
         out.append(StagePlacement(s, spec.chip, backend, node, tuple(devs[i] for i in idxs)))
     return out
 

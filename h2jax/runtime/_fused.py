@@ -22,7 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from h2jax.comm import _ffi
 from h2jax.plan import reshard_pattern
@@ -64,8 +65,9 @@ def _device_index(mesh_shape: tuple[int, int]) -> jax.Array:
     return jax.lax.axis_index("data") * mesh_shape[1] + jax.lax.axis_index("tensor")
 
 
-def _peer_table(peer: int | Sequence[int], other: tuple[int, int], by_dev: list[list[tuple[int, Any]]],
-                slots: int, side: str) -> Any:
+def _peer_table(
+    peer: int | Sequence[int], other: tuple[int, int], by_dev: list[list[tuple[int, Any]]], slots: int, side: str
+) -> Any:
     """The rank each (device, slot) talks to: ``peer`` (one process holds the other stage) or
     ``peer[device index on the other mesh]`` (the other stage spans several processes)."""
     if isinstance(peer, (int, np.integer)):
@@ -82,8 +84,9 @@ def _peer_table(peer: int | Sequence[int], other: tuple[int, int], by_dev: list[
     return table
 
 
-def send_boundary(y: jax.Array, mesh: Mesh, b: Boundary, *, peer: int | Sequence[int], tag_base: Any, comm: Any,
-                  timeout_s: float) -> jax.Array:
+def send_boundary(
+    y: jax.Array, mesh: Mesh, b: Boundary, *, peer: int | Sequence[int], tag_base: Any, comm: Any, timeout_s: float
+) -> jax.Array:
     """Inside a jit: send ``y`` (sharded P("data") on ``mesh``, shape ``b.shape``) to the
     destination stage: ``peer`` is its rank, or the rank of each of its devices (row-major
     over its (data, tensor) mesh) when it spans several processes.
@@ -117,18 +120,27 @@ def send_boundary(y: jax.Array, mesh: Mesh, b: Boundary, *, peer: int | Sequence
             x = jax.lax.dynamic_slice(local, start, piece)
             token = jax.lax.cond(
                 has[i, k],
-                lambda x_, tok: _ffi.send(x_, peer=peers if isinstance(peers, int) else jnp.asarray(peers)[i, k],
-                                          tag=(tag_base + tags[i, k]) % TAG_SPACE, comm=comm, token=tok,
-                                          timeout_s=timeout_s),
-                lambda x_, tok: tok, x, token)
+                lambda x_, tok: _ffi.send(
+                    x_,
+                    peer=peers if isinstance(peers, int) else jnp.asarray(peers)[i, k],
+                    tag=(tag_base + tags[i, k]) % TAG_SPACE,
+                    comm=comm,
+                    token=tok,
+                    timeout_s=timeout_s,
+                ),
+                lambda x_, tok: tok,
+                x,
+                token,
+            )
         return token[None]
 
     spec = P("data", *([None] * (y.ndim - 1)))
     return jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=P(("data", "tensor")))(y)
 
 
-def recv_boundary(mesh: Mesh, b: Boundary, dtype: Any, *, peer: int | Sequence[int], tag_base: Any, comm: Any,
-                  timeout_s: float) -> jax.Array:
+def recv_boundary(
+    mesh: Mesh, b: Boundary, dtype: Any, *, peer: int | Sequence[int], tag_base: Any, comm: Any, timeout_s: float
+) -> jax.Array:
     """Inside a jit: receive the boundary tensor from the source stage, laid out P("data") on
     ``mesh``; ``peer`` as in :func:`send_boundary` (ranks of the source stage's devices)."""
     pattern = b.pattern()
@@ -159,8 +171,15 @@ def recv_boundary(mesh: Mesh, b: Boundary, dtype: Any, *, peer: int | Sequence[i
         local = jnp.zeros(block, dtype)
         for k in range(slots):
             src = peers if isinstance(peers, int) else jnp.asarray(peers)[i, k]
-            x, token = _ffi.recv(piece, dtype, peer=src, tag=(tag_base + tags[i, k]) % TAG_SPACE, comm=comm,
-                                 token=token, timeout_s=timeout_s)
+            x, token = _ffi.recv(
+                piece,
+                dtype,
+                peer=src,
+                tag=(tag_base + tags[i, k]) % TAG_SPACE,
+                comm=comm,
+                token=token,
+                timeout_s=timeout_s,
+            )
             local = jax.lax.dynamic_update_slice(local, x, [row[i, k]] + [0] * (len(block) - 1))
         if not split_whole:  # the 1/tp pieces of this data slice, gathered over the fast axis
             local = jax.lax.all_gather(local, "tensor", axis=len(block) - 1, tiled=True)
@@ -187,9 +206,19 @@ class FusedStage:
     programs are SPMD over it and each process moves only its own devices' pieces.
     """
 
-    def __init__(self, st: Any, *, plan: Any, seq_len: int, d_model: int, dtype: Any,
-                 rank_of_stage: Sequence[int] | None = None, comm: Any,
-                 timeout_s: float, rank_of_device: Sequence[Sequence[int]] | None = None):
+    def __init__(
+        self,
+        st: Any,
+        *,
+        plan: Any,
+        seq_len: int,
+        d_model: int,
+        dtype: Any,
+        rank_of_stage: Sequence[int] | None = None,
+        comm: Any,
+        timeout_s: float,
+        rank_of_device: Sequence[Sequence[int]] | None = None,
+    ):
         self.st = st
         s = st.stage_idx
         n = plan.num_stages

@@ -116,8 +116,9 @@ def opt_state_layout(opt_states: Sequence[Any], params: Sequence[Any], plan: Pla
     return out
 
 
-def opt_state_trees(flat: Mapping[str, Any], opt_templates: Sequence[Any], param_templates: Sequence[Any],
-                    plan: Plan) -> list[Any]:
+def opt_state_trees(
+    flat: Mapping[str, Any], opt_templates: Sequence[Any], param_templates: Sequence[Any], plan: Plan
+) -> list[Any]:
     """The inverse of :func:`opt_state_layout` for ``plan`` (stage-wide leaves go to every stage)."""
     out = []
     for s, (opt_t, p_t, spec) in enumerate(zip(opt_templates, param_templates, plan.stages)):

@@ -111,9 +111,7 @@ class MetricsLogger:
                 TimeRemainingColumn(),
                 console=console if console is not None else Console(),
             )
-            self._task = self._progress.add_task(
-                "train", total=self.total_steps, loss="-", tps="-"
-            )
+            self._task = self._progress.add_task("train", total=self.total_steps, loss="-", tps="-")
             self._progress.start()
 
     @property

@@ -62,17 +62,29 @@ from h2jax.checkpoint import CheckpointError, CheckpointSaveError, CheckpointSto
 from h2jax.checkpoint._faults import failpoint
 from h2jax.config import ConfigError, ExperimentConfig, save_config, validate
 from h2jax.data import get_global_batch, load_dataset
-from h2jax.plan import get_schedule, stage_tasks
 from h2jax.launch import FailFast, LaunchInfo, stop_grace_s
+from h2jax.plan import get_schedule, stage_tasks
 from h2jax.runtime._layout import model_layout
 from h2jax.runtime._metrics import MetricsLogger
 from h2jax.runtime._procgroup import fetch, global_array, local_value
 from h2jax.runtime._stage import StageProgram
 from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
-from h2jax.runtime._trainer import (NonFiniteLossError, StepStats, check_checkpoint, checkpoint_meta, clip_scale,
-                                    data_position, load_state_by_layer, make_optimizer, nonfinite_error,
-                                    one_stage_plan, poison, restore_targets, stage_state_by_layer,
-                                    truncate_metrics)
+from h2jax.runtime._trainer import (
+    NonFiniteLossError,
+    StepStats,
+    check_checkpoint,
+    checkpoint_meta,
+    clip_scale,
+    data_position,
+    load_state_by_layer,
+    make_optimizer,
+    nonfinite_error,
+    one_stage_plan,
+    poison,
+    restore_targets,
+    stage_state_by_layer,
+    truncate_metrics,
+)
 
 FWD, BWD = 0, 1
 
@@ -100,9 +112,16 @@ def _tag(microbatch: int, direction: int) -> int:
 class MultiProcessTrainer:
     """The stage of this process, and the step loop that talks to the other stages."""
 
-    def __init__(self, cfg: ExperimentConfig, launch: LaunchInfo, *, model: Any = None,
-                 run_dir: str | Path | None = None, console: Console | None = None,
-                 fail_fast: FailFast | None = None):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        launch: LaunchInfo,
+        *,
+        model: Any = None,
+        run_dir: str | Path | None = None,
+        console: Console | None = None,
+        fail_fast: FailFast | None = None,
+    ):
         from mpi4py import MPI
 
         self.cfg = cfg = validate(cfg)
@@ -111,8 +130,9 @@ class MultiProcessTrainer:
         plan = cfg.plan
         n = plan.num_stages
         if self.comm.Get_size() != launch.size:
-            raise RuntimeError(f"{launch.launcher} says {launch.size} processes, MPI COMM_WORLD has "
-                               f"{self.comm.Get_size()}")
+            raise RuntimeError(
+                f"{launch.launcher} says {launch.size} processes, MPI COMM_WORLD has {self.comm.Get_size()}"
+            )
         from h2jax.runtime._procgroup import StageGroup
 
         # rank -> stage from the plan (one process per stage, or per device); a stage over several
@@ -139,16 +159,22 @@ class MultiProcessTrainer:
         mesh = self.group.mesh  # spans the stage's processes' devices
         from h2jax.models import StageModule, build_model, check_stageable
 
-        self.dataset = load_dataset(corpus=cfg.data.corpus, token_file=cfg.data.token_file,
-                                    tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype)
+        self.dataset = load_dataset(
+            corpus=cfg.data.corpus,
+            token_file=cfg.data.token_file,
+            tokenizer=cfg.data.tokenizer,
+            token_dtype=cfg.data.token_dtype,
+        )
         model = model if model is not None else build_model(cfg.model, seed=cfg.seed)
         check_stageable(model)
         module = StageModule(model, layers=spec.layers, first=self.first, last=self.last)
         self.tx, self.lr_schedule = make_optimizer(cfg)
         label = f"stage {s} · {spec.chip} ({spec.data}x{spec.tensor}) layers {spec.layers[0]}-{spec.layers[1] - 1}"
         self.stage = StageProgram(s, spec, mesh, module, self.tx, first=self.first, last=self.last, label=label)
-        self.labels = [f"stage {i} · {st.chip} ({st.data}x{st.tensor}) layers {st.layers[0]}-{st.layers[1] - 1}"
-                       for i, st in enumerate(plan.stages)]
+        self.labels = [
+            f"stage {i} · {st.chip} ({st.data}x{st.tensor}) layers {st.layers[0]}-{st.layers[1] - 1}"
+            for i, st in enumerate(plan.stages)
+        ]
         from h2jax.comm import make_peer_transport
 
         self.fused = None
@@ -156,28 +182,42 @@ class MultiProcessTrainer:
             from h2jax.runtime._fused import FusedStage, FusedUnsupported
 
             try:  # transfers inside the stage programs (collective: every rank reaches this)
-                self.fused = FusedStage(self.stage, plan=plan, seq_len=cfg.model.seq_len, d_model=cfg.model.d_model,
-                                        dtype=jnp.dtype(cfg.model.dtype),
-                                        rank_of_device=[self.layout.device_ranks(i) for i in range(n)],
-                                        comm=self.comm.Dup(), timeout_s=60.0)
+                self.fused = FusedStage(
+                    self.stage,
+                    plan=plan,
+                    seq_len=cfg.model.seq_len,
+                    d_model=cfg.model.d_model,
+                    dtype=jnp.dtype(cfg.model.dtype),
+                    rank_of_device=[self.layout.device_ranks(i) for i in range(n)],
+                    comm=self.comm.Dup(),
+                    timeout_s=60.0,
+                )
             except FusedUnsupported as e:
                 if self.layout.any_group:
-                    raise ConfigError("train.transport", f"'ffi' across stages over several processes needs "
-                                      f"even per-device pieces: {e}") from e
+                    raise ConfigError(
+                        "train.transport",
+                        f"'ffi' across stages over several processes needs even per-device pieces: {e}",
+                    ) from e
                 self.console.print(f"h2jax: stage {s}: transfers run as programs of their own ({e})")
         self.boundary = None  # per-device host transfers, when some stage spans several processes
         if self.fused is None and self.layout.any_group:
             from h2jax.runtime._procgroup import HostBoundary
 
-            self.boundary = HostBoundary(self.group, self.stage, shape=(plan.microbatch_size, cfg.model.seq_len,
-                                                                        cfg.model.d_model),
-                                         dtype=jnp.dtype(cfg.model.dtype), comm=self.comm)
-        self.transport = (None if self.fused is not None or self.boundary is not None
-                          else make_peer_transport(cfg.train.transport, self.comm))
+            self.boundary = HostBoundary(
+                self.group,
+                self.stage,
+                shape=(plan.microbatch_size, cfg.model.seq_len, cfg.model.d_model),
+                dtype=jnp.dtype(cfg.model.dtype),
+                comm=self.comm,
+            )
+        self.transport = (
+            None
+            if self.fused is not None or self.boundary is not None
+            else make_peer_transport(cfg.train.transport, self.comm)
+        )
         self.tasks = stage_tasks(get_schedule(plan.schedule, n, plan.num_microbatches).tasks(), s)
         mb = plan.microbatch_size
-        self.act_like = jax.ShapeDtypeStruct((mb, cfg.model.seq_len, cfg.model.d_model),
-                                             jnp.dtype(cfg.model.dtype))
+        self.act_like = jax.ShapeDtypeStruct((mb, cfg.model.seq_len, cfg.model.d_model), jnp.dtype(cfg.model.dtype))
         self.dloss = global_array(np.float32(1.0 / plan.num_microbatches), self.stage.scalar_sharding)
         self.tokens_per_step = plan.global_batch * cfg.model.seq_len
         # one time origin for every rank's events: time.perf_counter is the host's monotonic
@@ -188,8 +228,16 @@ class MultiProcessTrainer:
     # -- one step ------------------------------------------------------------------------------
     def _record(self, kind: str, m: int | None, t0: float, t1: float, **extra: Any) -> None:
         if self.timeline is not None and self.group.is_leader:
-            self.timeline.add(kind, stage=self.stage_idx, step=self.step, microbatch=m, start=t0, end=t1,
-                              chip=self.stage.spec.chip, **extra)
+            self.timeline.add(
+                kind,
+                stage=self.stage_idx,
+                step=self.step,
+                microbatch=m,
+                start=t0,
+                end=t1,
+                chip=self.stage.spec.chip,
+                **extra,
+            )
 
     def forward_backward(self) -> float | None:
         """This stage's forwards and backwards of the current step; the loss on the last stage."""
@@ -197,9 +245,14 @@ class MultiProcessTrainer:
         timed = self.timeline is not None
         tokens = targets = None
         if self.first or self.last:
-            tok, tgt = get_global_batch(self.dataset, seed=cfg.seed, step=self.step,
-                                        num_microbatches=cfg.plan.num_microbatches,
-                                        microbatch_size=cfg.plan.microbatch_size, seq_len=cfg.model.seq_len)
+            tok, tgt = get_global_batch(
+                self.dataset,
+                seed=cfg.seed,
+                step=self.step,
+                num_microbatches=cfg.plan.num_microbatches,
+                microbatch_size=cfg.plan.microbatch_size,
+                seq_len=cfg.model.seq_len,
+            )
             tokens = [global_array(t, st.act_sharding) for t in tok] if self.first else None
             targets = [global_array(t, st.act_sharding) for t in tgt] if self.last else None
         if self.fused is not None:
@@ -213,9 +266,13 @@ class MultiProcessTrainer:
                     x = tokens[m]
                 else:
                     t0 = time.perf_counter()
-                    x = (self.boundary.recv(m, FWD) if self.boundary is not None else
-                         self.transport.recv(self.act_like, peer=self.rank - 1, tag=_tag(m, FWD),
-                                             sharding=st.act_sharding))
+                    x = (
+                        self.boundary.recv(m, FWD)
+                        if self.boundary is not None
+                        else self.transport.recv(
+                            self.act_like, peer=self.rank - 1, tag=_tag(m, FWD), sharding=st.act_sharding
+                        )
+                    )
                     if timed:
                         x.block_until_ready()
                         self._record("recv", m, t0, time.perf_counter(), peer=s - 1, phase="F")
@@ -238,9 +295,13 @@ class MultiProcessTrainer:
                     dy = self.dloss
                 else:
                     t0 = time.perf_counter()
-                    dy = (self.boundary.recv(m, BWD) if self.boundary is not None else
-                          self.transport.recv(self.act_like, peer=self.rank + 1, tag=_tag(m, BWD),
-                                              sharding=st.act_sharding))
+                    dy = (
+                        self.boundary.recv(m, BWD)
+                        if self.boundary is not None
+                        else self.transport.recv(
+                            self.act_like, peer=self.rank + 1, tag=_tag(m, BWD), sharding=st.act_sharding
+                        )
+                    )
                     if timed:
                         dy.block_until_ready()
                         self._record("recv", m, t0, time.perf_counter(), peer=s + 1, phase="B")
@@ -268,16 +329,14 @@ class MultiProcessTrainer:
             m = task.microbatch
             t0 = time.perf_counter()
             if task.kind == "F":
-                out, saved[m] = fused.forward(m, tokens[m] if self.first else None,
-                                              targets[m] if self.last else None)
+                out, saved[m] = fused.forward(m, tokens[m] if self.first else None, targets[m] if self.last else None)
                 (losses if self.last else pending).append(out)
             else:
                 out = fused.backward(m, saved.pop(m), targets[m] if self.last else None, self.dloss)
                 pending.append(out)
             if timed:  # the program's time includes its receive (waiting for the peer) and send
                 jax.block_until_ready(out)
-                self._record("fwd" if task.kind == "F" else "bwd", m, t0, time.perf_counter(),
-                             transfers="in-program")
+                self._record("fwd" if task.kind == "F" else "bwd", m, t0, time.perf_counter(), transfers="in-program")
         jax.block_until_ready(pending)  # every send of this step has left
         return float(local_value(jnp.mean(jnp.stack(losses)))) if self.last else None
 
@@ -309,8 +368,15 @@ class MultiProcessTrainer:
             raise nonfinite_error(step, loss, grad_norm, sqs)
         jax.block_until_ready((self.stage.params, self.stage.acc))
         dt = time.perf_counter() - t0
-        stats = StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=float(self.lr_schedule(step)),
-                          step_time_s=dt, tokens_per_s=self.tokens_per_step / dt, skipped=skipped)
+        stats = StepStats(
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=float(self.lr_schedule(step)),
+            step_time_s=dt,
+            tokens_per_s=self.tokens_per_step / dt,
+            skipped=skipped,
+        )
         if self.fail_fast is not None:
             self.fail_fast.last_completed_step = step
         self.step += 1
@@ -318,10 +384,16 @@ class MultiProcessTrainer:
 
     def step_metrics(self, stats: StepStats) -> dict[str, Any]:
         total = sum(st.num_devices for st in self.cfg.plan.stages)
-        return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
-                "step_time_s": stats.step_time_s, "tokens_per_s": stats.tokens_per_s,
-                "tgs": stats.tokens_per_s / total,
-                "skipped": int(stats.skipped), "skipped_steps": self.skipped_steps}
+        return {
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "step_time_s": stats.step_time_s,
+            "tokens_per_s": stats.tokens_per_s,
+            "tgs": stats.tokens_per_s / total,
+            "skipped": int(stats.skipped),
+            "skipped_steps": self.skipped_steps,
+        }
 
     # -- agreement between the ranks -----------------------------------------------------------
     def _lead(self, fn: Callable[[], Any], what: str) -> Any:
@@ -381,10 +453,16 @@ class MultiProcessTrainer:
         h2jax.checkpoint._store)."""
         if self._store is None:
             c, n = self.cfg.checkpoint, self.cfg.plan.num_stages
-            self._store = CheckpointStore(self.checkpoint_dir, part=part_name(self.stage_idx),
-                                          parts=[part_name(i) for i in range(n)], keep_last=c.keep_last,
-                                          keep_every=c.keep_every, async_save=c.async_save, lead=self.rank == 0,
-                                          shared=self.group.distributed)
+            self._store = CheckpointStore(
+                self.checkpoint_dir,
+                part=part_name(self.stage_idx),
+                parts=[part_name(i) for i in range(n)],
+                keep_last=c.keep_last,
+                keep_every=c.keep_every,
+                async_save=c.async_save,
+                lead=self.rank == 0,
+                shared=self.group.distributed,
+            )
         return self._store
 
     def state_by_layer(self) -> dict[str, jax.Array]:
@@ -429,10 +507,8 @@ class MultiProcessTrainer:
         model_keys = sorted(set().union(*self.comm.allgather(mine)))
         removed = 0
         if init_from is None:  # each rank removes its own leftovers; the allreduce orders it before the reads
-            removed = self.comm.allreduce(len(self._all(lambda: self.checkpoint_store().cleanup(),
-                                                         "checkpoint error")))
-        plan = self._lead(lambda: self._resume_plan(restore_step, init_from, model_keys, removed),
-                          "checkpoint error")
+            removed = self.comm.allreduce(len(self._all(lambda: self.checkpoint_store().cleanup(), "checkpoint error")))
+        plan = self._lead(lambda: self._resume_plan(restore_step, init_from, model_keys, removed), "checkpoint error")
         if plan["step"] is None:
             return plan["message"]
 
@@ -440,8 +516,9 @@ class MultiProcessTrainer:
             store = CheckpointStore(plan["dir"])
             try:
                 targets = restore_targets([self.stage], self.plan1, params_only=plan["params_only"])
-                load_state_by_layer([self.stage], self.plan1, store.restore(plan["step"], targets),
-                                    params_only=plan["params_only"])
+                load_state_by_layer(
+                    [self.stage], self.plan1, store.restore(plan["step"], targets), params_only=plan["params_only"]
+                )
             finally:
                 store.close()
 
@@ -455,8 +532,9 @@ class MultiProcessTrainer:
                     self.console.print(f"[yellow]h2jax: {escape(plan['warning'])}[/]")
         return plan["message"]
 
-    def _resume_plan(self, restore_step: int | None, init_from: str | Path | None, model_keys: list[str],
-                     removed: int) -> dict[str, Any]:
+    def _resume_plan(
+        self, restore_step: int | None, init_from: str | Path | None, model_keys: list[str], removed: int
+    ) -> dict[str, Any]:
         """Rank 0: what to read (the same decisions and messages as ``Trainer.resume``)."""
         cfg = self.cfg
         if init_from is not None:
@@ -466,18 +544,26 @@ class MultiProcessTrainer:
                 raise CheckpointError(f"{src.dir} holds no committed checkpoint")
             check_checkpoint(src, step, cfg, model_keys, params_only=True)
             if cfg.checkpoint.enabled and self.checkpoint_store().latest_committed() is not None:
-                raise CheckpointError(f"{self.checkpoint_dir} already holds checkpoints of a run; --init-from "
-                                      "starts a new one (use another name or checkpoint.dir)")
-            return {"dir": str(src.dir), "step": step, "params_only": True,
-                    "message": f"initialised the weights from {Path(init_from).absolute()} step {step}; "
-                               "training from step 0"}
+                raise CheckpointError(
+                    f"{self.checkpoint_dir} already holds checkpoints of a run; --init-from "
+                    "starts a new one (use another name or checkpoint.dir)"
+                )
+            return {
+                "dir": str(src.dir),
+                "step": step,
+                "params_only": True,
+                "message": f"initialised the weights from {Path(init_from).absolute()} step {step}; "
+                "training from step 0",
+            }
         store = self.checkpoint_store()
         latest = store.latest_committed()
         if latest is None:
             if restore_step is not None:
                 raise CheckpointError(f"--restore-step {restore_step}: {store.dir} holds no committed checkpoint")
-            return {"step": None,
-                    "message": f"cleaned up {removed} leftovers of an interrupted save" if removed else None}
+            return {
+                "step": None,
+                "message": f"cleaned up {removed} leftovers of an interrupted save" if removed else None,
+            }
         step = restore_step if restore_step is not None else latest
         meta = check_checkpoint(store, step, cfg, model_keys, params_only=False)
         next_step, skipped, warning = data_position(meta, cfg, f"{store.dir} step {step}")
@@ -486,8 +572,15 @@ class MultiProcessTrainer:
             msg += f" (cleaned up {removed} leftovers of an interrupted save)"
         if step != latest:
             msg += f"; committed steps after {step} (up to {latest}) are replaced as this run reaches them"
-        return {"dir": str(store.dir), "step": step, "params_only": False, "message": msg, "warning": warning,
-                "next_step": next_step, "skipped_steps": skipped}
+        return {
+            "dir": str(store.dir),
+            "step": step,
+            "params_only": False,
+            "message": msg,
+            "warning": warning,
+            "next_step": next_step,
+            "skipped_steps": skipped,
+        }
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, steps: int | None = None) -> list[StepStats]:
@@ -503,9 +596,17 @@ class MultiProcessTrainer:
             if self.step == 0:  # a fresh run; a resumed run keeps appending
                 (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         # who is where: operators (and the killed-rank test) find each stage's process here
-        ranks = self.comm.gather({"rank": self.rank, "stage": self.stage_idx, "pid": os.getpid(),
-                                  "host": os.uname().nodename, "backend": self.backend,
-                                  "group_rank": self.group.group_rank}, root=0)
+        ranks = self.comm.gather(
+            {
+                "rank": self.rank,
+                "stage": self.stage_idx,
+                "pid": os.getpid(),
+                "host": os.uname().nodename,
+                "backend": self.backend,
+                "group_rank": self.group.group_rank,
+            },
+            root=0,
+        )
         if lead:
             (self.run_dir / "ranks.json").write_text(json.dumps(ranks, indent=2))
         self.comm.Barrier()
@@ -515,8 +616,17 @@ class MultiProcessTrainer:
             self.fail_fast.allow_graceful_stop(stop_grace_s())
         history: list[StepStats] = []
         t_start = time.perf_counter()
-        log = MetricsLogger(self.run_dir, total_steps=steps, tensorboard=cfg.train.tensorboard,
-                            progress=cfg.train.progress, console=self.console) if lead else None
+        log = (
+            MetricsLogger(
+                self.run_dir,
+                total_steps=steps,
+                tensorboard=cfg.train.tensorboard,
+                progress=cfg.train.progress,
+                console=self.console,
+            )
+            if lead
+            else None
+        )
         try:
             while self.step < steps:
                 stats = self.train_step()
@@ -558,30 +668,55 @@ class MultiProcessTrainer:
         if self.rank != 0:
             return
         summary: dict[str, Any] = {
-            "steps": len(history), "wall_s": wall_s, "processes": self.launch.size,
-            "launcher": self.launch.launcher, "transport": self.cfg.train.transport,
+            "steps": len(history),
+            "wall_s": wall_s,
+            "processes": self.launch.size,
+            "launcher": self.launch.launcher,
+            "transport": self.cfg.train.transport,
             "losses": [h.loss for h in history],
-            "median_step_time_s": float(np.median([h.step_time_s for h in history[1:] or history])) if history else None,
+            "median_step_time_s": float(np.median([h.step_time_s for h in history[1:] or history]))
+            if history
+            else None,
         }
         if self.timeline is not None and history:
             merged = Timeline(stage_labels=self.labels, t0=0.0)
             for evs in gathered:
                 for e in evs:
-                    merged.add(e.kind, stage=e.stage, step=e.step, microbatch=e.microbatch,
-                               start=e.start_us / 1e6, end=(e.start_us + e.dur_us) / 1e6, chip=e.chip, **e.extra)
+                    merged.add(
+                        e.kind,
+                        stage=e.stage,
+                        step=e.step,
+                        microbatch=e.microbatch,
+                        start=e.start_us / 1e6,
+                        end=(e.start_us + e.dur_us) / 1e6,
+                        chip=e.chip,
+                        **e.extra,
+                    )
             merged.save(self.run_dir / "trace.json")
             gstep = history[-1].step
             ev = merged.events(gstep)
-            plot_gantt(ev, self.run_dir / "gantt.png", stage_labels=self.labels,
-                       title=f"{self.cfg.name}: step {gstep}, {self.launch.size} processes, {self.cfg.train.transport}")
+            plot_gantt(
+                ev,
+                self.run_dir / "gantt.png",
+                stage_labels=self.labels,
+                title=f"{self.cfg.name}: step {gstep}, {self.launch.size} processes, {self.cfg.train.transport}",
+            )
             summary["bubble_fraction_last_step"] = bubble_fraction(
-                [e for e in ev if e.kind in ("fwd", "bwd")], len(self.labels))
+                [e for e in ev if e.kind in ("fwd", "bwd")], len(self.labels)
+            )
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
-def run_multiprocess(cfg: ExperimentConfig, launch: LaunchInfo, *, fail_fast: FailFast | None = None,
-                     run_dir: str | Path | None = None, console: Console | None = None,
-                     restore_step: int | None = None, init_from: str | Path | None = None) -> int:
+def run_multiprocess(
+    cfg: ExperimentConfig,
+    launch: LaunchInfo,
+    *,
+    fail_fast: FailFast | None = None,
+    run_dir: str | Path | None = None,
+    console: Console | None = None,
+    restore_step: int | None = None,
+    init_from: str | Path | None = None,
+) -> int:
     """Train on this rank (resuming as ``Trainer.resume`` does); on any failure print one line
     and end the whole job promptly. Returns this process's exit status."""
     from mpi4py import MPI
@@ -592,8 +727,9 @@ def run_multiprocess(cfg: ExperimentConfig, launch: LaunchInfo, *, fail_fast: Fa
     console = console or Console(stderr=True)
     lead = launch.rank == 0
     if lead:
-        console.print(f"h2jax train: {cfg.name} on {launch.size} processes ({launch.launcher}), transport "
-                      f"{cfg.train.transport}")
+        console.print(
+            f"h2jax train: {cfg.name} on {launch.size} processes ({launch.launcher}), transport {cfg.train.transport}"
+        )
     try:
         trainer = MultiProcessTrainer(cfg, launch, run_dir=run_dir, console=console, fail_fast=fail_fast)
         resumed = trainer.resume(restore_step=restore_step, init_from=init_from)
@@ -610,8 +746,11 @@ def run_multiprocess(cfg: ExperimentConfig, launch: LaunchInfo, *, fail_fast: Fa
         fail_fast.finish()
         return code
     except BaseException as e:  # noqa: BLE001 -- any failure ends every process of the job
-        why = (f"checkpoint save failed (earlier checkpoints are intact): {e}" if isinstance(e, CheckpointSaveError)
-               else f"failed: {type(e).__name__}: {e}")
+        why = (
+            f"checkpoint save failed (earlier checkpoints are intact): {e}"
+            if isinstance(e, CheckpointSaveError)
+            else f"failed: {type(e).__name__}: {e}"
+        )
         sys.stderr.write(fail_fast.line(why) + "\n")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(2 if isinstance(e, ConfigError) else 1)
@@ -620,12 +759,18 @@ def run_multiprocess(cfg: ExperimentConfig, launch: LaunchInfo, *, fail_fast: Fa
     fail_fast.finish()
     if lead:
         if trainer.preempted:
-            console.print(f"[yellow]h2jax: stopped by {trainer.preempted} after step {trainer.step}:[/] saved step "
-                          f"{trainer.step} to {escape(str(trainer.checkpoint_dir))} on every rank; run the same "
-                          "command to resume", highlight=False, soft_wrap=True)
+            console.print(
+                f"[yellow]h2jax: stopped by {trainer.preempted} after step {trainer.step}:[/] saved step "
+                f"{trainer.step} to {escape(str(trainer.checkpoint_dir))} on every rank; run the same "
+                "command to resume",
+                highlight=False,
+                soft_wrap=True,
+            )
         elif history:
-            console.print(f"loss {history[0].loss:.4f} -> {history[-1].loss:.4f} over {len(history)} steps"
-                          f"{f' (from step {start})' if start else ''} on {launch.size} processes")
+            console.print(
+                f"loss {history[0].loss:.4f} -> {history[-1].loss:.4f} over {len(history)} steps"
+                f"{f' (from step {start})' if start else ''} on {launch.size} processes"
+            )
         else:
             console.print(f"nothing to train: the run is at step {start} of train.steps={cfg.train.steps}")
         if cfg.checkpoint.enabled and not trainer.preempted:

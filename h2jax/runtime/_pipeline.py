@@ -109,8 +109,9 @@ class _Watcher:
                 end = time.perf_counter()
                 start = max(dispatched, self._last_end)
                 self._last_end = end
-                self._timeline.add(kind, stage=self._stage, step=step, microbatch=mb,
-                                   start=start, end=end, chip=self._chip)
+                self._timeline.add(
+                    kind, stage=self._stage, step=step, microbatch=mb, start=start, end=end, chip=self._chip
+                )
             except Exception:  # noqa: BLE001 -- the failure itself surfaces on the dispatching thread
                 pass
             finally:
@@ -136,7 +137,8 @@ class Pipeline:
         self.tasks: list[list[Task]] = [stage_tasks(grid, s) for s in range(len(self.stages))]
         self.timeline = timeline
         self._watchers = (
-            [_Watcher(timeline, s.stage_idx, s.spec.chip) for s in self.stages] if timeline is not None else None)
+            [_Watcher(timeline, s.stage_idx, s.spec.chip) for s in self.stages] if timeline is not None else None
+        )
         last = self.stages[-1]
         # d(mean over microbatches)/d(loss of one microbatch)
         self._dloss = jax.device_put(jnp.float32(1.0 / num_microbatches), last.scalar_sharding)
@@ -198,8 +200,10 @@ class Pipeline:
                         if s > 0:
                             outq[(s - 1, "bwd")].put((m, dx, ready))
             except BaseException as e:  # noqa: BLE001 -- re-raised by run_step
-                what = f"{'forward' if task is None or task.kind == 'F' else 'backward'} of microbatch " \
-                       f"{getattr(task, 'microbatch', '?')}"
+                what = (
+                    f"{'forward' if task is None or task.kind == 'F' else 'backward'} of microbatch "
+                    f"{getattr(task, 'microbatch', '?')}"
+                )
                 fail(e if isinstance(e, PipelineAborted) else StageFailure(s, step, what, e))
 
         def transfer_worker(b: int, direction: str) -> None:
@@ -230,21 +234,45 @@ class Pipeline:
                     t1 = time.perf_counter()
                     inbox.put(m, y)
                     if self.timeline is not None:
-                        extra = {"bytes": int(x.nbytes), "transport": self.transport.name,
-                                 "direction": direction}
-                        self.timeline.add("send", stage=src, step=step, microbatch=m, start=t0, end=t1,
-                                          chip=self.stages[src].spec.chip, peer=dst, **extra)
-                        self.timeline.add("recv", stage=dst, step=step, microbatch=m, start=t0, end=t1,
-                                          chip=dst_stage.spec.chip, peer=src, **extra)
+                        extra = {"bytes": int(x.nbytes), "transport": self.transport.name, "direction": direction}
+                        self.timeline.add(
+                            "send",
+                            stage=src,
+                            step=step,
+                            microbatch=m,
+                            start=t0,
+                            end=t1,
+                            chip=self.stages[src].spec.chip,
+                            peer=dst,
+                            **extra,
+                        )
+                        self.timeline.add(
+                            "recv",
+                            stage=dst,
+                            step=step,
+                            microbatch=m,
+                            start=t0,
+                            end=t1,
+                            chip=dst_stage.spec.chip,
+                            peer=src,
+                            **extra,
+                        )
             except BaseException as e:  # noqa: BLE001
-                fail(e if isinstance(e, PipelineAborted)
-                     else StageFailure(src, step, f"{direction} transfer of microbatch {m} to stage {dst}", e))
+                fail(
+                    e
+                    if isinstance(e, PipelineAborted)
+                    else StageFailure(src, step, f"{direction} transfer of microbatch {m} to stage {dst}", e)
+                )
 
         t_start = time.perf_counter()
-        threads = [threading.Thread(target=stage_worker, args=(s,), name=f"h2jax-stage-{s}", daemon=True)
-                   for s in range(n)]
-        threads += [threading.Thread(target=transfer_worker, args=(b, d), name=f"h2jax-xfer-{b}-{d}", daemon=True)
-                    for b in range(n - 1) for d in ("fwd", "bwd")]
+        threads = [
+            threading.Thread(target=stage_worker, args=(s,), name=f"h2jax-stage-{s}", daemon=True) for s in range(n)
+        ]
+        threads += [
+            threading.Thread(target=transfer_worker, args=(b, d), name=f"h2jax-xfer-{b}-{d}", daemon=True)
+            for b in range(n - 1)
+            for d in ("fwd", "bwd")
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -77,7 +77,8 @@ class ProcessLayout:
         raise ConfigError(
             "plan.stages",
             f"the job has {world_size} processes; the plan has {n} stages and {total} devices ({shapes}): "
-            f"run one process per stage (-np {n}) or one process per device (-np {total})")
+            f"run one process per stage (-np {n}) or one process per device (-np {total})",
+        )
 
     @property
     def num_stages(self) -> int:
@@ -154,8 +155,9 @@ class StageGroup:
         self.stage_idx = s = layout.stage_of(self.rank)
         self.group = comm.Split(color=s, key=self.rank)  # collective over comm
         if self.group.Get_rank() != layout.group_rank(self.rank):
-            raise AssertionError(f"rank {self.rank}: group rank {self.group.Get_rank()}, layout says "
-                                 f"{layout.group_rank(self.rank)}")
+            raise AssertionError(
+                f"rank {self.rank}: group rank {self.group.Get_rank()}, layout says {layout.group_rank(self.rank)}"
+            )
         self.group_rank, self.group_size = self.group.Get_rank(), self.group.Get_size()
         self.is_leader = self.group_rank == 0
         self.spec = spec = plan.stages[s]
@@ -181,14 +183,15 @@ class StageGroup:
         from jax._src import xla_bridge as xb
 
         if xb.backends_are_initialized():
-            raise RuntimeError(f"stage {self.stage_idx} (rank {self.rank}) spans {self.group_size} processes and "
-                               "needs its own jax.distributed cluster, but JAX's backends are already "
-                               "initialised in this process; build the StageGroup before touching JAX")
+            raise RuntimeError(
+                f"stage {self.stage_idx} (rank {self.rank}) spans {self.group_size} processes and "
+                "needs its own jax.distributed cluster, but JAX's backends are already "
+                "initialised in this process; build the StageGroup before touching JAX"
+            )
         nodes = self.group.allgather(socket.gethostname())
         host = None
         if self.is_leader:  # the coordinator of this stage's cluster: a free port on the leader's host
-            host = "127.0.0.1" if len(set(nodes)) == 1 else os.environ.get("H2JAX_COORDINATOR_HOST",
-                                                                             socket.getfqdn())
+            host = "127.0.0.1" if len(set(nodes)) == 1 else os.environ.get("H2JAX_COORDINATOR_HOST", socket.getfqdn())
             host = f"{host}:{_free_port()}"
         self.coordinator = self.group.bcast(host, root=0)
         if chip.emulated:
@@ -200,9 +203,13 @@ class StageGroup:
         else:  # one host's processes of this chip type take consecutive local devices
             local_ids = list(range(self.node_index * k, (self.node_index + 1) * k))
             backend = chip.platform
-        jax.distributed.initialize(coordinator_address=self.coordinator, num_processes=self.group_size,
-                                   process_id=self.group_rank, local_device_ids=local_ids,
-                                   initialization_timeout=int(timeout_s))
+        jax.distributed.initialize(
+            coordinator_address=self.coordinator,
+            num_processes=self.group_size,
+            process_id=self.group_rank,
+            local_device_ids=local_ids,
+            initialization_timeout=int(timeout_s),
+        )
         return backend
 
     def _mesh(self) -> Any:
@@ -215,16 +222,17 @@ class StageGroup:
         elif self.chip.emulated:  # a client of its own, holding exactly this stage's devices
             devices = jax.devices(self.backend)[:k]
         else:
-            devices = jax.devices(self.backend)[self.node_index * k:(self.node_index + 1) * k]
+            devices = jax.devices(self.backend)[self.node_index * k : (self.node_index + 1) * k]
         where = f"stage {self.stage_idx} (rank {self.rank}, {spec.chip} on backend {self.backend})"
         if len(devices) != spec.num_devices:
-            raise RuntimeError(f"{where} needs {spec.num_devices} devices ({spec.data}x{spec.tensor}), "
-                               f"its {self.group_size} process(es) have {len(devices)}")
+            raise RuntimeError(
+                f"{where} needs {spec.num_devices} devices ({spec.data}x{spec.tensor}), "
+                f"its {self.group_size} process(es) have {len(devices)}"
+            )
         owners = [d.process_index for d in devices]
         want = [i // k for i in range(spec.num_devices)] if self.distributed else owners
         if owners != want:
-            raise RuntimeError(f"{where}: devices belong to processes {owners}, expected {want} "
-                               f"({k} per process)")
+            raise RuntimeError(f"{where}: devices belong to processes {owners}, expected {want} ({k} per process)")
         return Mesh(np.array(devices, dtype=object).reshape(spec.data, spec.tensor), ("data", "tensor"))
 
     def close(self) -> None:
@@ -244,10 +252,13 @@ class StageGroup:
     @property
     def label(self) -> str:
         sp = self.spec
-        where = (f"{self.group_size} processes, backend {self.backend}" if self.group_size > 1
-                 else f"backend {self.backend}")
-        return (f"stage {self.stage_idx} · {sp.chip} ({sp.data}x{sp.tensor}) layers {sp.layers[0]}-{sp.layers[1] - 1}"
-                f" [{where}]")
+        where = (
+            f"{self.group_size} processes, backend {self.backend}" if self.group_size > 1 else f"backend {self.backend}"
+        )
+        return (
+            f"stage {self.stage_idx} · {sp.chip} ({sp.data}x{sp.tensor}) layers {sp.layers[0]}-{sp.layers[1] - 1}"
+            f" [{where}]"
+        )
 
 
 # -- arrays that span the stage's processes -------------------------------------------------------
@@ -267,8 +278,9 @@ def local_value(x: Any) -> np.ndarray:
     if x.is_fully_addressable:
         return np.asarray(x)
     if not x.is_fully_replicated:
-        raise ValueError(f"local_value: {x.shape} {x.sharding} is neither fully addressable nor replicated; "
-                         "use fetch()")
+        raise ValueError(
+            f"local_value: {x.shape} {x.sharding} is neither fully addressable nor replicated; use fetch()"
+        )
     return np.asarray(x.addressable_data(0))
 
 
@@ -297,10 +309,12 @@ class HostBoundary:
     Collective over ``comm`` (duplicates it).
     """
 
-    def __init__(self, group: StageGroup, st: Any, *, shape: Sequence[int], dtype: Any, comm: Any = None,
-                 timeout_s: float = 60.0):
+    def __init__(
+        self, group: StageGroup, st: Any, *, shape: Sequence[int], dtype: Any, comm: Any = None, timeout_s: float = 60.0
+    ):
         import jax
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         from h2jax.comm import HostTransport
         from h2jax.runtime._fused import TAGS_PER_TRANSFER, Boundary
@@ -324,8 +338,10 @@ class HostBoundary:
         for key, pattern in self.patterns.items():
             if len(pattern) > TAGS_PER_TRANSFER:
                 b = self.links[key][0]
-                raise ValueError(f"stage {s}: {len(pattern)} transfers across one boundary ({b.src[0]}x{b.src[1]} -> "
-                                 f"{b.dst[0]}x{b.dst[1]}); at most {TAGS_PER_TRANSFER} (tags per microbatch)")
+                raise ValueError(
+                    f"stage {s}: {len(pattern)} transfers across one boundary ({b.src[0]}x{b.src[1]} -> "
+                    f"{b.dst[0]}x{b.dst[1]}); at most {TAGS_PER_TRANSFER} (tags per microbatch)"
+                )
         self.coord = {d: idx for idx, d in np.ndenumerate(st.mesh.devices)}  # device -> (data, tensor)
         local = set(st.mesh.local_devices)
         self._local = [d for d in st.mesh.devices.flat if d in local]  # this process's devices, mesh order
@@ -368,9 +384,14 @@ class HostBoundary:
             parts = []
             for _, t_idx, t in mine:
                 like = jax.ShapeDtypeStruct(tuple(z - a for a, z in t.index), self.dtype)
-                parts.append(self.transport.recv(like, peer=peers[_lin(t.src, b.src)],
-                                                 tag=(base + t_idx) % TAG_SPACE,
-                                                 sharding=jax.sharding.SingleDeviceSharding(dev)))
+                parts.append(
+                    self.transport.recv(
+                        like,
+                        peer=peers[_lin(t.src, b.src)],
+                        tag=(base + t_idx) % TAG_SPACE,
+                        sharding=jax.sharding.SingleDeviceSharding(dev),
+                    )
+                )
             arrays.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
         sharding = self._pieces_sharding if split else self.st.act_sharding
         x = jax.make_array_from_single_device_arrays(self.shape, sharding, arrays)

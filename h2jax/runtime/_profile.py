@@ -59,7 +59,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from h2jax.config import ChipSpec
 from h2jax.models import GPTConfig, StageModule, build_model
@@ -101,8 +102,9 @@ def _backend_devices(chip_name: str, chip: ChipSpec, nodes: int) -> list[tuple[s
     return [(n, jax.devices(n)) for n in names]
 
 
-def _time_calls(fns: dict[str, Callable[[], object]], walls: dict[str, list[float]],
-                cpus: dict[str, list[float]]) -> None:
+def _time_calls(
+    fns: dict[str, Callable[[], object]], walls: dict[str, list[float]], cpus: dict[str, list[float]]
+) -> None:
     """One round: each call run to completion, its wall and process CPU seconds appended."""
     for k, fn in fns.items():
         c0, t0 = time.process_time(), time.perf_counter()
@@ -165,8 +167,16 @@ class ChipProfiler:
     state until the profiler is dropped (``profile_chip`` builds one row at a time).
     """
 
-    def __init__(self, chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_degrees: Sequence[int],
-                 microbatches: Sequence[int], seed: int = 0):
+    def __init__(
+        self,
+        chip_name: str,
+        chip: ChipSpec,
+        model: GPTConfig,
+        *,
+        tensor_degrees: Sequence[int],
+        microbatches: Sequence[int],
+        seed: int = 0,
+    ):
         from h2jax.config import ExperimentConfig
 
         self.chip_name = chip_name
@@ -181,17 +191,22 @@ class ChipProfiler:
         # one model: every stage program puts its own copy of the parameters on its devices
         gpt = build_model(two, seed=seed)
         self.programs = programs = {f"b{k}": dict(layers=(0, k), first=False, last=False) for k in BLOCK_COUNTS}
-        programs |= {"eb": dict(layers=(0, 1), first=True, last=False),
-                     "bh": dict(layers=(0, 1), first=False, last=True)}
+        programs |= {
+            "eb": dict(layers=(0, 1), first=True, last=False),
+            "bh": dict(layers=(0, 1), first=False, last=True),
+        }
         self._rows: dict[tuple[int, int], dict] = {}
         for t in tensor_degrees:
             if t > len(nodes[0][1]):
                 raise ValueError(f"tensor={t}: chip {chip_name} has {len(nodes[0][1])} devices in a node")
-            meshes = [stage_mesh(StagePlacement(0, chip_name, backend, i, tuple(devs[:t])), data=1, tensor=t)
-                      for i, (backend, devs) in enumerate(nodes[:copies])]
+            meshes = [
+                stage_mesh(StagePlacement(0, chip_name, backend, i, tuple(devs[:t])), data=1, tensor=t)
+                for i, (backend, devs) in enumerate(nodes[:copies])
+            ]
             for b in microbatches:
-                self._rows[(t, b)] = self._build_row(chip_name, two, gpt, tx, meshes, t, b,
-                                                     np.random.default_rng((seed, t, b)))
+                self._rows[(t, b)] = self._build_row(
+                    chip_name, two, gpt, tx, meshes, t, b, np.random.default_rng((seed, t, b))
+                )
         self.rounds = 0
 
     def _build_row(self, chip_name, two, gpt, tx, meshes, t: int, b: int, rng) -> dict:
@@ -202,19 +217,34 @@ class ChipProfiler:
             # the probe runs copies of the 2-block program; its contention holds for every part
             for i, mesh in enumerate(meshes if name == "b2" else meshes[:1]):
                 spec = StageSpec(chip=chip_name, layers=kw["layers"], data=1, tensor=t)
-                st = StageProgram(0, spec, mesh, StageModule(gpt, **kw), tx, first=kw["first"],
-                                  last=kw["last"], label=f"profile {name}")
+                st = StageProgram(
+                    0,
+                    spec,
+                    mesh,
+                    StageModule(gpt, **kw),
+                    tx,
+                    first=kw["first"],
+                    last=kw["last"],
+                    label=f"profile {name}",
+                )
                 shape = (b, two.seq_len)
                 if kw["first"]:
                     x = jax.device_put(rng.integers(0, two.vocab_size, shape, dtype=np.int32), st.act_sharding)
                 else:
-                    x = jax.device_put(jnp.asarray(rng.normal(size=(*shape, two.d_model)),
-                                                   jnp.dtype(two.dtype)), st.act_sharding)
-                tgt = (jax.device_put(rng.integers(0, two.vocab_size, shape, dtype=np.int32),
-                                      st.act_sharding) if kw["last"] else None)
+                    x = jax.device_put(
+                        jnp.asarray(rng.normal(size=(*shape, two.d_model)), jnp.dtype(two.dtype)), st.act_sharding
+                    )
+                tgt = (
+                    jax.device_put(rng.integers(0, two.vocab_size, shape, dtype=np.int32), st.act_sharding)
+                    if kw["last"]
+                    else None
+                )
                 y, _ = st.forward(x, tgt)
-                dy = (jax.device_put(jnp.float32(1.0), st.scalar_sharding) if kw["last"]
-                      else jax.device_put(jnp.ones_like(y), st.act_sharding))
+                dy = (
+                    jax.device_put(jnp.float32(1.0), st.scalar_sharding)
+                    if kw["last"]
+                    else jax.device_put(jnp.ones_like(y), st.act_sharding)
+                )
                 f = lambda st=st, x=x, tgt=tgt: st.forward(x, tgt)[0]  # noqa: E731
                 fb = lambda st=st, x=x, tgt=tgt, dy=dy: st.backward(st.forward(x, tgt)[1], dy)  # noqa: E731
                 if name == "b2":
@@ -275,8 +305,10 @@ class ChipProfiler:
             # `copies` = host-cores programs at once keep every core busy (each alone keeps
             # >= 1 busy): one copy's core-seconds are the cores' share of the time it took
             tog = {k: _stat(v, statistic) for k, v in row["tog"].items()}
-            probe = {"f": tog["f"] * cap / self.copies / wall["b2/f"],
-                     "b": (tog["fb"] - tog["f"]) * cap / self.copies / wall["b2/b"]}
+            probe = {
+                "f": tog["f"] * cap / self.copies / wall["b2/f"],
+                "b": (tog["fb"] - tog["f"]) * cap / self.copies / wall["b2/b"],
+            }
 
         def split(d: dict[str, float], kind: str) -> dict[str, float]:
             """Per part and the fixed cost of a call (module docstring)."""
@@ -291,38 +323,72 @@ class ChipProfiler:
         mb1, me, mh = mems["b1"], mems["eb"], mems["bh"]
         nbytes = {
             "block": (float(mb1.params), float(mb1.activations), inputs["b1"], float(mb1.workspace)),
-            "embed": (float(me.params - mb1.params), float(me.activations - mb1.activations), inputs["eb"],
-                      float(me.workspace)),
-            "head": (float(mh.params - mb1.params), float(mh.activations - mb1.activations), inputs["b1"],
-                     float(mh.workspace)),
+            "embed": (
+                float(me.params - mb1.params),
+                float(me.activations - mb1.activations),
+                inputs["eb"],
+                float(me.workspace),
+            ),
+            "head": (
+                float(mh.params - mb1.params),
+                float(mh.activations - mb1.activations),
+                inputs["b1"],
+                float(mh.workspace),
+            ),
             PROGRAM: (0.0, 0.0, 0.0, 0.0),  # holds no parameters or activations of its own
         }
         # optimizer step: per block and per call from the block programs; elementwise, so the
         # embedding's and the head's are the block's per parameter byte
         upd_blk, upd_fixed = fit_line(wall, "u")
         upd_blk = max(upd_blk, 1e-9)
-        upd = {"block": upd_blk, PROGRAM: upd_fixed,
-               "embed": upd_blk * nbytes["embed"][0] / nbytes["block"][0],
-               "head": upd_blk * nbytes["head"][0] / nbytes["block"][0]}
+        upd = {
+            "block": upd_blk,
+            PROGRAM: upd_fixed,
+            "embed": upd_blk * nbytes["embed"][0] / nbytes["block"][0],
+            "head": upd_blk * nbytes["head"][0] / nbytes["block"][0],
+        }
         out: dict[str, LayerCost] = {}
         for part in ("embed", "block", "head", PROGRAM):
             pb, ab, ib, tb = nbytes[part]
             out[part] = LayerCost(
-                fwd_s=max(w["f"][part], 0.0), bwd_s=max(w["b"][part], 0.0), param_bytes=pb,
-                act_bytes=max(ab, 0.0), input_bytes=ib, temp_bytes=tb, estimated=False,
+                fwd_s=max(w["f"][part], 0.0),
+                bwd_s=max(w["b"][part], 0.0),
+                param_bytes=pb,
+                act_bytes=max(ab, 0.0),
+                input_bytes=ib,
+                temp_bytes=tb,
+                estimated=False,
                 fwd_cores=_cores(probe["f"], 1.0, cap) if probe else _cores(c["f"][part], w["f"][part], cap),
                 bwd_cores=_cores(probe["b"], 1.0, cap) if probe else _cores(c["b"][part], w["b"][part], cap),
-                update_s=upd[part])
+                update_s=upd[part],
+            )
         if "xfer" in wall:  # the host cores the copy keeps busy: its process CPU over its wall seconds
             xc = _cores(work["xfer"], wall["xfer"], cap)
-            out[TRANSFER] = LayerCost(fwd_s=wall["xfer"], bwd_s=wall["xfer"], param_bytes=0.0, act_bytes=0.0,
-                                      input_bytes=0.0, temp_bytes=0.0, estimated=False, fwd_cores=xc, bwd_cores=xc)
+            out[TRANSFER] = LayerCost(
+                fwd_s=wall["xfer"],
+                bwd_s=wall["xfer"],
+                param_bytes=0.0,
+                act_bytes=0.0,
+                input_bytes=0.0,
+                temp_bytes=0.0,
+                estimated=False,
+                fwd_cores=xc,
+                bwd_cores=xc,
+            )
         return out
 
 
-def profile_chip(chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_degrees: Sequence[int],
-                 microbatches: Sequence[int], repeats: int = 5, statistic: str = "median",
-                 seed: int = 0) -> dict[tuple[int, int], dict[str, LayerCost]]:
+def profile_chip(
+    chip_name: str,
+    chip: ChipSpec,
+    model: GPTConfig,
+    *,
+    tensor_degrees: Sequence[int],
+    microbatches: Sequence[int],
+    repeats: int = 5,
+    statistic: str = "median",
+    seed: int = 0,
+) -> dict[tuple[int, int], dict[str, LayerCost]]:
     """{(tensor, microbatch): {"embed" | "block" | "head" | "program" [| "transfer"]: LayerCost}}
     measured on ``chip_name``: `repeats` rounds back to back, one (tensor, microbatch) row
     at a time (so only one row's programs are held at once); `statistic` of each program's
@@ -348,8 +414,7 @@ def profile_chip(chip_name: str, chip: ChipSpec, model: GPTConfig, *, tensor_deg
 
 # the driver calibration: a model whose programs cost next to nothing, and microbatch counts
 # of its own (the driver's costs are per step, per op and per boundary tensor, not per plan)
-NULL_MODEL = {"vocab_size": 256, "seq_len": 4, "d_model": 8, "n_heads": 1, "n_layers": 2, "d_ff": 8,
-              "dtype": "float32"}
+NULL_MODEL = {"vocab_size": 256, "seq_len": 4, "d_model": 8, "n_heads": 1, "n_layers": 2, "d_ff": 8, "dtype": "float32"}
 DRIVER_RUNS = ((1, 3), (1, 6), (2, 6))  # (stages, microbatches)
 
 
@@ -377,15 +442,24 @@ class DriverProfiler:
         def S(layers):
             return {"chip": chip_name, "layers": list(layers), "data": 1, "tensor": 1, "recompute": False}
 
-        base = [f"model={json.dumps(NULL_MODEL)}", f"cluster.chips={json.dumps({chip_name: {'nodes': 2}})}",
-                "train.progress=false", "train.tensorboard=false", "train.timeline=false",
-                "checkpoint.enabled=false", "train.memory_check=false"]
+        base = [
+            f"model={json.dumps(NULL_MODEL)}",
+            f"cluster.chips={json.dumps({chip_name: {'nodes': 2}})}",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "train.timeline=false",
+            "checkpoint.enabled=false",
+            "train.memory_check=false",
+        ]
         self.trainers: dict[tuple[int, int], Trainer] = {}
         try:
             for n, m in DRIVER_RUNS:
                 stages = [S((0, 2))] if n == 1 else [S((0, 1)), S((1, 2))]
-                cfg = load_config(None, base + [f"plan.global_batch={m}", f"plan.num_microbatches={m}",
-                                                f"plan.stages={json.dumps(stages)}"])
+                cfg = load_config(
+                    None,
+                    base
+                    + [f"plan.global_batch={m}", f"plan.num_microbatches={m}", f"plan.stages={json.dumps(stages)}"],
+                )
                 self.trainers[(n, m)] = tr = Trainer(cfg, run_dir=None)
                 for _ in range(2):
                     tr.train_step()
@@ -427,8 +501,9 @@ class DriverProfiler:
         step_s = max(0.0, w[(1, 3)] - 2 * 3 * per_op_wall)
         # 2 stages: twice the ops of 1 stage, plus 2 x 6 boundary tensors
         transfer_cpu = max(0.0, (c[(2, 6)] - step_cpu - 2 * 2 * 6 * per_op_cpu) / (2 * 6))
-        return DriverCost(step_s=step_s, step_cpu_s=step_cpu, op_cpu_s=max(0.0, per_op_cpu - call_cpu),
-                          transfer_cpu_s=transfer_cpu)
+        return DriverCost(
+            step_s=step_s, step_cpu_s=step_cpu, op_cpu_s=max(0.0, per_op_cpu - call_cpu), transfer_cpu_s=transfer_cpu
+        )
 
     def close(self) -> None:
         for tr in self.trainers.values():

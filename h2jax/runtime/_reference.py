@@ -15,8 +15,9 @@ import numpy as np
 from flax import nnx
 
 
-def reference_loss_and_grads(model: nnx.Module, tokens: np.ndarray, targets: np.ndarray,
-                             *, device: Any = None) -> tuple[float, Any]:
+def reference_loss_and_grads(
+    model: nnx.Module, tokens: np.ndarray, targets: np.ndarray, *, device: Any = None
+) -> tuple[float, Any]:
     """(mean microbatch loss, gradient pytree) on one device; tokens/targets are [M, b, s]."""
     graphdef, params = nnx.split(model, nnx.Param)
     device = device or jax.devices("cpu")[0]

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from h2jax.models import StageModule, partition_specs
 from h2jax.plan import StageSpec
@@ -35,7 +36,9 @@ def _like_params(opt_state: Any, param_shardings: Any, replicated: NamedSharding
     structure = jax.tree.structure(param_shardings)
     return jax.tree.map(
         lambda node: param_shardings if jax.tree.structure(node) == structure else replicated,
-        opt_state, is_leaf=lambda node: jax.tree.structure(node) == structure)
+        opt_state,
+        is_leaf=lambda node: jax.tree.structure(node) == structure,
+    )
 
 
 def _tree_bytes_per_device(tree: Any) -> int:
@@ -90,8 +93,7 @@ class StageProgram:
             raise TypeError(f"stage {stage_idx}: the model holds non-Param state {rest}; h2jax trains Params only")
         self._graphdef = graphdef
         specs = partition_specs(module)
-        self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                                            is_leaf=lambda x: isinstance(x, P))
+        self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         self.params = jax.device_put(params, self.param_shardings)
         self.act_sharding = NamedSharding(mesh, P("data"))
         self.scalar_sharding = NamedSharding(mesh, P())
@@ -99,8 +101,9 @@ class StageProgram:
         # optimizer moments (subtrees shaped like the parameters) shard as the parameters;
         # scalars (step counts) are replicated. Pinned, with the parameters' shardings, as the
         # outputs of every update: a changed sharding would make the next step recompile.
-        self.opt_state_shardings = _like_params(jax.eval_shape(tx.init, params), self.param_shardings,
-                                                NamedSharding(mesh, P()))
+        self.opt_state_shardings = _like_params(
+            jax.eval_shape(tx.init, params), self.param_shardings, NamedSharding(mesh, P())
+        )
         self.opt_state = jax.jit(tx.init, out_shardings=self.opt_state_shardings)(self.params)
         self.acc = jax.jit(_f32_zeros, out_shardings=self.param_shardings)(self.params)
         self._build_programs()
@@ -148,11 +151,14 @@ class StageProgram:
             params = optax.apply_updates(params, updates)
             return params, opt_state, jax.tree.map(jnp.zeros_like, acc)
 
-        self._update = jax.jit(update, donate_argnums=(0, 1, 2),
-                               out_shardings=(self.param_shardings, self.opt_state_shardings,
-                                              self.param_shardings))
-        self._zeros = jax.jit(lambda acc: jax.tree.map(jnp.zeros_like, acc), donate_argnums=(0,),
-                              out_shardings=self.param_shardings)
+        self._update = jax.jit(
+            update,
+            donate_argnums=(0, 1, 2),
+            out_shardings=(self.param_shardings, self.opt_state_shardings, self.param_shardings),
+        )
+        self._zeros = jax.jit(
+            lambda acc: jax.tree.map(jnp.zeros_like, acc), donate_argnums=(0,), out_shardings=self.param_shardings
+        )
         self._sqnorm = jax.jit(lambda acc: sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(acc)))
 
     # -- what the driver calls ---------------------------------------------------------------
@@ -180,8 +186,7 @@ class StageProgram:
         return self._sqnorm(self.acc)
 
     def apply_update(self, scale: float) -> None:
-        self.params, self.opt_state, self.acc = self._update(
-            self.params, self.opt_state, self.acc, jnp.float32(scale))
+        self.params, self.opt_state, self.acc = self._update(self.params, self.opt_state, self.acc, jnp.float32(scale))
 
     # -- inspection ---------------------------------------------------------------------------
     def grads(self) -> Any:
@@ -192,7 +197,7 @@ class StageProgram:
         """Per-device memory estimate from array shardings and XLA's compiled memory analysis."""
         params = _tree_bytes_per_device(self.params)
         opt = _tree_bytes_per_device(self.opt_state)
-        lowered = (self.fwd.lower(self.params, example_x, example_t))
+        lowered = self.fwd.lower(self.params, example_x, example_t)
         fwd_mem = lowered.compile().memory_analysis()
         if self.recompute:
             kept = example_x.sharding.shard_shape(example_x.shape)
@@ -203,8 +208,13 @@ class StageProgram:
         else:
             per_mb = int(getattr(fwd_mem, "output_size_in_bytes", 0)) if fwd_mem else 0
         temp = int(getattr(fwd_mem, "temp_size_in_bytes", 0)) if fwd_mem else 0
-        return StageMemory(params=params, grads=params * 4 // max(1, self._param_itemsize()),
-                           opt_state=opt, activations=per_mb * in_flight, workspace=temp)
+        return StageMemory(
+            params=params,
+            grads=params * 4 // max(1, self._param_itemsize()),
+            opt_state=opt,
+            activations=per_mb * in_flight,
+            workspace=temp,
+        )
 
     def _param_itemsize(self) -> int:
         leaves = jax.tree.leaves(self.params)

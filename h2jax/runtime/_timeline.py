@@ -194,10 +194,7 @@ class Timeline:
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown event kind {kind!r}; expected one of {EVENT_KINDS}")
         if end < start:
-            raise ValueError(
-                f"{kind} event on stage {stage} ends before it starts "
-                f"(start={start!r} s, end={end!r} s)"
-            )
+            raise ValueError(f"{kind} event on stage {stage} ends before it starts (start={start!r} s, end={end!r} s)")
         event = TraceEvent(
             kind=kind,
             stage=int(stage),
@@ -265,21 +262,15 @@ def _chrome_trace(events: Sequence[TraceEvent], stage_labels: Sequence[str]) -> 
         used_tids[ev.stage].add(_tid(ev.kind))
     for s in stages:
         trace_events.append(
-            {"ph": "M", "name": "process_name", "pid": s, "tid": 0,
-             "args": {"name": _stage_label(stage_labels, s)}}
+            {"ph": "M", "name": "process_name", "pid": s, "tid": 0, "args": {"name": _stage_label(stage_labels, s)}}
         )
-        trace_events.append(
-            {"ph": "M", "name": "process_sort_index", "pid": s, "tid": 0,
-             "args": {"sort_index": s}}
-        )
+        trace_events.append({"ph": "M", "name": "process_sort_index", "pid": s, "tid": 0, "args": {"sort_index": s}})
         for tid in sorted(used_tids[s]):
             trace_events.append(
-                {"ph": "M", "name": "thread_name", "pid": s, "tid": tid,
-                 "args": {"name": _THREAD_NAMES[tid]}}
+                {"ph": "M", "name": "thread_name", "pid": s, "tid": tid, "args": {"name": _THREAD_NAMES[tid]}}
             )
             trace_events.append(
-                {"ph": "M", "name": "thread_sort_index", "pid": s, "tid": tid,
-                 "args": {"sort_index": tid}}
+                {"ph": "M", "name": "thread_sort_index", "pid": s, "tid": tid, "args": {"sort_index": tid}}
             )
     for ev in events:
         args: dict[str, Any] = {
@@ -350,9 +341,7 @@ def stage_busy(events: Iterable[TraceEvent], num_stages: int) -> list[float]:
         if ev.kind not in COMPUTE_KINDS:
             continue
         if not 0 <= ev.stage < num_stages:
-            raise ValueError(
-                f"event {ev.name!r} is on stage {ev.stage}, but num_stages={num_stages}"
-            )
+            raise ValueError(f"event {ev.name!r} is on stage {ev.stage}, but num_stages={num_stages}")
         busy[ev.stage] += ev.dur_us
     return busy
 
@@ -439,8 +428,14 @@ def plot_gantt(
     for s in range(num_stages):
         if s % 2 == 1:
             ax.axhspan(s - 0.5, s + 0.5, color="#F3F3F3", zorder=0, lw=0)
-        ax.broken_barh([(-pad, span_ms + 2 * pad)], (s + _COMM_TOP, _COMM_H),
-                       facecolors="#E4E4EC", alpha=0.5, edgecolor="none", zorder=1)
+        ax.broken_barh(
+            [(-pad, span_ms + 2 * pad)],
+            (s + _COMM_TOP, _COMM_H),
+            facecolors="#E4E4EC",
+            alpha=0.5,
+            edgecolor="none",
+            zorder=1,
+        )
     # Labels sit level with the compute boxes, the comm lane hangs below them.
     ax.set_yticks([s + _COMPUTE_TOP + _COMPUTE_H / 2 for s in range(num_stages)], labels)
     ax.tick_params(axis="y", length=0)
@@ -462,23 +457,36 @@ def plot_gantt(
         kinds_seen.add(ev.kind)
         if ev.kind in COMM_KINDS:
             top, h = _COMM_LANE[ev.kind]
-            ax.broken_barh([(x, max(w, 0.0))], (ev.stage + top, h), facecolors=colour,
-                           edgecolor="none", zorder=3)
+            ax.broken_barh([(x, max(w, 0.0))], (ev.stage + top, h), facecolors=colour, edgecolor="none", zorder=3)
             continue
-        ax.broken_barh([(x, w)], (ev.stage + _COMPUTE_TOP, _COMPUTE_H), facecolors=colour,
-                       edgecolor="white", linewidth=0.6, zorder=3)
+        ax.broken_barh(
+            [(x, w)],
+            (ev.stage + _COMPUTE_TOP, _COMPUTE_H),
+            facecolors=colour,
+            edgecolor="white",
+            linewidth=0.6,
+            zorder=3,
+        )
         label = ev.name if ev.kind in COMPUTE_KINDS else ("U" if ev.kind == "update" else "")
         if ev.kind in COMPUTE_KINDS and ev.microbatch is not None:
             label = str(ev.microbatch)
         if label and w * px_per_ms >= 7.0 * len(label) + 4.0:
-            ax.text(x + w / 2, ev.stage + _COMPUTE_TOP + _COMPUTE_H / 2, label,
-                    ha="center", va="center", fontsize=8, color="white",
-                    fontweight="bold", zorder=4, clip_on=True)
+            ax.text(
+                x + w / 2,
+                ev.stage + _COMPUTE_TOP + _COMPUTE_H / 2,
+                label,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white",
+                fontweight="bold",
+                zorder=4,
+                clip_on=True,
+            )
 
     order = [k for k in EVENT_KINDS if k in kinds_seen] or ["fwd", "bwd"]
     handles = [Patch(facecolor=_COLOURS[k], label=_LEGEND_NAMES[k]) for k in order]
-    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles),
-               frameon=False, fontsize=9)
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=9)
 
     bubble = bubble_fraction(events, num_stages)
     steps = sorted({ev.step for ev in events})

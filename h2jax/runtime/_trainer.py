@@ -43,10 +43,8 @@ from h2jax.data import get_global_batch, load_dataset
 from h2jax.models import StageModule, build_model, check_stageable
 from h2jax.plan import get_schedule
 from h2jax.runtime._cluster import StagePlacement, place_stages, setup_backends, stage_mesh
-from h2jax.runtime._layout import (model_layout, opt_state_layout, opt_state_names, opt_state_trees,
-                                   stage_trees)
-from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
-from h2jax.runtime._metrics import MetricsLogger
+from h2jax.runtime._layout import model_layout, opt_state_layout, opt_state_names, opt_state_trees, stage_trees
+from h2jax.runtime._metrics import METRICS_FILENAME, MetricsLogger, read_metrics
 from h2jax.runtime._pipeline import Pipeline
 from h2jax.runtime._stage import StageMemory, StageProgram
 from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
@@ -72,7 +70,6 @@ def one_stage_plan(spec: Any) -> Any:
     return SimpleNamespace(stages=(spec,))
 
 
-
 @jax.jit
 def poison(tree: Any) -> Any:
     """``train.inject_nonfinite_steps``: the tree made NaN, as a diverging step would."""
@@ -84,10 +81,20 @@ def make_optimizer(cfg: ExperimentConfig) -> tuple[optax.GradientTransformation,
     o = cfg.optimizer
     steps = cfg.train.steps
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
-        decay_steps=max(steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
-    tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                     mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=o.warmup_steps,
+        decay_steps=max(steps, o.warmup_steps + 1),
+        end_value=o.lr * o.min_lr_ratio,
+    )
+    tx = optax.adamw(
+        schedule,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
     return tx, schedule
 
 
@@ -119,8 +126,12 @@ def stage_state_by_layer(stages: list[StageProgram], plan: Any, *, stage_wide: b
     out = {f"params/{k}": v for k, v in model_layout(params, plan).items()}
     opt = opt_state_layout([st.opt_state for st in stages], params, plan)
     if not stage_wide:
-        wide = {name for st, spec in zip(stages, plan.stages)
-                for name, param in opt_state_names(st.opt_state, st.params, spec) if param is None}
+        wide = {
+            name
+            for st, spec in zip(stages, plan.stages)
+            for name, param in opt_state_names(st.opt_state, st.params, spec)
+            if param is None
+        }
         opt = {k: v for k, v in opt.items() if k not in wide}
     out.update({f"opt_state/{k}": v for k, v in opt.items()})
     return out
@@ -130,8 +141,10 @@ def opt_state_shardings(stage: StageProgram, spec: Any) -> Any:
     """Where a stage's optimizer state belongs: per-parameter leaves (mu, nu) with their
     parameter's sharding, stage-wide leaves (counts) replicated over the stage mesh."""
     by_param = model_layout([stage.param_shardings], one_stage_plan(spec))
-    leaves = [by_param[p] if p is not None else stage.scalar_sharding
-              for _, p in opt_state_names(stage.opt_state, stage.params, spec)]
+    leaves = [
+        by_param[p] if p is not None else stage.scalar_sharding
+        for _, p in opt_state_names(stage.opt_state, stage.params, spec)
+    ]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stage.opt_state), leaves)
 
 
@@ -141,8 +154,10 @@ def restore_targets(stages: list[StageProgram], plan: Any, *, params_only: bool)
     copies them to the others)."""
     params = [st.params for st in stages]
     sh = model_layout([st.param_shardings for st in stages], plan)
-    out = {f"params/{k}": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
-           for k, v in model_layout(params, plan).items()}
+    out = {
+        f"params/{k}": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
+        for k, v in model_layout(params, plan).items()
+    }
     if not params_only:
         opt_sh = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
         sh = opt_state_layout(opt_sh, params, plan)
@@ -151,14 +166,15 @@ def restore_targets(stages: list[StageProgram], plan: Any, *, params_only: bool)
     return out
 
 
-def load_state_by_layer(stages: list[StageProgram], plan: Any, flat: dict[str, jax.Array], *,
-                        params_only: bool = False) -> None:
+def load_state_by_layer(
+    stages: list[StageProgram], plan: Any, flat: dict[str, jax.Array], *, params_only: bool = False
+) -> None:
     """Place a model-layout state (``stage_state_by_layer``'s keys) onto ``stages``; the
     accumulated gradients start from zero."""
-    params = {k[len("params/"):]: v for k, v in flat.items() if k.startswith("params/")}
+    params = {k[len("params/") :]: v for k, v in flat.items() if k.startswith("params/")}
     new_params = stage_trees(params, [st.params for st in stages], plan)
     if not params_only:
-        opt = {k[len("opt_state/"):]: v for k, v in flat.items() if k.startswith("opt_state/")}
+        opt = {k[len("opt_state/") :]: v for k, v in flat.items() if k.startswith("opt_state/")}
         new_opt = opt_state_trees(opt, [st.opt_state for st in stages], [st.params for st in stages], plan)
         opt_shardings = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
     for s, st in enumerate(stages):
@@ -170,18 +186,28 @@ def load_state_by_layer(stages: list[StageProgram], plan: Any, flat: dict[str, j
 
 def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int) -> dict[str, Any]:
     """What a checkpoint records besides the arrays (the same in every part)."""
-    return {"format": CHECKPOINT_FORMAT, "step": step, "skipped_steps": skipped_steps,
-            # a batch is a pure function of (seed, step, microbatch): the position is the next step
-            "data": {"seed": cfg.seed, "next_step": step, "global_batch": cfg.plan.global_batch,
-                     "num_microbatches": cfg.plan.num_microbatches},
-            # the model has no stochastic layers: the seed made the initial parameters and the data
-            "rng": {"seed": cfg.seed},
-            "model": config_to_dict(cfg)["model"], "plan": cfg.plan.to_dict(),
-            "config": config_to_dict(cfg)}
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "skipped_steps": skipped_steps,
+        # a batch is a pure function of (seed, step, microbatch): the position is the next step
+        "data": {
+            "seed": cfg.seed,
+            "next_step": step,
+            "global_batch": cfg.plan.global_batch,
+            "num_microbatches": cfg.plan.num_microbatches,
+        },
+        # the model has no stochastic layers: the seed made the initial parameters and the data
+        "rng": {"seed": cfg.seed},
+        "model": config_to_dict(cfg)["model"],
+        "plan": cfg.plan.to_dict(),
+        "config": config_to_dict(cfg),
+    }
 
 
-def check_checkpoint(store: CheckpointStore, step: int, cfg: ExperimentConfig, model_keys: Any, *,
-                     params_only: bool) -> dict[str, Any]:
+def check_checkpoint(
+    store: CheckpointStore, step: int, cfg: ExperimentConfig, model_keys: Any, *, params_only: bool
+) -> dict[str, Any]:
     """The meta of committed ``step`` after checking that it holds this run's model: the same
     shapes, and no arrays ``model_keys`` (every restore target of the whole model) lacks."""
     meta = store.read_meta(step)
@@ -191,8 +217,9 @@ def check_checkpoint(store: CheckpointStore, step: int, cfg: ExperimentConfig, m
         diff = ", ".join(f"{k} {have.get(k)} vs {want.get(k)}" for k in shape_keys if have.get(k) != want.get(k))
         raise CheckpointError(f"{store.dir} step {step} holds another model (checkpoint vs this run: {diff})")
     model_keys = set(model_keys)
-    extra = sorted(n for n in store.shapes(step) if n not in model_keys and
-                   (n.startswith("params/") or not params_only))
+    extra = sorted(
+        n for n in store.shapes(step) if n not in model_keys and (n.startswith("params/") or not params_only)
+    )
     if extra:
         raise CheckpointError(f"{store.dir} step {step} holds {len(extra)} arrays this model lacks, e.g. {extra[:3]}")
     return meta
@@ -204,14 +231,18 @@ def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tu
     step = int(meta["step"])
     data = meta.get("data", {})
     if data.get("seed", cfg.seed) != cfg.seed:
-        raise CheckpointError(f"{where} was written with seed {data['seed']}, this run has "
-                              f"seed {cfg.seed}: the data stream would not continue")
+        raise CheckpointError(
+            f"{where} was written with seed {data['seed']}, this run has "
+            f"seed {cfg.seed}: the data stream would not continue"
+        )
     warning = None
     batch = (data.get("global_batch"), data.get("num_microbatches"))
     if batch != (cfg.plan.global_batch, cfg.plan.num_microbatches):
-        warning = (f"the checkpoint's run used global batch {batch[0]} in {batch[1]} microbatches, this run "
-                   f"{cfg.plan.global_batch} in {cfg.plan.num_microbatches}: the data stream continues from "
-                   f"step {step} but its batches differ")
+        warning = (
+            f"the checkpoint's run used global batch {batch[0]} in {batch[1]} microbatches, this run "
+            f"{cfg.plan.global_batch} in {cfg.plan.num_microbatches}: the data stream continues from "
+            f"step {step} but its batches differ"
+        )
     return step, int(meta.get("skipped_steps", 0)), warning
 
 
@@ -237,31 +268,46 @@ def nonfinite_error(step: int, loss: float, grad_norm: float, sqnorms: list[floa
     return NonFiniteLossError(
         f"step {step}: non-finite loss={loss}, grad_norm={grad_norm} ({'; '.join(where)}); "
         "nothing was updated (train.nonfinite=skip would skip such steps)",
-        step=step, stages=bad or [last])
+        step=step,
+        stages=bad or [last],
+    )
 
 
 class Trainer:
     """Builds the stages of an experiment and trains them (single controller)."""
 
-    def __init__(self, cfg: ExperimentConfig, *, model: nnx.Module | None = None,
-                 run_dir: str | Path | None = None, console: Console | None = None):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        *,
+        model: nnx.Module | None = None,
+        run_dir: str | Path | None = None,
+        console: Console | None = None,
+    ):
         self.cfg = validate(cfg)
         self.console = console or Console(stderr=True)
         plan = cfg.plan
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
         # chip types first: emulated backends must exist before JAX initialises any backend
         setup_backends(cfg.cluster)
-        self.dataset = load_dataset(corpus=cfg.data.corpus, token_file=cfg.data.token_file,
-                                    tokenizer=cfg.data.tokenizer, token_dtype=cfg.data.token_dtype)
+        self.dataset = load_dataset(
+            corpus=cfg.data.corpus,
+            token_file=cfg.data.token_file,
+            tokenizer=cfg.data.tokenizer,
+            token_dtype=cfg.data.token_dtype,
+        )
         if self.dataset.vocab_size > cfg.model.vocab_size:
-            raise ConfigError("model.vocab_size", f"vocab_size={cfg.model.vocab_size} is smaller than the "
-                                                  f"tokenizer's {self.dataset.vocab_size}")
+            raise ConfigError(
+                "model.vocab_size",
+                f"vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {self.dataset.vocab_size}",
+            )
         if model is None:
             model = build_model(cfg.model, seed=cfg.seed)
         check_stageable(model)
         if len(model.blocks) != cfg.model.n_layers:
-            raise ConfigError("model.n_layers", f"n_layers={cfg.model.n_layers} but the model has "
-                                                f"{len(model.blocks)} blocks")
+            raise ConfigError(
+                "model.n_layers", f"n_layers={cfg.model.n_layers} but the model has {len(model.blocks)} blocks"
+            )
         self.model = model
         self.placements: list[StagePlacement] = place_stages(plan, cfg.cluster)
         self.tx, self.lr_schedule = make_optimizer(cfg)
@@ -271,13 +317,17 @@ class Trainer:
             mesh = stage_mesh(place, data=spec.data, tensor=spec.tensor)
             module = StageModule(model, layers=spec.layers, first=s == 0, last=s == n - 1)
             label = f"stage {s} · {spec.chip} ({spec.data}x{spec.tensor}) layers {spec.layers[0]}-{spec.layers[1] - 1}"
-            self.stages.append(StageProgram(s, spec, mesh, module, self.tx, first=s == 0, last=s == n - 1,
-                                            label=label))
+            self.stages.append(StageProgram(s, spec, mesh, module, self.tx, first=s == 0, last=s == n - 1, label=label))
         self.schedule = get_schedule(plan.schedule, n, plan.num_microbatches)
         self.grid = self.schedule.tasks()
         self.timeline = Timeline(stage_labels=[st.label for st in self.stages]) if cfg.train.timeline else None
-        self.pipeline = Pipeline(self.stages, make_transport(cfg.train.transport), self.grid,
-                                 num_microbatches=plan.num_microbatches, timeline=self.timeline)
+        self.pipeline = Pipeline(
+            self.stages,
+            make_transport(cfg.train.transport),
+            self.grid,
+            num_microbatches=plan.num_microbatches,
+            timeline=self.timeline,
+        )
         self.tokens_per_step = plan.global_batch * cfg.model.seq_len
         self.step = 0
         self.skipped_steps = 0
@@ -291,14 +341,22 @@ class Trainer:
     # -- data ----------------------------------------------------------------------------------
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         p = self.cfg.plan
-        return get_global_batch(self.dataset, seed=self.cfg.seed, step=step, num_microbatches=p.num_microbatches,
-                                microbatch_size=p.microbatch_size, seq_len=self.cfg.model.seq_len)
+        return get_global_batch(
+            self.dataset,
+            seed=self.cfg.seed,
+            step=step,
+            num_microbatches=p.num_microbatches,
+            microbatch_size=p.microbatch_size,
+            seq_len=self.cfg.model.seq_len,
+        )
 
     def _device_batch(self, step: int) -> tuple[list[jax.Array], list[jax.Array]]:
         tokens, targets = self.batch(step)
         first, last = self.stages[0], self.stages[-1]
-        return ([jax.device_put(t, first.act_sharding) for t in tokens],
-                [jax.device_put(t, last.act_sharding) for t in targets])
+        return (
+            [jax.device_put(t, first.act_sharding) for t in tokens],
+            [jax.device_put(t, last.act_sharding) for t in targets],
+        )
 
     # -- memory --------------------------------------------------------------------------------
     def check_memory(self) -> list[StageMemory]:
@@ -318,10 +376,13 @@ class Trainer:
                     f"{mem.grads / GIB:.2f}, optimizer {mem.opt_state / GIB:.2f}, activations of "
                     f"{in_flight[s]} in-flight microbatches {mem.activations / GIB:.2f}, workspace "
                     f"{mem.workspace / GIB:.2f}); chip {st.spec.chip} has {limit / GIB:.2f} GiB "
-                    "(try recompute: true, more microbatches, or a larger tensor degree)")
+                    "(try recompute: true, more microbatches, or a larger tensor degree)",
+                )
             if not st.last:  # the next stage's input has this stage's output shape
-                x = jax.device_put(jnp.zeros((x.shape[0], x.shape[1], self.cfg.model.d_model),
-                                             jnp.dtype(self.cfg.model.dtype)), self.stages[s + 1].act_sharding)
+                x = jax.device_put(
+                    jnp.zeros((x.shape[0], x.shape[1], self.cfg.model.d_model), jnp.dtype(self.cfg.model.dtype)),
+                    self.stages[s + 1].act_sharding,
+                )
         return out
 
     # -- one step ------------------------------------------------------------------------------
@@ -378,24 +439,38 @@ class Trainer:
             raise nonfinite_error(step, loss, grad_norm, sq)
         dt = time.perf_counter() - t0
         self.step += 1
-        return StepStats(step=step, loss=loss, grad_norm=grad_norm, lr=float(self.lr_schedule(step)),
-                         step_time_s=dt, tokens_per_s=self.tokens_per_step / dt, skipped=skipped)
+        return StepStats(
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=float(self.lr_schedule(step)),
+            step_time_s=dt,
+            tokens_per_s=self.tokens_per_step / dt,
+            skipped=skipped,
+        )
 
     def step_metrics(self, stats: StepStats) -> dict[str, Any]:
         devices_by_chip: dict[str, int] = {}
         for spec in self.cfg.plan.stages:
             devices_by_chip[spec.chip] = devices_by_chip.get(spec.chip, 0) + spec.num_devices
         total = sum(devices_by_chip.values())
-        m: dict[str, Any] = {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
-                             "step_time_s": stats.step_time_s, "tokens_per_s": stats.tokens_per_s,
-                             "tgs": stats.tokens_per_s / total,
-                             "skipped": int(stats.skipped), "skipped_steps": self.skipped_steps}
+        m: dict[str, Any] = {
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "step_time_s": stats.step_time_s,
+            "tokens_per_s": stats.tokens_per_s,
+            "tgs": stats.tokens_per_s / total,
+            "skipped": int(stats.skipped),
+            "skipped_steps": self.skipped_steps,
+        }
         for chip, ndev in devices_by_chip.items():
             m[f"tgs/{chip}"] = stats.tokens_per_s / ndev
         if self.timeline is not None:
             self.pipeline.drain_timeline()
             m["bubble_fraction"] = bubble_fraction(
-                [e for e in self.timeline.events(stats.step) if e.kind in ("fwd", "bwd")], len(self.stages))
+                [e for e in self.timeline.events(stats.step) if e.kind in ("fwd", "bwd")], len(self.stages)
+            )
         return m
 
     # -- the loop ------------------------------------------------------------------------------
@@ -416,8 +491,13 @@ class Trainer:
         t_start = time.perf_counter()
         restore_signals = self._catch_signals()
         try:
-            with MetricsLogger(self.run_dir, total_steps=steps, tensorboard=cfg.train.tensorboard,
-                               progress=cfg.train.progress, console=self.console) as log:
+            with MetricsLogger(
+                self.run_dir,
+                total_steps=steps,
+                tensorboard=cfg.train.tensorboard,
+                progress=cfg.train.progress,
+                console=self.console,
+            ) as log:
                 while self.step < steps and self._stop_signal is None:
                     stats = self.train_step()
                     history.append(stats)
@@ -453,8 +533,7 @@ class Trainer:
             if self._stop_signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self._stop_signal = name
-            self.console.print(f"[yellow]h2jax: {name} received: saving at the end of step {self.step} "
-                               "and stopping[/]")
+            self.console.print(f"[yellow]h2jax: {name} received: saving at the end of step {self.step} and stopping[/]")
 
         for sig in old:
             signal.signal(sig, handler)
@@ -467,24 +546,34 @@ class Trainer:
 
     def _write_outputs(self, history: list[StepStats], wall_s: float) -> None:
         summary: dict[str, Any] = {
-            "steps": len(history), "wall_s": wall_s,
+            "steps": len(history),
+            "wall_s": wall_s,
             "first_loss": history[0].loss if history else None,
             "last_loss": history[-1].loss if history else None,
             # the first steps include compilation; the median excludes it
-            "median_step_time_s": float(np.median([h.step_time_s for h in history[1:] or history])) if history else None,
+            "median_step_time_s": float(np.median([h.step_time_s for h in history[1:] or history]))
+            if history
+            else None,
             "tokens_per_step": self.tokens_per_step,
-            "stages": [{"label": st.label, "backend": p.backend, "memory_gib": m.total / GIB if m else None}
-                       for st, p, m in zip(self.stages, self.placements, self.memory or [None] * len(self.stages))],
+            "stages": [
+                {"label": st.label, "backend": p.backend, "memory_gib": m.total / GIB if m else None}
+                for st, p, m in zip(self.stages, self.placements, self.memory or [None] * len(self.stages))
+            ],
         }
         if self.timeline is not None and history:
             self.timeline.save(self.run_dir / "trace.json")
             gstep = self.cfg.train.gantt_step if self.cfg.train.gantt_step >= 0 else history[-1].step
             events = self.timeline.events(gstep)
-            plot_gantt(events, self.run_dir / "gantt.png", stage_labels=[st.label for st in self.stages],
-                       title=f"{self.cfg.name}: step {gstep}, {self.cfg.plan.schedule}, "
-                             f"{self.cfg.plan.num_microbatches} microbatches")
+            plot_gantt(
+                events,
+                self.run_dir / "gantt.png",
+                stage_labels=[st.label for st in self.stages],
+                title=f"{self.cfg.name}: step {gstep}, {self.cfg.plan.schedule}, "
+                f"{self.cfg.plan.num_microbatches} microbatches",
+            )
             summary["bubble_fraction_last_step"] = bubble_fraction(
-                [e for e in events if e.kind in ("fwd", "bwd")], len(self.stages))
+                [e for e in events if e.kind in ("fwd", "bwd")], len(self.stages)
+            )
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -498,8 +587,9 @@ class Trainer:
     def checkpoint_store(self) -> CheckpointStore:
         if self._store is None:
             c = self.cfg.checkpoint
-            self._store = CheckpointStore(self.checkpoint_dir, keep_last=c.keep_last, keep_every=c.keep_every,
-                                          async_save=c.async_save)
+            self._store = CheckpointStore(
+                self.checkpoint_dir, keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save
+            )
         return self._store
 
     def close_checkpoints(self) -> None:
@@ -564,8 +654,10 @@ class Trainer:
             step = self.restore(init_from, restore_step, params_only=True)
             msg = f"initialised the weights from {Path(init_from).absolute()} step {step}; training from step 0"
             if self.cfg.checkpoint.enabled and self.checkpoint_store().latest_committed() is not None:
-                raise CheckpointError(f"{self.checkpoint_dir} already holds checkpoints of a run; --init-from "
-                                      "starts a new one (use another name or checkpoint.dir)")
+                raise CheckpointError(
+                    f"{self.checkpoint_dir} already holds checkpoints of a run; --init-from "
+                    "starts a new one (use another name or checkpoint.dir)"
+                )
             return msg
         if not self.cfg.checkpoint.enabled:
             if restore_step is not None:
@@ -598,7 +690,9 @@ class Trainer:
         return model_layout([st.grads() for st in self.stages], self.cfg.plan)
 
 
-def train(cfg: ExperimentConfig, *, model: nnx.Module | None = None, run_dir: str | Path | None = None) -> list[StepStats]:
+def train(
+    cfg: ExperimentConfig, *, model: nnx.Module | None = None, run_dir: str | Path | None = None
+) -> list[StepStats]:
     """Train ``model`` (default: the GPT of ``cfg.model``) as ``cfg`` says, continuing from the
     run's latest checkpoint if there is one; returns the per-step stats of this call."""
     trainer = Trainer(cfg, model=model, run_dir=run_dir)

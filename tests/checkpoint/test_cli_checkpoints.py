@@ -23,8 +23,12 @@ QUIET = ["train.progress=false", "train.tensorboard=false", "train.timeline=fals
 
 def _env(**extra: str) -> dict[str, str]:
     # a plain single-controller run: no launcher variables an MPI import in this process may have left
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "H2JAX_FAULT")
-           and not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "H2JAX_FAULT")
+        and not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))
+    }
     env.update(extra)
     return env
 
@@ -40,8 +44,10 @@ def _load(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
     """Every array of a committed step, on the host."""
     store = CheckpointStore(ckpt_dir)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    targets = {k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=cpu)
-               for k, (shape, dtype) in store.shapes(step).items()}
+    targets = {
+        k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=cpu)
+        for k, (shape, dtype) in store.shapes(step).items()
+    }
     return {k: np.asarray(v) for k, v in store.restore(step, targets).items()}
 
 
@@ -99,8 +105,17 @@ def test_restore_onto_a_different_plan(tmp_path):
     a = _run(["a.yaml", *QUIET, "train.steps=4", "checkpoint.every_steps=3"], tmp_path)
     assert a.returncode == 0, a.stderr[-3000:]
     loss_a = _losses(tmp_path / "runs" / "plan_a")[3]
-    b = _run(["b.yaml", *QUIET, "train.steps=4", f"checkpoint.dir={tmp_path / 'runs' / 'plan_a' / 'checkpoints'}",
-              "--restore-step", "3"], tmp_path)
+    b = _run(
+        [
+            "b.yaml",
+            *QUIET,
+            "train.steps=4",
+            f"checkpoint.dir={tmp_path / 'runs' / 'plan_a' / 'checkpoints'}",
+            "--restore-step",
+            "3",
+        ],
+        tmp_path,
+    )
     assert b.returncode == 0, b.stderr[-3000:]
     assert "step 3" in b.stderr
     loss_b = _losses(tmp_path / "runs" / "plan_b")
@@ -133,9 +148,25 @@ def test_kill_during_save_at_several_points(tmp_path):
 
 
 def test_sigterm_saves_and_exits_0(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "h2jax.cli", "train", TINY, *QUIET, "train.steps=500",
-                             "checkpoint.every_steps=0", "--run-dir", "run"], cwd=tmp_path, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "h2jax.cli",
+            "train",
+            TINY,
+            *QUIET,
+            "train.steps=500",
+            "checkpoint.every_steps=0",
+            "--run-dir",
+            "run",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and len(read_metrics(metrics)) >= 2):
@@ -150,16 +181,27 @@ def test_sigterm_saves_and_exits_0(tmp_path):
 
 
 def test_nonfinite_abort_names_step_and_stage(tmp_path):
-    p = _run([TINY, *QUIET, "train.steps=3", "train.inject_nonfinite_steps=[2]", "checkpoint.enabled=false"],
-             tmp_path)
+    p = _run([TINY, *QUIET, "train.steps=3", "train.inject_nonfinite_steps=[2]", "checkpoint.enabled=false"], tmp_path)
     assert p.returncode == 1
     err = " ".join(p.stderr.split())
     assert "step 2: non-finite loss=nan" in err and "stage 1" in err, err[-2000:]
 
 
 def test_nonfinite_skip_changes_nothing(tmp_path):
-    p = _run([TINY, *QUIET, "train.steps=4", "train.nonfinite=skip", "train.inject_nonfinite_steps=[2]",
-              "checkpoint.every_steps=1", "checkpoint.keep_last=10", "--run-dir", "run"], tmp_path)
+    p = _run(
+        [
+            TINY,
+            *QUIET,
+            "train.steps=4",
+            "train.nonfinite=skip",
+            "train.inject_nonfinite_steps=[2]",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep_last=10",
+            "--run-dir",
+            "run",
+        ],
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
     assert [rows[s]["skipped"] for s in range(4)] == [0, 0, 1, 0]

@@ -6,14 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from h2jax.checkpoint import CheckpointError, CheckpointStore, nest, retained, unnest
 
 
 def _state(v: float) -> dict[str, jax.Array]:
-    return {"params/embed/table": jnp.full((4, 8), v), "params/blocks/0/w": jnp.full((8, 8), v + 1),
-            "opt_state/0/count": jnp.int32(v)}
+    return {
+        "params/embed/table": jnp.full((4, 8), v),
+        "params/blocks/0/w": jnp.full((8, 8), v + 1),
+        "opt_state/0/count": jnp.int32(v),
+    }
 
 
 def _targets(state, sharding=None):

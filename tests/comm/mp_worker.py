@@ -15,12 +15,12 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 
-from mpi4py import MPI  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
+from mpi4py import MPI  # noqa: E402
 
 from h2jax import comm as hc  # noqa: E402
 
@@ -85,6 +85,7 @@ def equivalence(comm) -> None:
 
             send_all(*xs).block_until_ready()
         else:
+
             @jax.jit
             def recv_all():
                 tok, out = hc.new_token(), []
@@ -95,8 +96,10 @@ def equivalence(comm) -> None:
 
             got = recv_all()
             for i, (s, d) in enumerate(all_cases):
-                check(f"ffi_jit/{sender}->{OTHER}/{np.dtype(d).name}{list(s)}",
-                      lambda g=got[i], i=i, s=s, d=d: same(g, local(make(s, d, base + i), dev0)))
+                check(
+                    f"ffi_jit/{sender}->{OTHER}/{np.dtype(d).name}{list(s)}",
+                    lambda g=got[i], i=i, s=s, d=d: same(g, local(make(s, d, base + i), dev0)),
+                )
 
     # (b) FfiTransport and (c) HostTransport, standalone transfers, both directions
     for t, cs in ((hc.FfiTransport(comm), subset), (hc.HostTransport(comm), all_cases)):
@@ -107,8 +110,10 @@ def equivalence(comm) -> None:
                     t.send(jnp.asarray(make(s, d, base + i)), peer=OTHER, tag=base + i)
                 else:
                     y = t.recv(jax.ShapeDtypeStruct(s, d), peer=OTHER, tag=base + i, sharding=dev0)
-                    check(f"{t.name}/{sender}->{OTHER}/{np.dtype(d).name}{list(s)}",
-                          lambda y=y, i=i, s=s, d=d: same(y, local(make(s, d, base + i), dev0)))
+                    check(
+                        f"{t.name}/{sender}->{OTHER}/{np.dtype(d).name}{list(s)}",
+                        lambda y=y, i=i, s=s, d=d: same(y, local(make(s, d, base + i), dev0)),
+                    )
             t.flush()
 
     # (d) sharded source and destination (2 devices per process, different layouts)
@@ -121,8 +126,10 @@ def equivalence(comm) -> None:
                 t.send(jax.device_put(a, src_sh), peer=1, tag=77)
             else:
                 y = t.recv(jax.ShapeDtypeStruct((8, 6), d), peer=0, tag=77, sharding=dst_sh)
-                check(f"{t.name}/sharded/{np.dtype(d).name}",
-                      lambda y=y, a=a: y.sharding == dst_sh and same(y, local(a, dst_sh)))
+                check(
+                    f"{t.name}/sharded/{np.dtype(d).name}",
+                    lambda y=y, a=a: y.sharding == dst_sh and same(y, local(a, dst_sh)),
+                )
             t.flush()
 
     # (e) per device under shard_map, each device with its own (traced) tag
@@ -144,8 +151,11 @@ def equivalence(comm) -> None:
 
     # (f) sendrecv: both ranks exchange in one call
     mine, theirs = make((33, 17), jnp.bfloat16, 40 + RANK), make((33, 17), jnp.bfloat16, 40 + OTHER)
-    y, _ = jax.jit(lambda x: hc.sendrecv(x, x.shape, x.dtype, dest=OTHER, source=OTHER, send_tag=40 + RANK,
-                                         recv_tag=40 + OTHER, comm=comm))(jnp.asarray(mine))
+    y, _ = jax.jit(
+        lambda x: hc.sendrecv(
+            x, x.shape, x.dtype, dest=OTHER, source=OTHER, send_tag=40 + RANK, recv_tag=40 + OTHER, comm=comm
+        )
+    )(jnp.asarray(mine))
     check("ffi/sendrecv", lambda: same(y, theirs))
 
 
@@ -181,8 +191,9 @@ def deadlock(comm) -> None:
             t.flush()
             check(f"{t.name}/iter{it}", lambda ys=ys: all(float(ys[k][n // 2]) == 10 * OTHER + k for k in (0, 1)))
 
-    fn = jax.jit(lambda x: hc.sendrecv(x, x.shape, x.dtype, dest=OTHER, source=OTHER, send_tag=7, recv_tag=7,
-                                       comm=comm)[0])
+    fn = jax.jit(
+        lambda x: hc.sendrecv(x, x.shape, x.dtype, dest=OTHER, source=OTHER, send_tag=7, recv_tag=7, comm=comm)[0]
+    )
     for it in range(2):
         y = fn(mine[0])
         check(f"ffi_sendrecv/iter{it}", lambda: float(y[1]) == 10 * OTHER)
@@ -199,8 +210,12 @@ def mismatch(comm) -> None:
         errors["ffi_tag"] = "no error"
     except Exception as e:
         msg = str(e)
-        checks["ffi_tag"] = ("timed out after 1.5 s" in msg and f"peer {OTHER} with tag 6" in msg
-                             and "float32[3,4]" in msg and f"peer {OTHER} tag 5 (48 bytes)" in msg)
+        checks["ffi_tag"] = (
+            "timed out after 1.5 s" in msg
+            and f"peer {OTHER} with tag 6" in msg
+            and "float32[3,4]" in msg
+            and f"peer {OTHER} tag 5 (48 bytes)" in msg
+        )
         errors["ffi_tag"] = msg[-600:]
     tok.block_until_ready()  # the peer's recv stashed our message: the send itself completed
 
@@ -268,8 +283,11 @@ def cuda(comm) -> None:
                     errors[name] = f"got {np.asarray(y)!r:.200} on {y.devices()}"
     # both directions at once (1F1B's send-forward/receive-backward), device to device
     mine = jax.device_put(make((256, 1024), jnp.float32, seed=RANK), dev)
-    y, _ = jax.jit(lambda x: hc.sendrecv(x, (256, 1024), jnp.float32, dest=OTHER, source=OTHER, send_tag=50,
-                                         recv_tag=50, comm=comm))(mine)
+    y, _ = jax.jit(
+        lambda x: hc.sendrecv(
+            x, (256, 1024), jnp.float32, dest=OTHER, source=OTHER, send_tag=50, recv_tag=50, comm=comm
+        )
+    )(mine)
     checks["cuda_sendrecv"] = np.array_equal(np.asarray(y), make((256, 1024), jnp.float32, seed=OTHER))
     # bandwidth of 64 MiB ping-pongs inside one program (informative)
     nel = (64 << 20) // 4

@@ -32,8 +32,10 @@ def test_extension_is_built_and_registers_idempotently():
 @pytest.mark.ffi
 def test_extension_uses_the_libmpi_that_mpi4py_loaded():
     # one libmpi in the process, and the extension carries no RPATH into a build environment
-    code = ("from mpi4py import MPI; import h2jax.comm._mpi_ffi_cpu as m; "
-            "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libmpi.so' in l}))")
+    code = (
+        "from mpi4py import MPI; import h2jax.comm._mpi_ffi_cpu as m; "
+        "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libmpi.so' in l}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert len(eval(out)) == 1, out
     from h2jax.comm import _mpi_ffi_cpu
@@ -90,9 +92,22 @@ def test_cuda_variant_compiles_where_cuda_is_present(tmp_path):
         pytest.skip("no mpicxx")
     lib = next((d for d in ("lib64", "lib") if (cuda_home / d / "libcudart.so").exists()), "lib64")
     out = tmp_path / "libh2jax_cuda_handlers.so"
-    cmd = [mpicxx, "-std=c++17", "-O1", "-fPIC", "-shared", str(REPO / "ffi" / "handlers_cuda.cc"),
-           f"-I{REPO / 'ffi'}", f"-I{jax.ffi.include_dir()}", f"-I{cuda_home / 'include'}",
-           f"-L{cuda_home / lib}", "-lcudart", "-Wl,--no-undefined", "-o", str(out)]
+    cmd = [
+        mpicxx,
+        "-std=c++17",
+        "-O1",
+        "-fPIC",
+        "-shared",
+        str(REPO / "ffi" / "handlers_cuda.cc"),
+        f"-I{REPO / 'ffi'}",
+        f"-I{jax.ffi.include_dir()}",
+        f"-I{cuda_home / 'include'}",
+        f"-L{cuda_home / lib}",
+        "-lcudart",
+        "-Wl,--no-undefined",
+        "-o",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     syms = subprocess.run(["nm", "-D", "--defined-only", str(out)], capture_output=True, text=True).stdout

@@ -37,15 +37,17 @@ def test_hugepage_env_only_when_it_gains_something(env, mode, libc, expected):
         assert new is None
     else:
         assert new["GLIBC_TUNABLES"] == expected
-        assert {k: v for k, v in new.items() if k != "GLIBC_TUNABLES"} == {k: v for k, v in env.items()
-                                                                         if k != "GLIBC_TUNABLES"}
+        assert {k: v for k, v in new.items() if k != "GLIBC_TUNABLES"} == {
+            k: v for k, v in env.items() if k != "GLIBC_TUNABLES"
+        }
 
 
 def _check_config(extra_env):
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "H2JAX_HUGEPAGES")}
     env.update(extra_env)
-    return subprocess.run([sys.executable, "-m", "h2jax.cli", "check-config"], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "h2jax.cli", "check-config"], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.skipif(thp_mode() != "madvise", reason="the kernel's THP mode is not madvise: nothing to re-execute")

@@ -16,16 +16,28 @@ import pytest
 
 from h2jax.launch import find_mpirun
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.ffi,
-              pytest.mark.skipif(find_mpirun() is None, reason="mpirun not installed")]
+pytestmark = [
+    pytest.mark.multiproc,
+    pytest.mark.ffi,
+    pytest.mark.skipif(find_mpirun() is None, reason="mpirun not installed"),
+]
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 
 
 def run_worker(scenario: str, out: Path, timeout_s: float = 150) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    cmd = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, str(WORKER),
-           scenario, str(out)]
+    cmd = [
+        find_mpirun(),
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        sys.executable,
+        str(WORKER),
+        scenario,
+        str(out),
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:

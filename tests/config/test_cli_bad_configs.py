@@ -39,8 +39,9 @@ def _env() -> dict[str, str]:
 
 def h2jax(*args: str, cwd: Path) -> Result:
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "h2jax.cli", *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "h2jax.cli", *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=120
+    )
     return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
 
@@ -48,28 +49,51 @@ def h2jax(*args: str, cwd: Path) -> Result:
 BAD = {
     "unknown_key": (["model.n_layer=4"], ["model.n_layer: unknown key", "n_layers"]),
     "wrong_type": (["train.steps=true"], ["train.steps: got True; expected an integer"]),
-    "too_many_devices": (["plan.stages.1.data=8"],
-                         ["plan.stages: stages on chip sim_b need 8 devices, the cluster has 4", "stage 1: 8x1"]),
-    "layers_gap": (["plan.stages.0.layers=[0,3]"],
-                   ["plan.stages[1].layers: stage 1 starts at layer 4, expected 3", "[0, 3), [4, 6)"]),
-    "layers_overlap": (["plan.stages.1.layers=[3,6]"],
-                       ["plan.stages[1].layers: stage 1 starts at layer 3, expected 4", "[0, 4), [3, 6)"]),
-    "layers_beyond_model": (["plan.stages.1.layers=[4,8]"],
-                            ["plan.stages: stages end at layer 8, the model has num_layers=6"]),
-    "batch_not_divisible": (["plan.global_batch=30"],
-                            ["plan.num_microbatches: num_microbatches=8 does not divide global_batch=30"]),
-    "microbatch_vs_data": (["plan.num_microbatches=16"],
-                           ["plan.stages[1].data: data=4 does not divide microbatch_size=2",
-                            "global_batch=32 / num_microbatches=16"]),
-    "tensor_vs_heads": (["plan.stages.0.tensor=3", "plan.stages.0.data=1"], ["plan.stages[0].tensor: tensor=3 does not divide model.n_heads=4"]),
-    "tensor_vs_d_ff": (["model.d_ff=510", "plan.stages.0.tensor=4", "plan.stages.0.data=1"],
-                       ["plan.stages[0].tensor: tensor=4 does not divide model.d_ff=510"]),
-    "tensor_vs_vocab": (["model.vocab_size=257"], ["plan.stages[0].tensor: tensor=2 does not divide model.vocab_size=257"]),
+    "too_many_devices": (
+        ["plan.stages.1.data=8"],
+        ["plan.stages: stages on chip sim_b need 8 devices, the cluster has 4", "stage 1: 8x1"],
+    ),
+    "layers_gap": (
+        ["plan.stages.0.layers=[0,3]"],
+        ["plan.stages[1].layers: stage 1 starts at layer 4, expected 3", "[0, 3), [4, 6)"],
+    ),
+    "layers_overlap": (
+        ["plan.stages.1.layers=[3,6]"],
+        ["plan.stages[1].layers: stage 1 starts at layer 3, expected 4", "[0, 4), [3, 6)"],
+    ),
+    "layers_beyond_model": (
+        ["plan.stages.1.layers=[4,8]"],
+        ["plan.stages: stages end at layer 8, the model has num_layers=6"],
+    ),
+    "batch_not_divisible": (
+        ["plan.global_batch=30"],
+        ["plan.num_microbatches: num_microbatches=8 does not divide global_batch=30"],
+    ),
+    "microbatch_vs_data": (
+        ["plan.num_microbatches=16"],
+        ["plan.stages[1].data: data=4 does not divide microbatch_size=2", "global_batch=32 / num_microbatches=16"],
+    ),
+    "tensor_vs_heads": (
+        ["plan.stages.0.tensor=3", "plan.stages.0.data=1"],
+        ["plan.stages[0].tensor: tensor=3 does not divide model.n_heads=4"],
+    ),
+    "tensor_vs_d_ff": (
+        ["model.d_ff=510", "plan.stages.0.tensor=4", "plan.stages.0.data=1"],
+        ["plan.stages[0].tensor: tensor=4 does not divide model.d_ff=510"],
+    ),
+    "tensor_vs_vocab": (
+        ["model.vocab_size=257"],
+        ["plan.stages[0].tensor: tensor=2 does not divide model.vocab_size=257"],
+    ),
     "missing_file": (["no_such_config.yaml"], ["config: file 'no_such_config.yaml' not found"]),
-    "unknown_schedule": (["plan.schedule=zero_bubble"],
-                         ["plan.schedule: schedule='zero_bubble' is not one of gpipe, 1f1b"]),
-    "unknown_chip": (["plan.stages.1.chip=sim_z"],
-                     ["plan.stages[1].chip: chip 'sim_z' is not in the cluster; known chips: sim_a, sim_b"]),
+    "unknown_schedule": (
+        ["plan.schedule=zero_bubble"],
+        ["plan.schedule: schedule='zero_bubble' is not one of gpipe, 1f1b"],
+    ),
+    "unknown_chip": (
+        ["plan.stages.1.chip=sim_z"],
+        ["plan.stages[1].chip: chip 'sim_z' is not in the cluster; known chips: sim_a, sim_b"],
+    ),
 }
 
 # `train` exits on the same checks before any device is touched
@@ -81,13 +105,17 @@ BAD_IN_PROCESS = {
     "unknown_key_markup": (["model.[bold]x=1"], ["model.[bold]x: unknown key"]),  # rich must not eat "[bold]"
     "string_for_int": (["model.n_layers=six"], ["model.n_layers: got 'six'; expected an integer"]),
     "list_for_mapping": (["optimizer=[1]"], ["optimizer: got [1]; expected a mapping"]),
-    "stage_spans_nodes": (["cluster.chips.sim_b.nodes=2", "plan.num_microbatches=4", "plan.stages.1.data=8"],
-                          ["plan.stages[1]: stage 1 needs data*tensor = 8*1 = 8 devices of chip sim_b, a node has 4"]),
+    "stage_spans_nodes": (
+        ["cluster.chips.sim_b.nodes=2", "plan.num_microbatches=4", "plan.stages.1.data=8"],
+        ["plan.stages[1]: stage 1 needs data*tensor = 8*1 = 8 devices of chip sim_b, a node has 4"],
+    ),
     "layers_short_of_model": (["model.n_layers=8"], ["plan.stages: stages end at layer 6, the model has num_layers=8"]),
     "model_value": (["model.n_layers=0"], ["model.n_layers: n_layers=0; expected >= 1"]),
     "profile_not_a_string": (["cluster.chips.sim_a.profile=5"], ["cluster.chips.sim_a.profile: got 5"]),
-    "two_config_files": (["@unknown_stage_key.yaml", "other.yaml"],  # used to exit 1
-                         ["other.yaml: got 'other.yaml' after the config file; expected key=value"]),
+    "two_config_files": (
+        ["@unknown_stage_key.yaml", "other.yaml"],  # used to exit 1
+        ["other.yaml: got 'other.yaml' after the config file; expected key=value"],
+    ),
 }
 
 
@@ -98,8 +126,7 @@ def _args(args: list[str], folder: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("cli")
-    stages = [{"chip": "sim_a", "layers": [0, 4], "data": 2, "tensor": 2},
-              {"chip": "sim_b", "layers": [4, 6], "dp": 4}]
+    stages = [{"chip": "sim_a", "layers": [0, 4], "data": 2, "tensor": 2}, {"chip": "sim_b", "layers": [4, 6], "dp": 4}]
     (folder / "unknown_stage_key.yaml").write_text(yaml.safe_dump({"plan": {"stages": stages}}))
     return folder
 
@@ -133,7 +160,10 @@ def test_check_config_default(check_config_results):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "plan: 2 stages, 1f1b, global batch 32 = 8 x 4" in out
-    for row in (["0", "sim_a (emulated)", "2 x 2", "0-3", "16 GiB"], ["1", "sim_b (emulated)", "4 x 1", "4-5", "8 GiB"]):
+    for row in (
+        ["0", "sim_a (emulated)", "2 x 2", "0-3", "16 GiB"],
+        ["1", "sim_b (emulated)", "4 x 1", "4-5", "8 GiB"],
+    ):
         line = next((ln for ln in out.splitlines() if row[1] in ln), "")
         assert all(cell in line for cell in row), (row, out)
     assert "config ok: default, model 6 layers x d_model 128" in out

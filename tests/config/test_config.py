@@ -160,10 +160,16 @@ def test_float_rejects(text, expected):
         ({"optimizer": {"learning_rate": 1.0}}, "optimizer.learning_rate", "'lr'"),
         ({"train": {"log": {"every": 1}}}, "train.log", "'log_every'"),
         ({"plan": {"microbatches": 4}}, "plan.microbatches", "expected one of model, global_batch, num_microbatches"),
-        ({"plan": {"stages": [{"chip": "sim_a", "layers": [0, 6], "dp": 2}]}}, "plan.stages[0].dp",
-         "expected one of chip, layers, data, tensor, recompute"),
-        ({"cluster": {"chips": {"sim_a": {"nodes": 1, "memory": 4}}}}, "cluster.chips.sim_a.memory",
-         "ChipSpec has keys ['devices_per_node', 'emulated'"),
+        (
+            {"plan": {"stages": [{"chip": "sim_a", "layers": [0, 6], "dp": 2}]}},
+            "plan.stages[0].dp",
+            "expected one of chip, layers, data, tensor, recompute",
+        ),
+        (
+            {"cluster": {"chips": {"sim_a": {"nodes": 1, "memory": 4}}}},
+            "cluster.chips.sim_a.memory",
+            "ChipSpec has keys ['devices_per_node', 'emulated'",
+        ),
         ({"cluster": {"nodes": 1}}, "cluster.nodes", "ClusterConfig has keys ['chips']"),
         ({1: 2, "zz": 3}, "1", "ExperimentConfig has keys"),  # non-string YAML keys: no TypeError
     ],
@@ -198,10 +204,16 @@ def test_unknown_key_in_a_chip_profile_file(tmp_path):
         ({"data": {"token_file": 5}}, "data.token_file", "got 5; expected a string or null"),
         ({"plan": {"global_batch": True}}, "plan.global_batch", "expected an int, got bool True"),
         ({"plan": {"stages": {"chip": "sim_a"}}}, "plan.stages", "expected a list of stages"),
-        ({"plan": {"stages": [{"chip": "sim_a", "layers": [0, 6.0]}]}}, "plan.stages[0].layers[1]",
-         "expected an int, got float 6.0"),
-        ({"cluster": {"chips": {"sim_a": {"profile": 5}}}}, "cluster.chips.sim_a.profile",
-         "got 5; expected a chip profile name"),  # was a TypeError from pathlib
+        (
+            {"plan": {"stages": [{"chip": "sim_a", "layers": [0, 6.0]}]}},
+            "plan.stages[0].layers[1]",
+            "expected an int, got float 6.0",
+        ),
+        (
+            {"cluster": {"chips": {"sim_a": {"profile": 5}}}},
+            "cluster.chips.sim_a.profile",
+            "got 5; expected a chip profile name",
+        ),  # was a TypeError from pathlib
     ],
 )
 def test_wrong_types(tmp_path, data, key, expected):
@@ -242,11 +254,18 @@ def test_model_values(overrides, message):
 
 
 def test_cluster_chips_in_a_file_replace_the_defaults(tmp_path):
-    p = _write(tmp_path, {
-        "cluster": {"chips": {"sim_c": {"nodes": 2}}},
-        "plan": {"stages": [{"chip": "sim_c", "data": 4, "layers": [0, 3]},
-                            {"chip": "sim_c", "data": 4, "layers": [3, 6]}]},
-    })
+    p = _write(
+        tmp_path,
+        {
+            "cluster": {"chips": {"sim_c": {"nodes": 2}}},
+            "plan": {
+                "stages": [
+                    {"chip": "sim_c", "data": 4, "layers": [0, 3]},
+                    {"chip": "sim_c", "data": 4, "layers": [3, 6]},
+                ]
+            },
+        },
+    )
     cfg = load_config(p)
     assert set(cfg.cluster.chips) == {"sim_c"}  # sim_a and sim_b did not leak in
     assert cfg.cluster.chips["sim_c"].nodes == 2
@@ -256,11 +275,23 @@ def test_cluster_chips_in_a_file_replace_the_defaults(tmp_path):
 
 
 def test_chip_profile_by_name_and_inline_overrides(tmp_path):
-    p = _write(tmp_path, {"cluster": {"chips": {
-        "sim_a": {"nodes": 1},
-        "big_b": {"profile": "sim_b", "nodes": 2, "memory_gib": 12.0},
-    }}, "plan": {"stages": [{"chip": "sim_a", "data": 4, "layers": [0, 3]},
-                            {"chip": "big_b", "data": 4, "layers": [3, 6]}]}})
+    p = _write(
+        tmp_path,
+        {
+            "cluster": {
+                "chips": {
+                    "sim_a": {"nodes": 1},
+                    "big_b": {"profile": "sim_b", "nodes": 2, "memory_gib": 12.0},
+                }
+            },
+            "plan": {
+                "stages": [
+                    {"chip": "sim_a", "data": 4, "layers": [0, 3]},
+                    {"chip": "big_b", "data": 4, "layers": [3, 6]},
+                ]
+            },
+        },
+    )
     big = load_config(p).cluster.chips["big_b"]
     assert (big.nodes, big.memory_gib, big.peak_tflops, big.mem_bw_gbps) == (2, 12.0, 0.1, 40.0)
     assert big.profile == "sim_b"
@@ -269,8 +300,9 @@ def test_chip_profile_by_name_and_inline_overrides(tmp_path):
 def test_chip_profile_by_path_and_by_config_dir(tmp_path, monkeypatch):
     (tmp_path / "chips").mkdir()
     (tmp_path / "chips" / "sim_q.yaml").write_text("devices_per_node: 2\nmemory_gib: 3.5\n")
-    cfg = load_config(None, [f"cluster.chips.sim_b.profile={tmp_path / 'chips' / 'sim_q.yaml'}",
-                             "plan.stages.1.data=2"])
+    cfg = load_config(
+        None, [f"cluster.chips.sim_b.profile={tmp_path / 'chips' / 'sim_q.yaml'}", "plan.stages.1.data=2"]
+    )
     assert (cfg.cluster.chips["sim_b"].devices_per_node, cfg.cluster.chips["sim_b"].memory_gib) == (2, 3.5)
     monkeypatch.setenv("H2JAX_CONFIG_DIR", str(tmp_path))
     cfg = load_config(None, ["cluster.chips.sim_q.nodes=1", "plan.stages.1.chip=sim_q", "plan.stages.1.data=2"])
@@ -290,8 +322,16 @@ def test_missing_profile():
     "path, overrides",
     [
         (None, []),
-        (None, ["cluster.chips.big={profile: sim_b, nodes: 2}", "plan.stages.1.chip=big", "optimizer.lr=1e-4",
-                "model.norm_eps=1e-6", "data.token_file=tokens.bin"]),
+        (
+            None,
+            [
+                "cluster.chips.big={profile: sim_b, nodes: 2}",
+                "plan.stages.1.chip=big",
+                "optimizer.lr=1e-4",
+                "model.norm_eps=1e-6",
+                "data.token_file=tokens.bin",
+            ],
+        ),
         *[(p, []) for p in CONFIG_FILES],
     ],
     ids=lambda v: v.name if isinstance(v, Path) else None,

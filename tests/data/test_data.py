@@ -147,9 +147,7 @@ def test_token_file_errors(tmp_path: Path) -> None:
 def test_load_dataset_sources(tmp_path: Path) -> None:
     text_path = tmp_path / "c.txt"
     text_path.write_text("hello corpus", encoding="utf-8")
-    ds = load_dataset(
-        corpus=str(text_path), token_file=None, tokenizer="byte", token_dtype="uint16"
-    )
+    ds = load_dataset(corpus=str(text_path), token_file=None, tokenizer="byte", token_dtype="uint16")
     assert ByteTokenizer().decode(ds.tokens) == "hello corpus"
 
     pydoc = load_dataset(corpus="pydoc", token_file=None, tokenizer="byte", token_dtype="uint16")
@@ -165,9 +163,7 @@ def test_load_dataset_sources(tmp_path: Path) -> None:
 
     np.array([1, 300], dtype=np.uint16).tofile(token_path)
     with pytest.raises(ValueError, match="token id 300.*vocab_size is 256"):
-        load_dataset(
-            corpus="pydoc", token_file=str(token_path), tokenizer="byte", token_dtype="uint16"
-        )
+        load_dataset(corpus="pydoc", token_file=str(token_path), tokenizer="byte", token_dtype="uint16")
 
 
 # batching
@@ -204,9 +200,7 @@ def test_microbatch_reaches_every_valid_start() -> None:
     ds = TokenDataset(tokens=np.arange(20, dtype=np.uint16), vocab_size=20)
     seen = set()
     for step in range(200):
-        tokens, targets = get_microbatch(
-            ds, seed=0, step=step, microbatch_idx=0, microbatch_size=8, seq_len=4
-        )
+        tokens, targets = get_microbatch(ds, seed=0, step=step, microbatch_idx=0, microbatch_size=8, seq_len=4)
         seen.update(tokens[:, 0].tolist())
         assert int(targets.max()) <= 19
     assert seen == set(range(16))
@@ -214,9 +208,7 @@ def test_microbatch_reaches_every_valid_start() -> None:
 
 def test_exactly_seq_len_plus_one_tokens_works() -> None:
     ds = TokenDataset(tokens=np.arange(9, dtype=np.uint16), vocab_size=9)
-    tokens, targets = get_microbatch(
-        ds, seed=0, step=0, microbatch_idx=0, microbatch_size=2, seq_len=8
-    )
+    tokens, targets = get_microbatch(ds, seed=0, step=0, microbatch_idx=0, microbatch_size=2, seq_len=8)
     np.testing.assert_array_equal(tokens, np.tile(np.arange(8), (2, 1)))
     np.testing.assert_array_equal(targets, np.tile(np.arange(1, 9), (2, 1)))
 
@@ -228,9 +220,7 @@ def test_dataset_too_short_error() -> None:
 
 
 def test_global_batch_is_stacked_microbatches(small_dataset: TokenDataset) -> None:
-    tokens, targets = get_global_batch(
-        small_dataset, seed=7, step=5, num_microbatches=3, microbatch_size=2, seq_len=8
-    )
+    tokens, targets = get_global_batch(small_dataset, seed=7, step=5, num_microbatches=3, microbatch_size=2, seq_len=8)
     assert tokens.shape == targets.shape == (3, 2, 8)
     for i in range(3):
         mb_tokens, mb_targets = get_microbatch(
@@ -239,9 +229,7 @@ def test_global_batch_is_stacked_microbatches(small_dataset: TokenDataset) -> No
         np.testing.assert_array_equal(tokens[i], mb_tokens)
         np.testing.assert_array_equal(targets[i], mb_targets)
     # A plan with more microbatches keeps the first ones (the stream survives replanning).
-    more, _ = get_global_batch(
-        small_dataset, seed=7, step=5, num_microbatches=5, microbatch_size=2, seq_len=8
-    )
+    more, _ = get_global_batch(small_dataset, seed=7, step=5, num_microbatches=5, microbatch_size=2, seq_len=8)
     np.testing.assert_array_equal(more[:3], tokens)
 
 

@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(args, cwd):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    return subprocess.run([sys.executable, "-m", "h2jax.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "h2jax.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_train_tiny_through_the_cli(tmp_path):
@@ -32,8 +33,17 @@ def test_train_tiny_through_the_cli(tmp_path):
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
-        for key in ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tgs", "tgs/sim_a",
-                    "tgs/sim_b", "bubble_fraction"):
+        for key in (
+            "loss",
+            "grad_norm",
+            "lr",
+            "step_time_s",
+            "tokens_per_s",
+            "tgs",
+            "tgs/sim_a",
+            "tgs/sim_b",
+            "bubble_fraction",
+        ):
             assert key in r and math.isfinite(r[key]), key
         assert 0.0 <= r["bubble_fraction"] < 1.0
     # the trace of the run: every fwd/bwd with its args, in an order the schedule allows
@@ -43,8 +53,11 @@ def test_train_tiny_through_the_cli(tmp_path):
     assert all({"step", "stage", "microbatch", "kind"} <= set(e["args"]) for e in complete)
     events = load_trace(run / "trace.json")
     for step in range(4):
-        compute = [(e.stage, "F" if e.kind == "fwd" else "B", e.microbatch, e.start_us, e.end_us)
-                   for e in events if e.step == step and e.kind in ("fwd", "bwd")]
+        compute = [
+            (e.stage, "F" if e.kind == "fwd" else "B", e.microbatch, e.start_us, e.end_us)
+            for e in events
+            if e.step == step and e.kind in ("fwd", "bwd")
+        ]
         assert check_execution(compute, num_stages=2, num_microbatches=4, max_in_flight=[2, 1], eps=1e-3) == []
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and math.isfinite(summary["last_loss"])
@@ -55,8 +68,9 @@ def test_default_job_loss_falls(tmp_path):
     from h2jax.config import load_config
     from h2jax.runtime import Trainer
 
-    cfg = load_config(None, ["train.steps=40", "train.progress=false", "train.tensorboard=false",
-                             "train.timeline=false"])
+    cfg = load_config(
+        None, ["train.steps=40", "train.progress=false", "train.tensorboard=false", "train.timeline=false"]
+    )
     history = Trainer(cfg, run_dir=tmp_path).run()
     first, last = history[0].loss, min(h.loss for h in history[-5:])
     assert first > 5.0 and last < first - 1.5, (first, last)

@@ -43,9 +43,19 @@ class MyModel(nnx.Module):
 
 
 def test_readme_user_model_trains(tmp_path):
-    cfg = h2jax.load_config(None, ["model.n_layers=4", "model.d_model=64", "model.seq_len=32",
-                                   "train.steps=20", "train.progress=false", "train.tensorboard=false",
-                                   "plan.stages.0.layers=[0,3]", "plan.stages.1.layers=[3,4]"])
+    cfg = h2jax.load_config(
+        None,
+        [
+            "model.n_layers=4",
+            "model.d_model=64",
+            "model.seq_len=32",
+            "train.steps=20",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "plan.stages.0.layers=[0,3]",
+            "plan.stages.1.layers=[3,4]",
+        ],
+    )
     h2jax.setup_backends(cfg.cluster)
     history = h2jax.train(cfg, model=MyModel(nnx.Rngs(0)), run_dir=tmp_path)
     assert len(history) == 20

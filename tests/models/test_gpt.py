@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from h2jax.models import (
     GPT,
@@ -72,9 +73,7 @@ def test_shapes_and_dtypes():
 
 
 def test_bfloat16_compute_keeps_float32_params_and_loss():
-    cfg = GPTConfig(
-        vocab_size=64, seq_len=8, d_model=32, n_heads=2, n_layers=1, d_ff=64, dtype="bfloat16"
-    )
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=2, n_layers=1, d_ff=64, dtype="bfloat16")
     model = build_model(cfg, seed=0)
     tokens, targets = _batch(cfg)
     assert model.embed(tokens).dtype == jnp.bfloat16
@@ -209,9 +208,7 @@ def test_tensor_parallel_equals_single_device():
     flat_tp = jax.tree.leaves(grads_tp)
     assert len(flat_ref) == len(flat_tp)
     for (path, g_ref), g_tp in zip(flat_ref, flat_tp, strict=True):
-        np.testing.assert_allclose(
-            np.asarray(g_tp), np.asarray(g_ref), rtol=0, atol=1e-5, err_msg=str(path)
-        )
+        np.testing.assert_allclose(np.asarray(g_tp), np.asarray(g_ref), rtol=0, atol=1e-5, err_msg=str(path))
     assert grads_tp["blocks"][0]["attn"]["wq"][...].sharding.spec == wq.sharding.spec
 
 

@@ -31,8 +31,7 @@ from h2jax.plan._cost import fluid_makespan, transfer_s
 from h2jax.plan._profiles import PROGRAM, TRANSFER, chip_from_dict
 
 MODEL = ModelShape(n_layers=4, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=16, act_bytes=4)
-SPEC = dict(memory_gib=1.0, peak_tflops=0.1, mem_bw_gbps=40, intra_node_gbps=10, inter_node_gbps=5,
-            devices_per_node=4)
+SPEC = dict(memory_gib=1.0, peak_tflops=0.1, mem_bw_gbps=40, intra_node_gbps=10, inter_node_gbps=5, devices_per_node=4)
 
 
 def _chips(**kw) -> dict[str, ChipProfile]:
@@ -40,15 +39,29 @@ def _chips(**kw) -> dict[str, ChipProfile]:
 
 
 def _cost(fwd, bwd, cores, update=0.0):
-    return LayerCost(fwd_s=fwd, bwd_s=bwd, param_bytes=1e3, act_bytes=1e3, input_bytes=1e3, temp_bytes=1e3,
-                     estimated=False, fwd_cores=cores, bwd_cores=cores, update_s=update)
+    return LayerCost(
+        fwd_s=fwd,
+        bwd_s=bwd,
+        param_bytes=1e3,
+        act_bytes=1e3,
+        input_bytes=1e3,
+        temp_bytes=1e3,
+        estimated=False,
+        fwd_cores=cores,
+        bwd_cores=cores,
+        update_s=update,
+    )
 
 
 def _table(*, host_cores=None) -> ProfileTable:
     """Measured-looking rows for chips a and b at (tensor 1, microbatch 1 and 2 per device)."""
     t = ProfileTable()
-    parts = {"embed": _cost(0.0, 0.0, 1.0, 0.01), "block": _cost(1.0, 2.0, 1.5, 0.1),
-             "head": _cost(0.0, 0.0, 1.0, 0.01), PROGRAM: _cost(0.1, 0.1, 1.0, 0.08)}
+    parts = {
+        "embed": _cost(0.0, 0.0, 1.0, 0.01),
+        "block": _cost(1.0, 2.0, 1.5, 0.1),
+        "head": _cost(0.0, 0.0, 1.0, 0.01),
+        PROGRAM: _cost(0.1, 0.1, 1.0, 0.08),
+    }
     for chip in ("a", "b"):
         for mb in (1, 2):
             t.add(chip, MODEL.key(), 1, mb, parts, host_cores=host_cores)
@@ -56,8 +69,12 @@ def _table(*, host_cores=None) -> ProfileTable:
 
 
 def _plan(m=4, data=1):
-    return Plan(stages=(StageSpec("a", (0, 2), data, 1), StageSpec("b", (2, 4), data, 1)),
-                global_batch=2 * m * data, num_microbatches=m, schedule="1f1b")
+    return Plan(
+        stages=(StageSpec("a", (0, 2), data, 1), StageSpec("b", (2, 4), data, 1)),
+        global_batch=2 * m * data,
+        num_microbatches=m,
+        schedule="1f1b",
+    )
 
 
 def test_chip_profiles_name_their_host():
@@ -126,8 +143,12 @@ def test_stages_sharing_a_host_lengthen_the_steady_state_period():
 
 def test_a_light_stage_beside_a_heavy_one_slows_it_by_the_cores_it_takes():
     chips = _chips(host="h", host_cores=2)
-    plan = Plan(stages=(StageSpec("a", (0, 3), 1, 1), StageSpec("b", (3, 4), 1, 1)), global_batch=8,
-                num_microbatches=4, schedule="1f1b")
+    plan = Plan(
+        stages=(StageSpec("a", (0, 3), 1, 1), StageSpec("b", (3, 4), 1, 1)),
+        global_batch=8,
+        num_microbatches=4,
+        schedule="1f1b",
+    )
     c = estimate(plan, MODEL, chips, table=_table())
     heavy, light = c.stages
     # heavy: 3 blocks, t = 0.1 + 3 + 0.1 + 6 = 9.2 s, 3 x 4.5 + 0.2 = 13.7 core-seconds;
@@ -156,25 +177,70 @@ def test_data_parallel_devices_share_the_host_too():
     # data=2: two devices each run the 1-device program (1.5 cores) at once on a 2-core host:
     # alone the stage is stretched by 2 x 1.5 / 2 = 1.5 and keeps both cores busy
     chips = _chips(host="h", host_cores=2)
-    s = stage_cost(MODEL, chips["a"], layers=2, first=False, last=False, data=2, tensor=1, microbatch=2,
-                   recompute=False, in_flight=1, table=_table())
+    s = stage_cost(
+        MODEL,
+        chips["a"],
+        layers=2,
+        first=False,
+        last=False,
+        data=2,
+        tensor=1,
+        microbatch=2,
+        recompute=False,
+        in_flight=1,
+        table=_table(),
+    )
     # per device, forward: 2 blocks of 1.0 s at 1.5 cores + one 0.1 s call at 1 core =
     # 3.1 core-seconds in 2.1 s alone -> 1.476 cores
     fwd_c = 3.1 / 2.1
     assert math.isclose(s.fwd_s, 2.1 * 2 * fwd_c / 2)
     assert math.isclose(s.fwd_cores, 2.0) and math.isclose(s.fwd_s * s.fwd_cores, 2 * 3.1)
-    one = stage_cost(MODEL, chips["a"], layers=2, first=False, last=False, data=2, tensor=1, microbatch=2,
-                     recompute=False, in_flight=1, table=_table(), opts=CostOptions(host_contention=False))
+    one = stage_cost(
+        MODEL,
+        chips["a"],
+        layers=2,
+        first=False,
+        last=False,
+        data=2,
+        tensor=1,
+        microbatch=2,
+        recompute=False,
+        in_flight=1,
+        table=_table(),
+        opts=CostOptions(host_contention=False),
+    )
     assert math.isclose(one.fwd_s, 2.1)
 
 
 def test_a_fused_stage_program_pays_the_call_once():
     chips = _chips()
-    s = stage_cost(MODEL, chips["a"], layers=4, first=True, last=True, data=1, tensor=1, microbatch=2,
-                   recompute=False, in_flight=1, table=_table())
+    s = stage_cost(
+        MODEL,
+        chips["a"],
+        layers=4,
+        first=True,
+        last=True,
+        data=1,
+        tensor=1,
+        microbatch=2,
+        recompute=False,
+        in_flight=1,
+        table=_table(),
+    )
     assert math.isclose(s.fwd_s, 0.1 + 4 * 1.0) and math.isclose(s.bwd_s, 0.1 + 4 * 2.0)
-    r = stage_cost(MODEL, chips["a"], layers=4, first=True, last=True, data=1, tensor=1, microbatch=2,
-                   recompute=True, in_flight=1, table=_table())
+    r = stage_cost(
+        MODEL,
+        chips["a"],
+        layers=4,
+        first=True,
+        last=True,
+        data=1,
+        tensor=1,
+        microbatch=2,
+        recompute=True,
+        in_flight=1,
+        table=_table(),
+    )
     assert math.isclose(r.bwd_s, 0.1 + 4 * 2.0 + 4 * 1.0)  # the recomputed forward runs inside the backward call
 
 
@@ -220,20 +286,41 @@ def test_simulated_sharing_hand_computed():
     # s0 B1 [6, 7].
     kw = dict(schedule="1f1b", num_microbatches=2, fwd=[1.0, 1.0], bwd=[1.0, 1.0])
     sim = simulate(**kw, hosts=["h", "h"], host_cores={"h": 2}, fwd_cores=[1.5, 1.5], bwd_cores=[1.5, 1.5])
-    got = sorted((e.stage, e.kind, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in sim.events
-                 if e.kind in ("fwd", "bwd"))
-    assert got == [(0, "bwd", 0, 3.5, 5.0), (0, "bwd", 1, 6.0, 7.0), (0, "fwd", 0, 0.0, 1.0), (0, "fwd", 1, 1.0, 2.5),
-                   (1, "bwd", 0, 2.5, 3.5), (1, "bwd", 1, 5.0, 6.0), (1, "fwd", 0, 1.0, 2.5), (1, "fwd", 1, 3.5, 5.0)]
+    got = sorted(
+        (e.stage, e.kind, e.microbatch, round(e.start, 9), round(e.end, 9))
+        for e in sim.events
+        if e.kind in ("fwd", "bwd")
+    )
+    assert got == [
+        (0, "bwd", 0, 3.5, 5.0),
+        (0, "bwd", 1, 6.0, 7.0),
+        (0, "fwd", 0, 0.0, 1.0),
+        (0, "fwd", 1, 1.0, 2.5),
+        (1, "bwd", 0, 2.5, 3.5),
+        (1, "bwd", 1, 5.0, 6.0),
+        (1, "fwd", 0, 1.0, 2.5),
+        (1, "fwd", 1, 3.5, 5.0),
+    ]
     assert math.isclose(sim.iteration_s, 7.0)
     # sharing is per busy thread (as the OS schedules): a 2-core and a 1-core program together
     # on 2 cores both run at 2/3 speed -- not 1/2 and 1 (max-min fairness) -- so the same times
     uneven = simulate(**kw, hosts=["h", "h"], host_cores={"h": 2}, fwd_cores=[2.0, 1.0], bwd_cores=[2.0, 1.0])
-    assert sorted((e.stage, e.kind, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in uneven.events
-                  if e.kind in ("fwd", "bwd")) == got
+    assert (
+        sorted(
+            (e.stage, e.kind, e.microbatch, round(e.start, 9), round(e.end, 9))
+            for e in uneven.events
+            if e.kind in ("fwd", "bwd")
+        )
+        == got
+    )
     assert math.isclose(simulate(**kw).iteration_s, 6.0)  # independent hosts
     # separate hosts named: no sharing either
-    assert math.isclose(simulate(**kw, hosts=["h", "g"], host_cores={"h": 2, "g": 2},
-                                 fwd_cores=[1.5, 1.5], bwd_cores=[1.5, 1.5]).iteration_s, 6.0)
+    assert math.isclose(
+        simulate(
+            **kw, hosts=["h", "g"], host_cores={"h": 2, "g": 2}, fwd_cores=[1.5, 1.5], bwd_cores=[1.5, 1.5]
+        ).iteration_s,
+        6.0,
+    )
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -246,8 +333,9 @@ def test_one_core_host_runs_the_work_back_to_back(schedule):
         fwd = [[rng.uniform(0.1, 1.0) for _ in range(m)] for _ in range(n)]
         bwd = [[rng.uniform(0.1, 2.0) for _ in range(m)] for _ in range(n)]
         tail = [rng.uniform(0.0, 0.5) for _ in range(n)]
-        sim = simulate(schedule=schedule, num_microbatches=m, fwd=fwd, bwd=bwd, tail=tail, hosts=["h"] * n,
-                       host_cores={"h": 1})
+        sim = simulate(
+            schedule=schedule, num_microbatches=m, fwd=fwd, bwd=bwd, tail=tail, hosts=["h"] * n, host_cores={"h": 1}
+        )
         assert math.isclose(sim.iteration_s, sum(map(sum, fwd)) + sum(map(sum, bwd)) + sum(tail), rel_tol=1e-9)
 
 
@@ -256,10 +344,15 @@ def test_ample_cores_replay_like_independent_chips():
     for _ in range(30):
         n, m = rng.randint(2, 5), rng.randint(1, 8)
         sched = rng.choice(["1f1b", "gpipe"])
-        kw = dict(schedule=sched, num_microbatches=m, fwd=[[rng.uniform(0.1, 2) for _ in range(m)] for _ in range(n)],
-                  bwd=[[rng.uniform(0.1, 3) for _ in range(m)] for _ in range(n)],
-                  transfer_fwd=[rng.uniform(0, 1) for _ in range(n - 1)],
-                  transfer_bwd=[rng.uniform(0, 1) for _ in range(n - 1)], tail=[rng.uniform(0, 1) for _ in range(n)])
+        kw = dict(
+            schedule=sched,
+            num_microbatches=m,
+            fwd=[[rng.uniform(0.1, 2) for _ in range(m)] for _ in range(n)],
+            bwd=[[rng.uniform(0.1, 3) for _ in range(m)] for _ in range(n)],
+            transfer_fwd=[rng.uniform(0, 1) for _ in range(n - 1)],
+            transfer_bwd=[rng.uniform(0, 1) for _ in range(n - 1)],
+            tail=[rng.uniform(0, 1) for _ in range(n)],
+        )
         plain = simulate(**kw)
         shared = simulate(**kw, hosts=["h"] * n, host_cores={"h": 100}, fwd_cores=[2.0] * n, bwd_cores=[2.0] * n)
         key = lambda e: (e.kind, e.stage, -1 if e.microbatch is None else e.microbatch)  # noqa: E731
@@ -306,8 +399,17 @@ def test_boundary_copies_through_the_host_take_its_cores_too():
     # share the 2 cores; every job wants more than its equal share, so none idles: (2 x 9.2 +
     # 2 x 0.3) / 2; and the step's core-seconds grow by 4 microbatches x 0.6
     table = _table()
-    moved = LayerCost(fwd_s=0.3, bwd_s=0.3, param_bytes=0, act_bytes=0, input_bytes=0, temp_bytes=0,
-                      estimated=False, fwd_cores=1.0, bwd_cores=1.0)
+    moved = LayerCost(
+        fwd_s=0.3,
+        bwd_s=0.3,
+        param_bytes=0,
+        act_bytes=0,
+        input_bytes=0,
+        temp_bytes=0,
+        estimated=False,
+        fwd_cores=1.0,
+        bwd_cores=1.0,
+    )
     for chip in ("a", "b"):
         for mb in (1, 2):
             table.entries[(chip, MODEL.key(), 1, mb)][TRANSFER] = moved
@@ -316,8 +418,15 @@ def test_boundary_copies_through_the_host_take_its_cores_too():
     assert math.isclose(c.pipeline_bound_s, 3 * c.period_s + 2 * 6.2 + 2 * 0.3 + 0.29)
     assert math.isclose(c.host_work_s["h"], 2 * (4 * 9.2 + 0.29) + 4 * 0.6)
     # the same copies with no measured cores (tables from before they were measured): not charged
-    table.entries = {k: {**v, TRANSFER: LayerCost(fwd_s=0.3, bwd_s=0.3, param_bytes=0, act_bytes=0, input_bytes=0,
-                                                  temp_bytes=0, estimated=False)} for k, v in table.entries.items()}
+    table.entries = {
+        k: {
+            **v,
+            TRANSFER: LayerCost(
+                fwd_s=0.3, bwd_s=0.3, param_bytes=0, act_bytes=0, input_bytes=0, temp_bytes=0, estimated=False
+            ),
+        }
+        for k, v in table.entries.items()
+    }
     old = estimate(_plan(), MODEL, _chips(host="h", host_cores=2), table=table)
     assert math.isclose(old.period_s, 9.2) and math.isclose(old.host_work_s["h"], 2 * (4 * 9.2 + 0.29))
 
@@ -337,15 +446,27 @@ def test_search_ranks_plans_by_the_host_bound_too():
     assert len(got.plan.stages) == 2 and math.isclose(got.iteration_s, want, rel_tol=1e-12)
     assert got.cost.bound_by == "host h"
     # the 4-stage plan: shorter by the pipeline formula, longer in fact
-    four = Plan(stages=tuple(StageSpec(c, (i, i + 1), 1, 1) for i, c in enumerate("aabb")), global_batch=4,
-                num_microbatches=4, schedule="1f1b")
+    four = Plan(
+        stages=tuple(StageSpec(c, (i, i + 1), 1, 1) for i, c in enumerate("aabb")),
+        global_batch=4,
+        num_microbatches=4,
+        schedule="1f1b",
+    )
     c4 = estimate(four, MODEL, cluster, table=_table())
     flat = CostOptions(host_contention=False)
-    assert (estimate(four, MODEL, cluster, table=_table(), opts=flat).iteration_s
-            < estimate(got.plan, MODEL, cluster, table=_table(), opts=flat).iteration_s)
+    assert (
+        estimate(four, MODEL, cluster, table=_table(), opts=flat).iteration_s
+        < estimate(got.plan, MODEL, cluster, table=_table(), opts=flat).iteration_s
+    )
     assert c4.fits and c4.iteration_s > got.iteration_s
     # without the host term the search goes for the deeper pipeline
-    blind = search(cluster, MODEL, global_batch=4, table=_table(),
-                   opts=SearchOptions(microbatch_sizes=(1,), max_stages_per_chip=2, allow_recompute=False,
-                                      cost=CostOptions(host_contention=False)))
+    blind = search(
+        cluster,
+        MODEL,
+        global_batch=4,
+        table=_table(),
+        opts=SearchOptions(
+            microbatch_sizes=(1,), max_stages_per_chip=2, allow_recompute=False, cost=CostOptions(host_contention=False)
+        ),
+    )
     assert len(blind.plan.stages) > 2

@@ -168,7 +168,12 @@ B = StageSpec("sim_b", (2, 4))
             "plan.stages[1].layers",
             ["[2, 2) hold no layer", "at least one"],
         ),
-        (_plan([A, StageSpec("sim_b", (2, 3))]), {}, "plan.stages", ["end at layer 3", "num_layers=4", "[0, 2), [2, 3)"]),
+        (
+            _plan([A, StageSpec("sim_b", (2, 3))]),
+            {},
+            "plan.stages",
+            ["end at layer 3", "num_layers=4", "[0, 2), [2, 3)"],
+        ),
         (_plan([A, StageSpec("sim_b", (2, 6))]), {}, "plan.stages", ["end at layer 6", "num_layers=4"]),
         (_plan([A, B], global_batch=0), {}, "plan.global_batch", ["global_batch=0"]),
         (_plan([A, B], num_microbatches=0), {}, "plan.num_microbatches", ["num_microbatches=0"]),

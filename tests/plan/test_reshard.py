@@ -44,7 +44,7 @@ def test_every_element_crosses_exactly_once(src, dst):
         for t in pattern:
             if t.dst[0] == j:
                 got[tuple(slice(a, b) for a, b in t.index)] += 1
-        assert (got[j * rows:(j + 1) * rows] == 1).all() and got.sum() == rows * shape[1] * shape[2]
+        assert (got[j * rows : (j + 1) * rows] == 1).all() and got.sum() == rows * shape[1] * shape[2]
 
 
 @pytest.mark.parametrize("src,dst", list(itertools.product(MESHES, MESHES)))

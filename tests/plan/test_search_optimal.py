@@ -34,15 +34,22 @@ def _instance(seed: int):
         per_node = rng.choice([2, 4])
         nodes = rng.choice([1, 1, 2])
         total += per_node * nodes
-        chips.append((ChipProfile(
-            name=f"c{i}",
-            memory_gib=rng.choice([0.004, 0.008, 0.015, 0.03, 0.2]),  # tight enough to force recompute/rejections
-            peak_tflops=rng.choice([0.02, 0.05, 0.1, 0.3]),
-            mem_bw_gbps=rng.choice([10.0, 20.0, 40.0]),
-            intra_node_gbps=rng.choice([5.0, 10.0, 50.0]),
-            inter_node_gbps=rng.choice([1.0, 5.0]),
-            devices_per_node=per_node,
-        ), nodes))
+        chips.append(
+            (
+                ChipProfile(
+                    name=f"c{i}",
+                    memory_gib=rng.choice(
+                        [0.004, 0.008, 0.015, 0.03, 0.2]
+                    ),  # tight enough to force recompute/rejections
+                    peak_tflops=rng.choice([0.02, 0.05, 0.1, 0.3]),
+                    mem_bw_gbps=rng.choice([10.0, 20.0, 40.0]),
+                    intra_node_gbps=rng.choice([5.0, 10.0, 50.0]),
+                    inter_node_gbps=rng.choice([1.0, 5.0]),
+                    devices_per_node=per_node,
+                ),
+                nodes,
+            )
+        )
     assert total <= 32
     max_layers = {2: 8, 3: 5}[n_types]
     if n_types == 2 and rng.random() < 0.25:
@@ -50,11 +57,22 @@ def _instance(seed: int):
         max_per_chip = 1
     else:
         max_per_chip = 2
-    model = ModelShape(n_layers=rng.randint(n_types, max_layers), d_model=64, n_heads=4, d_ff=128,
-                       vocab_size=256, seq_len=rng.choice([32, 64]), act_bytes=rng.choice([2, 4]))
-    opts = SearchOptions(schedule=rng.choice(["1f1b", "1f1b", "gpipe"]), max_stages_per_chip=max_per_chip,
-                         stage_in_node=rng.random() < 0.5, max_microbatch=4,
-                         cost=CostOptions(grad_sync=rng.choice(["step", "microbatch"])))
+    model = ModelShape(
+        n_layers=rng.randint(n_types, max_layers),
+        d_model=64,
+        n_heads=4,
+        d_ff=128,
+        vocab_size=256,
+        seq_len=rng.choice([32, 64]),
+        act_bytes=rng.choice([2, 4]),
+    )
+    opts = SearchOptions(
+        schedule=rng.choice(["1f1b", "1f1b", "gpipe"]),
+        max_stages_per_chip=max_per_chip,
+        stage_in_node=rng.random() < 0.5,
+        max_microbatch=4,
+        cost=CostOptions(grad_sync=rng.choice(["step", "microbatch"])),
+    )
     return Cluster(tuple(chips), name=f"random{seed}"), model, rng.choice([4, 8]), opts
 
 
@@ -74,9 +92,12 @@ def test_search_equals_exhaustive(seed):
     assert math.isclose(again.iteration_s, got.iteration_s, rel_tol=1e-12)
     assert math.isclose(got.iteration_s, want, rel_tol=1e-9), (got.plan, got.iteration_s, want_plan, want)
     assert got.lower_bound_s <= got.iteration_s * (1 + 1e-12)
-    check_plan(got.plan, num_layers=model.n_layers,
-               chip_devices={p.name: n * p.devices_per_node for p, n in cluster.chips},
-               devices_per_node={p.name: p.devices_per_node for p, _ in cluster.chips} if opts.stage_in_node else None)
+    check_plan(
+        got.plan,
+        num_layers=model.n_layers,
+        chip_devices={p.name: n * p.devices_per_node for p, n in cluster.chips},
+        devices_per_node={p.name: p.devices_per_node for p, _ in cluster.chips} if opts.stage_in_node else None,
+    )
 
 
 N_SHARED = 20
@@ -92,8 +113,9 @@ def test_search_equals_exhaustive_on_a_shared_host(seed):
 
     cluster, model, global_batch, opts = _instance(seed)
     cores = random.Random(1000 + seed).choice([1, 2, 4])
-    cluster = Cluster(tuple((dataclasses.replace(p, host="h", host_cores=cores), k) for p, k in cluster.chips),
-                      name=cluster.name)
+    cluster = Cluster(
+        tuple((dataclasses.replace(p, host="h", host_cores=cores), k) for p, k in cluster.chips), name=cluster.name
+    )
     want_plan, want, _ = exhaustive(cluster, model, global_batch=global_batch, opts=opts)
     got = search(cluster, model, global_batch=global_batch, opts=opts)
     assert (got.plan is None) == (want_plan is None)

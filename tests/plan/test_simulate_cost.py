@@ -30,8 +30,11 @@ def test_unit_durations_replay_the_schedule_grid(schedule, n, m):
     grid = sched.tasks()
     for s in range(n):
         assert sim.stage_order(s) == [(t.kind, t.microbatch) for t in stage_tasks(grid, s)]
-    events = [(e.stage, "F" if e.kind == "fwd" else "B", e.microbatch, e.start, e.end) for e in sim.events
-              if e.kind in ("fwd", "bwd")]
+    events = [
+        (e.stage, "F" if e.kind == "fwd" else "B", e.microbatch, e.start, e.end)
+        for e in sim.events
+        if e.kind in ("fwd", "bwd")
+    ]
     assert check_execution(events, num_stages=n, num_microbatches=m, max_in_flight=sched.max_in_flight()) == []
     # equal stages, no transfers: the analytic (m - 1) * max + sum is exact
     assert math.isclose(sim.iteration_s, (m - 1) * 2.0 + n * 2.0)
@@ -39,8 +42,15 @@ def test_unit_durations_replay_the_schedule_grid(schedule, n, m):
 
 def test_transfers_and_tails_delay_the_step():
     base = simulate(schedule="1f1b", num_microbatches=4, fwd=[1.0, 1.0], bwd=[2.0, 2.0])
-    slow = simulate(schedule="1f1b", num_microbatches=4, fwd=[1.0, 1.0], bwd=[2.0, 2.0],
-                    transfer_fwd=[0.5], transfer_bwd=[0.5], tail=[0.0, 3.0])
+    slow = simulate(
+        schedule="1f1b",
+        num_microbatches=4,
+        fwd=[1.0, 1.0],
+        bwd=[2.0, 2.0],
+        transfer_fwd=[0.5],
+        transfer_bwd=[0.5],
+        tail=[0.0, 3.0],
+    )
     assert slow.iteration_s > base.iteration_s
     assert {e.kind for e in slow.events} >= {"send", "recv", "update"}
     trace = slow.to_chrome_trace()
@@ -48,17 +58,35 @@ def test_transfers_and_tails_delay_the_step():
 
 
 CHIPS = {
-    "big": ChipProfile("big", memory_gib=0.02, peak_tflops=0.05, mem_bw_gbps=20, intra_node_gbps=10,
-                       inter_node_gbps=5, devices_per_node=4),
-    "fast": ChipProfile("fast", memory_gib=0.01, peak_tflops=0.2, mem_bw_gbps=40, intra_node_gbps=10,
-                        inter_node_gbps=5, devices_per_node=4),
+    "big": ChipProfile(
+        "big",
+        memory_gib=0.02,
+        peak_tflops=0.05,
+        mem_bw_gbps=20,
+        intra_node_gbps=10,
+        inter_node_gbps=5,
+        devices_per_node=4,
+    ),
+    "fast": ChipProfile(
+        "fast",
+        memory_gib=0.01,
+        peak_tflops=0.2,
+        mem_bw_gbps=40,
+        intra_node_gbps=10,
+        inter_node_gbps=5,
+        devices_per_node=4,
+    ),
 }
 MODEL = ModelShape(n_layers=6, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=64, act_bytes=4)
 
 
 def _plan(rc0=False, layers=(3, 3), schedule="1f1b"):
-    return Plan(stages=(StageSpec("big", (0, layers[0]), 1, 1, rc0), StageSpec("fast", (layers[0], 6), 1, 1)),
-                global_batch=8, num_microbatches=4, schedule=schedule)
+    return Plan(
+        stages=(StageSpec("big", (0, layers[0]), 1, 1, rc0), StageSpec("fast", (layers[0], 6), 1, 1)),
+        global_batch=8,
+        num_microbatches=4,
+        schedule=schedule,
+    )
 
 
 def test_cost_model_toy_numbers():
@@ -81,8 +109,18 @@ def test_cost_model_toy_numbers():
 
 
 def test_plan_that_does_not_fit_is_rejected_with_numbers():
-    tiny = {**CHIPS, "fast": ChipProfile("fast", memory_gib=0.0005, peak_tflops=0.2, mem_bw_gbps=40,
-                                         intra_node_gbps=10, inter_node_gbps=5, devices_per_node=4)}
+    tiny = {
+        **CHIPS,
+        "fast": ChipProfile(
+            "fast",
+            memory_gib=0.0005,
+            peak_tflops=0.2,
+            mem_bw_gbps=40,
+            intra_node_gbps=10,
+            inter_node_gbps=5,
+            devices_per_node=4,
+        ),
+    }
     c = estimate(_plan(), MODEL, tiny)
     assert not c.fits and "stage 1" in c.reasons[0] and "GiB" in c.reasons[0]
 
@@ -97,8 +135,14 @@ def test_cli_plan_writes_a_trainable_experiment(tmp_path):
     assert "HeteroSpeedupRatio at the same global batch (32 hetero, 32 homogeneous)" in r.stdout.replace("\n", " ")
     ok = _cli("check-config", str(tmp_path / "experiment.yaml"))
     assert ok.returncode == 0, ok.stderr
-    sim = _cli("simulate", str(tmp_path / "plan.yaml"), "--cluster", "configs/clusters/sim_mix.yaml",
-               "--out", str(tmp_path / "sim"))
+    sim = _cli(
+        "simulate",
+        str(tmp_path / "plan.yaml"),
+        "--cluster",
+        "configs/clusters/sim_mix.yaml",
+        "--out",
+        str(tmp_path / "sim"),
+    )
     assert sim.returncode == 0, sim.stderr
     assert (tmp_path / "sim" / "trace.json").is_file() and (tmp_path / "sim" / "gantt.png").is_file()
 

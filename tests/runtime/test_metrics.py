@@ -108,8 +108,7 @@ def test_read_metrics_drops_cut_short_last_line_only(tmp_path) -> None:
 def test_concurrent_logging(tmp_path) -> None:
     with MetricsLogger(tmp_path, total_steps=400, progress=False, tensorboard=False) as logger:
         threads = [
-            threading.Thread(target=lambda k=k: [logger.log(k * 100 + i, {"loss": float(i)})
-                                                  for i in range(100)])
+            threading.Thread(target=lambda k=k: [logger.log(k * 100 + i, {"loss": float(i)}) for i in range(100)])
             for k in range(4)
         ]
         for t in threads:

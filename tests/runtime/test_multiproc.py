@@ -13,32 +13,50 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from h2jax.launch import find_mpirun
-
 from h2jax.config import load_config
+from h2jax.launch import find_mpirun
 from h2jax.runtime import Trainer
 
 pytestmark = pytest.mark.multiproc
 
 MPIRUN = find_mpirun()
-BASE = ["model.vocab_size=256", "model.seq_len=16", "model.d_model=32", "model.n_heads=4",
-        "model.d_ff=64", "model.n_layers=4", "plan.global_batch=16", "plan.num_microbatches=4",
-        "train.steps=3", "train.progress=false", "train.tensorboard=false", "optimizer.warmup_steps=1"]
+BASE = [
+    "model.vocab_size=256",
+    "model.seq_len=16",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.d_ff=64",
+    "model.n_layers=4",
+    "plan.global_batch=16",
+    "plan.num_microbatches=4",
+    "train.steps=3",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "optimizer.warmup_steps=1",
+]
 PLANS = {
     # 2 stages: 2x2 -> 4x1 (activations) and 4x1 -> 2x2 (gradients: pieces + all-gather)
-    "2st": ["cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
-            "plan.stages=[{chip: sim_a, data: 2, tensor: 2, layers: [0, 3]}, "
-            "{chip: sim_b, data: 4, tensor: 1, layers: [3, 4]}]"],
+    "2st": [
+        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
+        "plan.stages=[{chip: sim_a, data: 2, tensor: 2, layers: [0, 3]}, "
+        "{chip: sim_b, data: 4, tensor: 1, layers: [3, 4]}]",
+    ],
     # 3 stages, a middle stage that receives and sends in one program, recompute, GPipe
-    "3st": ["cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}, sim_c: {nodes: 1}}", "plan.schedule=gpipe",
-            "plan.stages=[{chip: sim_a, data: 1, tensor: 2, layers: [0, 1]}, "
-            "{chip: sim_b, data: 2, tensor: 1, layers: [1, 3], recompute: true}, "
-            "{chip: sim_c, data: 1, tensor: 4, layers: [3, 4]}]"],
+    "3st": [
+        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}, sim_c: {nodes: 1}}",
+        "plan.schedule=gpipe",
+        "plan.stages=[{chip: sim_a, data: 1, tensor: 2, layers: [0, 1]}, "
+        "{chip: sim_b, data: 2, tensor: 1, layers: [1, 3], recompute: true}, "
+        "{chip: sim_c, data: 1, tensor: 4, layers: [3, 4]}]",
+    ],
     # one process per device (-np 4): stage 0 (tensor 2) and stage 1 (data 2) each span two
     # processes, each stage its own jax.distributed cluster
-    "2st-per-device": ["cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}", "checkpoint.enabled=false",
-                       "plan.stages=[{chip: sim_a, data: 1, tensor: 2, layers: [0, 2]}, "
-                       "{chip: sim_b, data: 2, tensor: 1, layers: [2, 4]}]"],
+    "2st-per-device": [
+        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
+        "checkpoint.enabled=false",
+        "plan.stages=[{chip: sim_a, data: 1, tensor: 2, layers: [0, 2]}, "
+        "{chip: sim_b, data: 2, tensor: 1, layers: [2, 4]}]",
+    ],
 }
 NPROC = {"2st": 2, "3st": 3, "2st-per-device": 4}
 OVERRIDES = BASE + PLANS["2st"]
@@ -51,8 +69,18 @@ def _env():
 
 
 def _mpirun(np_: int, args: list[str], cwd: Path, **kw) -> subprocess.Popen:
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_), sys.executable, "-m", "h2jax.cli",
-           "train", *args]
+    cmd = [
+        MPIRUN,
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        str(np_),
+        sys.executable,
+        "-m",
+        "h2jax.cli",
+        "train",
+        *args,
+    ]
     return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -65,19 +93,21 @@ def single_process_run(plan: str, tmp_path: Path):
         trainer = Trainer(cfg, run_dir=tmp_path / "single")
         history = trainer.run()
         trainer.pipeline.close()
-        _SINGLE[plan] = ([h.loss for h in history],
-                         {k: np.asarray(v) for k, v in trainer.params_by_layer().items()})
+        _SINGLE[plan] = ([h.loss for h in history], {k: np.asarray(v) for k, v in trainer.params_by_layer().items()})
     return _SINGLE[plan]
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
-@pytest.mark.parametrize("plan,transport", [("2st", "host"), ("2st", "ffi"), ("3st", "ffi"),
-                                            ("2st-per-device", "ffi"), ("2st-per-device", "host")])
+@pytest.mark.parametrize(
+    "plan,transport",
+    [("2st", "host"), ("2st", "ffi"), ("3st", "ffi"), ("2st-per-device", "ffi"), ("2st-per-device", "host")],
+)
 def test_multiprocess_equals_single_process(plan, transport, tmp_path):
     want_losses, want_params = single_process_run(plan, tmp_path)
     nproc = NPROC[plan]
-    proc = _mpirun(nproc, [*BASE, *PLANS[plan], f"train.transport={transport}", "--run-dir", str(tmp_path / "run")],
-                   tmp_path)
+    proc = _mpirun(
+        nproc, [*BASE, *PLANS[plan], f"train.transport={transport}", "--run-dir", str(tmp_path / "run")], tmp_path
+    )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

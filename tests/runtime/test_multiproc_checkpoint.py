@@ -27,8 +27,16 @@ needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
 
 QUIET = ["train.timeline=false", "train.memory_check=false"]
 # the straight run and the killed-and-resumed run: 8 steps, checkpoints every 2, step 1 non-finite (skipped)
-STRAIGHT = [*BASE, *PLANS["2st"], *QUIET, "train.steps=8", "checkpoint.every_steps=2", "train.transport=host",
-            "train.nonfinite=skip", "train.inject_nonfinite_steps=[1]"]
+STRAIGHT = [
+    *BASE,
+    *PLANS["2st"],
+    *QUIET,
+    "train.steps=8",
+    "checkpoint.every_steps=2",
+    "train.transport=host",
+    "train.nonfinite=skip",
+    "train.inject_nonfinite_steps=[1]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +44,30 @@ def cache(tmp_path_factory) -> dict[str, str]:
     """One persistent compilation cache for this module's jobs: the ranks of every job after
     the first load the stage programs instead of compiling them again (the same executables,
     so the numbers are unchanged; it roughly halves a job's time on 2 cores)."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str], np_: int = 2) -> subprocess.Popen:
     """test_multiproc's _mpirun (2 ranks), with extra environment variables for every rank."""
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(np_), sys.executable, "-m", "h2jax.cli",
-           "train", *args]
-    return subprocess.Popen(cmd, cwd=cwd, env={**_env(), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = [
+        MPIRUN,
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        str(np_),
+        sys.executable,
+        "-m",
+        "h2jax.cli",
+        "train",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=cwd, env={**_env(), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _job(args: list[str], cwd: Path, env: dict[str, str], np_: int = 2) -> tuple[int, str]:
@@ -59,8 +81,10 @@ def _load(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
     """Every array of a committed step, on the host (from whichever parts hold it)."""
     store = CheckpointStore(ckpt_dir)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    targets = {k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=cpu)
-               for k, (shape, dtype) in store.shapes(step).items()}
+    targets = {
+        k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=cpu)
+        for k, (shape, dtype) in store.shapes(step).items()
+    }
     got = {k: np.asarray(v) for k, v in store.restore(step, targets).items()}
     store.close()
     return got
@@ -134,8 +158,18 @@ def test_a_multiprocess_checkpoint_restores_in_one_process_under_another_plan(st
     4x1) restored by the single-controller Trainer under the 3-stage plan (layers 0 / 1-2 / 3,
     tensor degrees 2 / 1 / 4, recompute, GPipe): its steps 4-7 give the 2-process run's losses
     within 1e-5 (the bar for a plan change) and its final parameters within 1e-5."""
-    cfg = load_config(None, [*BASE, *PLANS["3st"], *QUIET, "train.steps=8", "checkpoint.enabled=false",
-                             "train.nonfinite=skip", "train.inject_nonfinite_steps=[1]"])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            *PLANS["3st"],
+            *QUIET,
+            "train.steps=8",
+            "checkpoint.enabled=false",
+            "train.nonfinite=skip",
+            "train.inject_nonfinite_steps=[1]",
+        ],
+    )
     trainer = Trainer(cfg, run_dir=tmp_path / "single")
     assert trainer.restore(straight / "checkpoints", 4) == 4
     assert trainer.step == 4 and trainer.skipped_steps == 1
@@ -204,9 +238,23 @@ def test_single_process_checkpoint_resumes_under_mpirun_and_stop_signals_save(ca
     common = [*BASE, *PLANS["2st"], *QUIET, "train.steps=200", f"checkpoint.dir={ckpt}"]
     # one process, SIGKILLed right after committing step 6 (checkpoints 3 and 6, part "main")
     env = {k: v for k, v in _env().items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_", "PRTE_"))}
-    single = subprocess.run([sys.executable, "-m", "h2jax.cli", "train", *common, "checkpoint.every_steps=3",
-                             "--run-dir", str(tmp_path / "single")], cwd=tmp_path, capture_output=True, text=True,
-                            env={**env, **cache, "H2JAX_FAULT": "kill:committed:6"}, timeout=600)
+    single = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h2jax.cli",
+            "train",
+            *common,
+            "checkpoint.every_steps=3",
+            "--run-dir",
+            str(tmp_path / "single"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**env, **cache, "H2JAX_FAULT": "kill:committed:6"},
+        timeout=600,
+    )
     assert single.returncode == -signal.SIGKILL, single.stderr[-3000:]
     assert CheckpointStore(ckpt).committed_steps() == [3, 6]
     want = _rows(tmp_path / "single")
@@ -266,15 +314,23 @@ sys.exit(3)
 """
 
 
-@pytest.mark.parametrize("grace,mode,signals,code,says", [
-    ("off", "hang", [signal.SIGTERM], 1, ["stopped by SIGTERM (another process"]),  # checkpoints off: at once
-    ("1", "hang", [signal.SIGTERM], 1, ["SIGTERM received: saving", "stopped by SIGTERM: the job reached no step"]),
-    ("30", "hang", [signal.SIGINT, signal.SIGTERM], 1, ["SIGINT received", "stopped by SIGTERM (another process"]),
-    ("30", "boundary", [signal.SIGUSR1], 0, ["SIGUSR1 received: saving"]),
-])
+@pytest.mark.parametrize(
+    "grace,mode,signals,code,says",
+    [
+        ("off", "hang", [signal.SIGTERM], 1, ["stopped by SIGTERM (another process"]),  # checkpoints off: at once
+        ("1", "hang", [signal.SIGTERM], 1, ["SIGTERM received: saving", "stopped by SIGTERM: the job reached no step"]),
+        ("30", "hang", [signal.SIGINT, signal.SIGTERM], 1, ["SIGINT received", "stopped by SIGTERM (another process"]),
+        ("30", "boundary", [signal.SIGUSR1], 0, ["SIGUSR1 received: saving"]),
+    ],
+)
 def test_stop_signals_save_or_end_the_process_within_the_grace_period(grace, mode, signals, code, says):
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, grace, mode], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, grace, mode],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline() == "ready\n"
     t0 = time.time()
     for sig in signals:
@@ -293,8 +349,14 @@ def test_stop_signals_save_or_end_the_process_within_the_grace_period(grace, mod
 
 # one process per device: each stage is sharded over two processes (its own jax.distributed
 # cluster), so its part of a step is one orbax multi-host save of both processes' shards
-PER_DEVICE = [*BASE, *[o for o in PLANS["2st-per-device"] if not o.startswith("checkpoint.")], *QUIET,
-              "train.steps=6", "checkpoint.every_steps=2", "train.transport=ffi"]
+PER_DEVICE = [
+    *BASE,
+    *[o for o in PLANS["2st-per-device"] if not o.startswith("checkpoint.")],
+    *QUIET,
+    "train.steps=6",
+    "checkpoint.every_steps=2",
+    "train.transport=ffi",
+]
 
 
 @needs_mpirun

@@ -29,10 +29,8 @@ from h2jax.runtime import Trainer, flatten, make_optimizer, reference_loss_and_g
 
 TOL = 1e-5
 
-MODEL = ["model.vocab_size=256", "model.seq_len=16", "model.d_model=32", "model.n_heads=4",
-         "model.d_ff=64"]
-CLUSTER = ("cluster.chips={sim_a: {nodes: 2}, sim_b: {nodes: 2}, sim_c: {nodes: 1}, "
-           "sim_d: {nodes: 1}}")
+MODEL = ["model.vocab_size=256", "model.seq_len=16", "model.d_model=32", "model.n_heads=4", "model.d_ff=64"]
+CLUSTER = "cluster.chips={sim_a: {nodes: 2}, sim_b: {nodes: 2}, sim_c: {nodes: 1}, sim_d: {nodes: 1}}"
 
 
 def S(chip, layers, data=1, tensor=1, recompute=False):
@@ -45,26 +43,43 @@ PLANS = {
     # pure tensor parallel into pure data parallel, recompute on the first stage, GPipe
     "2st-gpipe-tp4-recompute": (4, "gpipe", [S("sim_a", (0, 1), 1, 4, True), S("sim_b", (1, 4), 2, 1)]),
     # 3 stages, recompute in the middle, vocab-parallel head (tensor=2 on the last stage)
-    "3st-1f1b-mixed": (5, "1f1b", [S("sim_a", (0, 1), 2, 1), S("sim_b", (1, 3), 1, 2, True),
-                                   S("sim_c", (3, 5), 2, 2)]),
+    "3st-1f1b-mixed": (5, "1f1b", [S("sim_a", (0, 1), 2, 1), S("sim_b", (1, 3), 1, 2, True), S("sim_c", (3, 5), 2, 2)]),
     # 4 stages on 4 chip types, every shape different, recompute on/off
-    "4st-1f1b-4chips": (6, "1f1b", [S("sim_a", (0, 2), 1, 2), S("sim_b", (2, 3), 4, 1, True),
-                                    S("sim_c", (3, 4), 2, 1), S("sim_d", (4, 6), 1, 4)]),
+    "4st-1f1b-4chips": (
+        6,
+        "1f1b",
+        [S("sim_a", (0, 2), 1, 2), S("sim_b", (2, 3), 4, 1, True), S("sim_c", (3, 4), 2, 1), S("sim_d", (4, 6), 1, 4)],
+    ),
     # 4 stages, two chip types each holding two stages on separate nodes, GPipe
-    "4st-gpipe-2chips": (4, "gpipe", [S("sim_a", (0, 1), 2, 2), S("sim_b", (1, 2), 2, 1),
-                                      S("sim_a", (2, 3), 1, 1, True), S("sim_b", (3, 4), 1, 4)]),
+    "4st-gpipe-2chips": (
+        4,
+        "gpipe",
+        [S("sim_a", (0, 1), 2, 2), S("sim_b", (1, 2), 2, 1), S("sim_a", (2, 3), 1, 1, True), S("sim_b", (3, 4), 1, 4)],
+    ),
     # 3 stages, GPipe, all recompute, uneven 1/1/3
-    "3st-gpipe-recompute": (5, "gpipe", [S("sim_c", (0, 1), 4, 1, True), S("sim_a", (1, 2), 1, 1, True),
-                                         S("sim_d", (2, 5), 2, 2, True)]),
+    "3st-gpipe-recompute": (
+        5,
+        "gpipe",
+        [S("sim_c", (0, 1), 4, 1, True), S("sim_a", (1, 2), 1, 1, True), S("sim_d", (2, 5), 2, 2, True)],
+    ),
 }
 
 
 def make_cfg(name: str, **extra: str):
     n_layers, schedule, stages = PLANS[name]
     plan = {"global_batch": 16, "num_microbatches": 4, "schedule": schedule, "stages": stages}
-    overrides = MODEL + [CLUSTER, f"model.n_layers={n_layers}", f"plan={plan}",
-                         "train.progress=false", "train.tensorboard=false", "optimizer.warmup_steps=1",
-                         "optimizer.lr=1e-2", "optimizer.eps=1e-3", "train.steps=3", "optimizer.clip_norm=0.5"]
+    overrides = MODEL + [
+        CLUSTER,
+        f"model.n_layers={n_layers}",
+        f"plan={plan}",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "optimizer.warmup_steps=1",
+        "optimizer.lr=1e-2",
+        "optimizer.eps=1e-3",
+        "train.steps=3",
+        "optimizer.clip_norm=0.5",
+    ]
     overrides += [f"{k}={v}" for k, v in extra.items()]
     return load_config(None, overrides)
 
@@ -128,11 +143,17 @@ def test_recorded_timeline_obeys_the_schedule(tmp_path):
         p, m = cfg.plan.num_stages, cfg.plan.num_microbatches
         for step in range(2):
             ev = trainer.timeline.events(step)
-            compute = [(e.stage, "F" if e.kind == "fwd" else "B", e.microbatch, e.start_us, e.end_us)
-                       for e in ev if e.kind in ("fwd", "bwd")]
+            compute = [
+                (e.stage, "F" if e.kind == "fwd" else "B", e.microbatch, e.start_us, e.end_us)
+                for e in ev
+                if e.kind in ("fwd", "bwd")
+            ]
             assert len(compute) == 2 * p * m
-            kw = ({"max_in_flight": trainer.schedule.max_in_flight()} if cfg.plan.schedule == "1f1b"
-                  else {"forwards_first": True})
+            kw = (
+                {"max_in_flight": trainer.schedule.max_in_flight()}
+                if cfg.plan.schedule == "1f1b"
+                else {"forwards_first": True}
+            )
             # eps: 1 ns, the rounding of (start - t0) * 1e6 vs start_us + dur_us
             assert check_execution(compute, num_stages=p, num_microbatches=m, eps=1e-3, **kw) == []
             sends = [e for e in ev if e.kind == "send"]

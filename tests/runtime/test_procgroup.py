@@ -11,8 +11,9 @@ from h2jax.runtime._procgroup import ProcessLayout
 
 
 def _plan(*meshes: tuple[int, int]) -> Plan:
-    stages = [StageSpec(chip=f"sim_{'abcd'[i]}", layers=(i, i + 1), data=d, tensor=t)
-              for i, (d, t) in enumerate(meshes)]
+    stages = [
+        StageSpec(chip=f"sim_{'abcd'[i]}", layers=(i, i + 1), data=d, tensor=t) for i, (d, t) in enumerate(meshes)
+    ]
     return Plan(stages=stages, global_batch=8, num_microbatches=2)
 
 

@@ -115,16 +115,54 @@ def test_cli_profile_measures_and_writes_a_table_the_planner_reads(tmp_path):
     import sys
 
     out = tmp_path / "prof.json"
-    r = subprocess.run([sys.executable, "-m", "h2jax.cli", "profile", "--chip", "sim_a", "--model", "configs/tiny.yaml",
-                        "--tensor", "1", "--microbatch", "2", "4", "--measure", "--repeats", "3",
-                        "--statistic", "lower-quartile", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h2jax.cli",
+            "profile",
+            "--chip",
+            "sim_a",
+            "--model",
+            "configs/tiny.yaml",
+            "--tensor",
+            "1",
+            "--microbatch",
+            "2",
+            "4",
+            "--measure",
+            "--repeats",
+            "3",
+            "--statistic",
+            "lower-quartile",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "sim_a tensor=1 microbatch=2" in r.stdout and "(measured)" in r.stdout
     assert "runtime driver on" in r.stdout
     table = ProfileTable.load(out)
     assert table.measured("sim_a") and table.driver
-    bad = subprocess.run([sys.executable, "-m", "h2jax.cli", "profile", "--chip", "sim_a", "--model",
-                          "configs/tiny.yaml", "--measure", "--statistic", "mean"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h2jax.cli",
+            "profile",
+            "--chip",
+            "sim_a",
+            "--model",
+            "configs/tiny.yaml",
+            "--measure",
+            "--statistic",
+            "mean",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--statistic" in bad.stderr and "'mean'" in bad.stderr

@@ -26,9 +26,20 @@ PLANS = {
 def _run(name, tmp_path):
     n_layers, schedule, m, stages = PLANS[name]
     plan = {"global_batch": 4 * m, "num_microbatches": m, "schedule": schedule, "stages": stages}
-    cfg = load_config(None, MODEL + [CLUSTER, f"model.n_layers={n_layers}", f"plan={plan}", "train.timeline=true",
-                                     "train.progress=false", "train.tensorboard=false", "train.steps=2",
-                                     "optimizer.warmup_steps=1"])
+    cfg = load_config(
+        None,
+        MODEL
+        + [
+            CLUSTER,
+            f"model.n_layers={n_layers}",
+            f"plan={plan}",
+            "train.timeline=true",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "train.steps=2",
+            "optimizer.warmup_steps=1",
+        ],
+    )
     trainer = Trainer(cfg, run_dir=tmp_path)
     trainer.run()
     return cfg, trainer.timeline.events(1)  # step 1: compiled, steady
@@ -51,13 +62,13 @@ def test_simulated_order_equals_trace(name, tmp_path):
             lst = xf if peer > e.stage else xb
             b = min(peer, e.stage)
             lst[b] = max(lst[b], e.dur_us * 1e-6)  # the slowest transfer of the boundary
-    sim = simulate(schedule=cfg.plan.schedule, num_microbatches=m, fwd=fwd, bwd=bwd, transfer_fwd=xf,
-                   transfer_bwd=xb)
+    sim = simulate(schedule=cfg.plan.schedule, num_microbatches=m, fwd=fwd, bwd=bwd, transfer_fwd=xf, transfer_bwd=xb)
     # per stage: the same sequence of forwards and backwards
     for s in range(n):
-        trace_order = [("F" if e.kind == "fwd" else "B", e.microbatch)
-                       for e in sorted((e for e in events if e.stage == s and e.kind in ("fwd", "bwd")),
-                                       key=lambda e: e.start_us)]
+        trace_order = [
+            ("F" if e.kind == "fwd" else "B", e.microbatch)
+            for e in sorted((e for e in events if e.stage == s and e.kind in ("fwd", "bwd")), key=lambda e: e.start_us)
+        ]
         assert sim.stage_order(s) == trace_order, f"stage {s}"
     # Across stages the trace is not compared event by event: emulated stages share this
     # host's two cores, so a stage runs slower while another one computes. The durations
@@ -67,4 +78,5 @@ def test_simulated_order_equals_trace(name, tmp_path):
     # flipped pairs under load. The cross-stage dependencies themselves are checked on real
     # traces by tests/runtime/test_pipeline_equivalence.py::test_recorded_timeline_obeys_the_schedule.
     assert {(e.stage, e.kind, e.microbatch) for e in sim.events if e.kind in ("fwd", "bwd")} == {
-        (e.stage, e.kind, e.microbatch) for e in events if e.kind in ("fwd", "bwd")}
+        (e.stage, e.kind, e.microbatch) for e in events if e.kind in ("fwd", "bwd")
+    }

@@ -28,20 +28,47 @@ def _two_stage_step(tl: Timeline, step: int, base: float) -> None:
     ms = 1e-3
     b = base
     tl.add("fwd", stage=0, step=step, microbatch=0, start=b + 0 * ms, end=b + 1 * ms, chip="sim_a")
-    tl.add("send", stage=0, step=step, microbatch=0, start=b + 1 * ms, end=b + 1.5 * ms,
-           chip="sim_a", peer=1, bytes=4096, transport="local")
-    tl.add("recv", stage=1, step=step, microbatch=0, start=b + 1 * ms, end=b + 1.5 * ms,
-           chip="sim_b", peer=0, bytes=4096, transport="local")
+    tl.add(
+        "send",
+        stage=0,
+        step=step,
+        microbatch=0,
+        start=b + 1 * ms,
+        end=b + 1.5 * ms,
+        chip="sim_a",
+        peer=1,
+        bytes=4096,
+        transport="local",
+    )
+    tl.add(
+        "recv",
+        stage=1,
+        step=step,
+        microbatch=0,
+        start=b + 1 * ms,
+        end=b + 1.5 * ms,
+        chip="sim_b",
+        peer=0,
+        bytes=4096,
+        transport="local",
+    )
     tl.add("fwd", stage=0, step=step, microbatch=1, start=b + 1 * ms, end=b + 2 * ms, chip="sim_a")
-    tl.add("fwd", stage=1, step=step, microbatch=0, start=b + 1.5 * ms, end=b + 2.5 * ms,
-           chip="sim_b")
-    tl.add("bwd", stage=1, step=step, microbatch=0, start=b + 2.5 * ms, end=b + 4.5 * ms,
-           chip="sim_b")
-    tl.add("send", stage=1, step=step, microbatch=0, start=b + 4.5 * ms, end=b + 5 * ms,
-           chip="sim_b", peer=0, bytes=4096, transport="local")
+    tl.add("fwd", stage=1, step=step, microbatch=0, start=b + 1.5 * ms, end=b + 2.5 * ms, chip="sim_b")
+    tl.add("bwd", stage=1, step=step, microbatch=0, start=b + 2.5 * ms, end=b + 4.5 * ms, chip="sim_b")
+    tl.add(
+        "send",
+        stage=1,
+        step=step,
+        microbatch=0,
+        start=b + 4.5 * ms,
+        end=b + 5 * ms,
+        chip="sim_b",
+        peer=0,
+        bytes=4096,
+        transport="local",
+    )
     tl.add("bwd", stage=0, step=step, microbatch=0, start=b + 5 * ms, end=b + 7 * ms, chip="sim_a")
-    tl.add("update", stage=0, step=step, microbatch=None, start=b + 7 * ms, end=b + 8 * ms,
-           chip="sim_a")
+    tl.add("update", stage=0, step=step, microbatch=None, start=b + 7 * ms, end=b + 8 * ms, chip="sim_a")
 
 
 @pytest.fixture
@@ -102,8 +129,7 @@ def test_event_names() -> None:
         tl.add("update", stage=0, step=0, microbatch=None, start=0, end=1).name,
         tl.add("other", stage=0, step=0, microbatch=None, start=0, end=1, name="clip").name,
     ]
-    assert names == ["F3", "B3", "send F3", "recv B3", "send B3", "recv F3", "send F4",
-                     "update", "clip"]
+    assert names == ["F3", "B3", "send F3", "recv B3", "send B3", "recv F3", "send F4", "update", "clip"]
 
 
 def test_chrome_trace_structure(timeline: Timeline) -> None:
@@ -133,9 +159,7 @@ def test_chrome_trace_structure(timeline: Timeline) -> None:
 
     process_names = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
     assert process_names == {0: LABELS[0], 1: LABELS[1]}
-    thread_names = {
-        (e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"
-    }
+    thread_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     assert thread_names == {(0, 0): "compute", (0, 1): "comm", (1, 0): "compute", (1, 1): "comm"}
 
 
@@ -154,8 +178,15 @@ def test_chrome_trace_of_one_step(timeline: Timeline, tmp_path) -> None:
 def test_load_trace_accepts_array_form_and_ignores_metadata(tmp_path) -> None:
     raw = [
         {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "x"}},
-        {"name": "F0", "ph": "X", "ts": 5.0, "dur": 2.0, "pid": 0, "tid": 0,
-         "args": {"step": 2, "stage": 0, "microbatch": 0, "kind": "fwd"}},
+        {
+            "name": "F0",
+            "ph": "X",
+            "ts": 5.0,
+            "dur": 2.0,
+            "pid": 0,
+            "tid": 0,
+            "args": {"step": 2, "stage": 0, "microbatch": 0, "kind": "fwd"},
+        },
     ]
     (tmp_path / "a.json").write_text(json.dumps(raw))
     assert load_trace(tmp_path / "a.json") == [TraceEvent("fwd", 0, 2, 0, 5.0, 2.0)]
@@ -245,8 +276,7 @@ def test_plot_gantt_many_microbatches_and_empty(tmp_path) -> None:
     tl = Timeline(stage_labels=["a", "b", "c", "d"], t0=0.0)
     for s in range(4):
         for m in range(64):  # boxes too narrow for labels must still draw
-            tl.add("fwd", stage=s, step=0, microbatch=m,
-                   start=(s + m) * 1e-4, end=(s + m + 0.9) * 1e-4)
+            tl.add("fwd", stage=s, step=0, microbatch=m, start=(s + m) * 1e-4, end=(s + m + 0.9) * 1e-4)
     plot_gantt(tl.events(), tmp_path / "many.png", stage_labels=tl.stage_labels)
     plot_gantt([], tmp_path / "empty.png", stage_labels=["only"])
     assert (tmp_path / "many.png").stat().st_size > 10_000
