@@ -1,12 +1,10 @@
-"""The one error every config problem becomes (the CLI turns it into exit code 2)."""
+"""The one error every config problem becomes (the CLI turns it into exit code 2).
+
+Defined in :mod:`h2jax._strict`, below ``h2jax.plan``, so that the planner's errors are the same class.
+"""
 
 from __future__ import annotations
 
+from h2jax._strict import ConfigError
 
-class ConfigError(ValueError):
-    """A bad config value: names the dotted key, the value and what was expected."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key
-        self.message = message
+__all__ = ["ConfigError"]

@@ -13,12 +13,13 @@ from typing import Any
 
 import yaml
 
-from h2jax.config._build import VALUE_CHECKS, build_dataclass, to_raw
-from h2jax.config._chips import config_dirs, resolve_chip
+from h2jax._strict import VALUE_CHECKS, build_dataclass, to_raw
+from h2jax.config._chips import resolve_chip
 from h2jax.config._errors import ConfigError
 from h2jax.config._schema import ExperimentConfig
 from h2jax.models import GPTConfig, tensor_divisible_dims
 from h2jax.plan import PlanError, check_plan
+from h2jax.plan._profiles import config_dirs
 
 TRANSPORTS = ("local", "host", "ffi")  # local: one process; host, ffi: one process per stage (mpirun)
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -151,15 +152,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     if not chips:
         raise ConfigError("cluster.chips", "no chip types given; expected at least one (e.g. {sim_a: {nodes: 1}})")
     for name, spec in chips.items():
-        for f in ("nodes", "devices_per_node"):
-            if getattr(spec, f) < 1:
-                raise ConfigError(f"cluster.chips.{name}.{f}", f"{f}={getattr(spec, f)}; expected >= 1")
-        if spec.memory_gib <= 0:
-            raise ConfigError(f"cluster.chips.{name}.memory_gib", f"memory_gib={spec.memory_gib}; expected > 0")
-        if not spec.emulated and spec.platform not in ("cpu", "cuda", "rocm", "tpu", "xpu"):
-            raise ConfigError(
-                f"cluster.chips.{name}.platform", f"platform={spec.platform!r}; expected cpu, cuda, rocm, tpu or xpu"
-            )
+        if spec.name != name:
+            raise ConfigError(f"cluster.chips.{name}", f"holds chip {spec.name!r}; expected the entry's own name")
     try:
         check_plan(
             cfg.plan,

@@ -11,41 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from h2jax.models import GPTConfig
-from h2jax.plan import Plan, StageSpec
+from h2jax.plan import ChipProfile, Plan, StageSpec
 
-
-@dataclass(frozen=True)
-class ChipSpec:
-    """One chip type in the cluster: how many there are and its profile.
-
-    A cluster entry is normally filled from ``configs/chips/<name>.yaml`` (or the file
-    named by ``profile``); keys given inline override the profile's.
-    """
-
-    nodes: int = 1
-    """Nodes of this chip type. Emulated chips get one PJRT client per node."""
-    devices_per_node: int = 4
-    """Devices per node. In one process a stage lives inside one node."""
-    memory_gib: float = 16.0
-    """Memory per device, GiB. Enforced by the runtime's memory check before training."""
-    peak_tflops: float = 0.05
-    """Dense peak per device, TFLOP/s. Planner input; never used to slow anything down."""
-    mem_bw_gbps: float = 20.0
-    """Memory bandwidth per device, GB/s (planner input)."""
-    intra_node_gbps: float = 10.0
-    """Device-to-device bandwidth inside a node, GB/s (planner input)."""
-    inter_node_gbps: float = 5.0
-    """Bandwidth between nodes and to other chip types, GB/s (planner input)."""
-    platform: str = "cpu"
-    """PJRT platform serving the chip: cpu, cuda, rocm, tpu, xpu."""
-    emulated: bool = True
-    """True: an emulated chip (CPU clients registered by h2jax, sharing the host CPU)."""
-    profile: str | None = None
-    """Chip profile to start from: a name in configs/chips/ or a YAML path. None: the chip's own name if such a profile exists."""
-
-    @property
-    def num_devices(self) -> int:
-        return self.nodes * self.devices_per_node
+ChipSpec = ChipProfile
+"""One chip type in the cluster: h2jax.plan's ChipProfile, read by h2jax.plan.load_chip (one
+class and one parser for the config and the planner). A cluster entry is filled from
+``configs/chips/<name>.yaml`` (or the file named by ``profile``); keys given inline override
+the profile's."""
 
 
 def _default_chips() -> dict[str, ChipSpec]:

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from h2jax._strict import ConfigError, read_yaml
+
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
 _STAGE_KEYS = ("chip", "layers", "data", "tensor", "recompute")
@@ -26,13 +28,14 @@ _PLAN_KEYS = ("model", "global_batch", "num_microbatches", "schedule", "stages")
 _PLAN_REQUIRED = ("global_batch", "num_microbatches", "stages")
 
 
-class PlanError(ValueError):
-    """A plan that cannot run; `key` is the dotted path of the offending field."""
+class PlanError(ConfigError):
+    """A plan that cannot run; `key` is the dotted path of the offending field.
+
+    A ConfigError, so every command prints it as one line naming the key (exit 2).
+    """
 
     def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
-        self.message = message
+        super().__init__(key, message)
 
     def __str__(self) -> str:
         return f"{self.key}: {self.message}"
@@ -188,9 +191,7 @@ class Plan:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], *, key_prefix: str = "plan") -> Plan:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-        return cls.from_dict(data, key_prefix=key_prefix)
+        return cls.from_dict(read_yaml(path, key=key_prefix), key_prefix=key_prefix)
 
 
 def _scalar(value: Any) -> str:

@@ -2,10 +2,10 @@
 
 Everything the cost model needs to price a stage, and nothing that needs a device:
 
-- :class:`ChipProfile` -- one chip type's memory, peak FLOP/s and bandwidths, read from
-  ``configs/chips/<name>.yaml`` (the same files ``h2jax.config`` reads; the fields match
-  ``ChipSpec``, but this module parses them itself so that ``h2jax.plan`` stays pure and
-  below ``h2jax.config`` in the import graph);
+- :class:`ChipProfile` -- one chip type's node count, memory, peak FLOP/s and bandwidths,
+  read from ``configs/chips/<name>.yaml`` by :func:`load_chip`: the one chip type and the
+  one parser of h2jax (``h2jax.config`` holds these in ``cluster.chips`` as ``ChipSpec``,
+  the same class), kept here so that ``h2jax.plan`` stays pure and below ``h2jax.config``;
 - :class:`Cluster` -- chip type -> profile and device count, from ``configs/clusters/*.yaml``;
 - :class:`ModelShape` -- the GPT dims that fix FLOPs, bytes and parameter counts;
 - :class:`LayerCost` / :class:`ProfileTable` -- per-layer forward/backward seconds and
@@ -31,31 +31,17 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
+from h2jax._strict import VALUE_CHECKS, ConfigError, build_dataclass, read_yaml
 
 GIB = 2**30
 GB = 1e9
 
-_CHIP_FIELDS = (
-    "nodes",
-    "devices_per_node",
-    "memory_gib",
-    "peak_tflops",
-    "mem_bw_gbps",
-    "intra_node_gbps",
-    "inter_node_gbps",
-    "platform",
-    "emulated",
-    "profile",
-    "host",
-    "host_cores",
-)
-
 LOCAL_HOST = "local"  # the machine that runs the job: where every emulated chip computes
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu", "xpu")  # PJRT platforms a real chip type may name
 
 
 def local_cores() -> int:
@@ -66,42 +52,100 @@ def local_cores() -> int:
         return os.cpu_count() or 1
 
 
+class ProfileError(ConfigError):
+    """A chip profile, cluster or model file that cannot be used; names the key and value.
+
+    ``ProfileError("chips.x.count", "expected ...")``, or one ``"key: message"`` text.
+    """
+
+    def __init__(self, key: str, message: str | None = None) -> None:
+        if message is None:
+            key, _, message = key.partition(": ")
+        super().__init__(key, message)
+
+
 @dataclass(frozen=True)
 class ChipProfile:
-    """One chip type as the planner sees it (per device unless said otherwise).
+    """One chip type: how many nodes of it a job has, its memory, speed and links.
 
-    `inter_node_gbps` is the bandwidth one device gets to a device of another node or
-    another chip type (its share of the node's NICs); `intra_node_gbps` the bandwidth
-    between two devices of one node (NVLink, Infinity Fabric, ICI, HCCS...).
-
-    `host`: the machine whose CPU cores the chip's devices compute on, when several chip
-    nodes share one (emulated chips: ``"local"``, the machine running the job -- every
-    emulated node is a CPU client of it); None for a chip with hosts of its own, which no
-    other stage slows down. `host_cores`: that machine's cores; None = as measured by
-    ``h2jax profile`` (:attr:`ProfileTable.host_cores`), else this machine's.
+    The one chip type of h2jax: ``cluster.chips`` of an experiment config and the planner's
+    clusters hold it, both read by :func:`load_chip` from ``configs/chips/<name>.yaml``
+    (or the file named by ``profile``) with a cluster entry's inline keys on top. Numbers are
+    per device unless said otherwise; speeds are planner inputs the runtime never enforces.
     """
 
     name: str
-    memory_gib: float
-    peak_tflops: float
-    mem_bw_gbps: float
-    intra_node_gbps: float
-    inter_node_gbps: float
-    devices_per_node: int = 8
+    """Chip type name: the key of the cluster entry (e.g. sim_a, cuda:H100). Not a YAML key."""
+    memory_gib: float = 16.0
+    """Memory per device, GiB. Enforced by the runtime's memory check; the planner's limit."""
+    peak_tflops: float = 0.05
+    """Dense peak per device, TFLOP/s. Planner input; never used to slow anything down."""
+    mem_bw_gbps: float = 20.0
+    """Memory bandwidth per device, GB/s (planner input)."""
+    intra_node_gbps: float = 10.0
+    """Device-to-device bandwidth inside a node (NVLink, Infinity Fabric, ICI, HCCS...), GB/s."""
+    inter_node_gbps: float = 5.0
+    """Bandwidth one device gets to a device of another node or chip type (its share of the NICs), GB/s."""
+    devices_per_node: int = 4
+    """Devices per node. In one process a stage lives inside one node."""
+    nodes: int = 1
+    """Nodes of this chip type in the cluster (a cluster file may say ``count:`` devices instead).
+    Emulated chips get one PJRT client per node."""
     platform: str = "cpu"
+    """PJRT platform serving the chip: cpu, cuda, rocm, tpu, xpu."""
     emulated: bool = False
+    """True: an emulated chip (CPU clients registered by h2jax, sharing the host CPU)."""
     host: str | None = None
+    """The machine whose CPU cores the devices compute on, when several chip nodes share one
+    (emulated chips: ``"local"``, the machine running the job). None: hosts of its own, which
+    no other stage slows down."""
     host_cores: int | None = None
+    """That machine's cores. None: as measured by ``h2jax profile`` (ProfileTable.host_cores),
+    else this machine's."""
+    profile: str | None = None
+    """Chip profile to start from: a name in configs/chips/ or a YAML path. None: the chip's
+    own name if such a profile exists."""
 
     def __post_init__(self) -> None:
+        check_chip_values({f.name: getattr(self, f.name) for f in fields(self)}, f"chip {self.name}")
         if self.emulated and self.host is None:
             object.__setattr__(self, "host", LOCAL_HOST)
-        if self.host_cores is not None and self.host_cores < 1:
-            raise ProfileError(f"chip {self.name}: host_cores={self.host_cores}; expected >= 1")
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of this chip type in the cluster: nodes * devices_per_node."""
+        return self.nodes * self.devices_per_node
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * GIB
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML fields of a cluster entry (all but ``name``, which is the entry's key)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name"}
+
+
+def check_chip_values(values: Mapping[str, Any], key: str) -> None:
+    """A chip's value checks (ProfileError naming ``key.<field>``); run by the strict parser
+    before the constructor, so that the message names the dotted key of the file or entry."""
+    for f in ("memory_gib", "peak_tflops", "mem_bw_gbps", "intra_node_gbps", "inter_node_gbps"):
+        if not values[f] > 0:
+            raise ProfileError(f"{key}.{f}", f"{f}={values[f]}; expected > 0")
+    for f in ("nodes", "devices_per_node"):
+        if values[f] < 1:
+            raise ProfileError(f"{key}.{f}", f"{f}={values[f]}; expected >= 1")
+    if values["host_cores"] is not None and values["host_cores"] < 1:
+        raise ProfileError(f"{key}.host_cores", f"host_cores={values['host_cores']}; expected >= 1 or null")
+    if not values["emulated"] and values["platform"] not in PLATFORMS:
+        raise ProfileError(
+            f"{key}.platform", f"platform={values['platform']!r}; expected one of {', '.join(PLATFORMS)}"
+        )
+
+
+VALUE_CHECKS[ChipProfile] = check_chip_values
+
+# what a cluster entry or profile file may say: the fields, and `count` (devices, for nodes)
+CHIP_KEYS = tuple(sorted({f.name for f in fields(ChipProfile)} - {"name"} | {"count"}))
 
 
 def config_dirs() -> list[Path]:
@@ -126,72 +170,78 @@ def find_config(kind: str, name: str) -> Path | None:
     return None
 
 
-class ProfileError(ValueError):
-    """A chip profile, cluster or model file that cannot be used; names the key and value."""
-
-
-def _num(raw: Mapping[str, Any], key: str, where: str, *, integer: bool = False, positive: bool = True):
-    v = raw.get(key)
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or (positive and v <= 0):
-        kind = "a positive integer" if integer else "a positive number"
-        raise ProfileError(f"{where}.{key}: expected {kind}, got {v!r}")
-    return v
+def _check_chip_keys(raw: Mapping[str, Any], where: str, source: Path | None = None) -> None:
+    unknown = sorted(set(raw) - set(CHIP_KEYS), key=str)  # YAML keys may be ints
+    if unknown:
+        in_file = f" (in {source})" if source is not None else ""
+        raise ProfileError(f"{where}.{unknown[0]}", f"unknown key{in_file}; a chip has keys {list(CHIP_KEYS)}")
 
 
 def chip_from_dict(name: str, raw: Mapping[str, Any], *, where: str = "chip") -> tuple[ChipProfile, int]:
-    """(profile, nodes) from the fields of a chip profile file plus inline overrides."""
-    unknown = sorted(set(raw) - set(_CHIP_FIELDS) - {"count"})
-    if unknown:
-        raise ProfileError(f"{where}.{unknown[0]}: unknown key; expected one of {', '.join(_CHIP_FIELDS)}, count")
-    prof = ChipProfile(
-        name=name,
-        memory_gib=float(_num(raw, "memory_gib", where)),
-        peak_tflops=float(_num(raw, "peak_tflops", where)),
-        mem_bw_gbps=float(_num(raw, "mem_bw_gbps", where)),
-        intra_node_gbps=float(_num(raw, "intra_node_gbps", where)),
-        inter_node_gbps=float(_num(raw, "inter_node_gbps", where)),
-        devices_per_node=int(_num(raw, "devices_per_node", where, integer=True)),
-        platform=str(raw.get("platform", "cpu")),
-        emulated=bool(raw.get("emulated", False)),
-        host=None if raw.get("host") is None else str(raw["host"]),
-        host_cores=(None if raw.get("host_cores") is None else int(_num(raw, "host_cores", where, integer=True))),
-    )
-    nodes = int(raw.get("nodes", 1))
-    return prof, nodes
+    """(profile, nodes) from the fields of a chip profile plus inline keys: the one strict parser.
 
-
-def load_chip(name: str, inline: Mapping[str, Any] | None = None) -> tuple[ChipProfile, int]:
-    """The profile of chip type `name` (``configs/chips/<profile or name>.yaml``) with `inline` on top."""
-    inline = dict(inline or {})
-    prof_name = inline.get("profile") or name
-    path = find_config("chips", prof_name)
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw.update(yaml.safe_load(path.read_text()) or {})
-    elif "profile" in inline or not {"memory_gib", "peak_tflops"} <= set(inline):
-        raise ProfileError(
-            f"chips.{name}: no profile configs/chips/{prof_name}.yaml found in "
-            f"{[str(d) for d in config_dirs()]} and the entry does not give every field"
-        )
-    raw.update(inline)
+    Unknown keys and wrong types fail naming ``where.<key>``; ``count`` (devices) stands for
+    ``nodes`` and must be a multiple of ``devices_per_node``.
+    """
+    if not isinstance(raw, Mapping):
+        raise ProfileError(where, f"got {raw!r}; expected a mapping of chip fields (e.g. {{nodes: 1}})")
+    _check_chip_keys(raw, where)
+    raw = dict(raw)
     count = raw.pop("count", None)
-    raw.pop("profile", None)
-    prof, nodes = chip_from_dict(name, raw, where=f"chips.{name}")
+    try:
+        chip = build_dataclass(ChipProfile, {**raw, "name": str(name)}, where)
+    except ProfileError:
+        raise
+    except ConfigError as e:  # a wrong type: the planner's error class, the same key and words
+        raise ProfileError(e.key, e.message) from None
     if count is not None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ProfileError(f"chips.{name}.count: expected a positive integer, got {count!r}")
-        if count % prof.devices_per_node:
+            raise ProfileError(f"{where}.count", f"got {count!r}; expected a positive integer (devices)")
+        if count % chip.devices_per_node:
             raise ProfileError(
-                f"chips.{name}.count: {count} is not a multiple of devices_per_node={prof.devices_per_node}"
+                f"{where}.count", f"count={count} is not a multiple of devices_per_node={chip.devices_per_node}"
             )
-        nodes = count // prof.devices_per_node
-    return prof, nodes
+        chip = replace(chip, nodes=count // chip.devices_per_node)
+    return chip, chip.nodes
+
+
+def load_chip(name: str, inline: Mapping[str, Any] | None = None, *, key: str = "chips") -> tuple[ChipProfile, int]:
+    """(profile, nodes) of chip type `name`: ``configs/chips/<profile or name>.yaml`` (when it
+    exists), then the cluster entry's `inline` keys on top. Errors name ``key.<name>.<field>``
+    (``key`` is ``cluster.chips`` in an experiment config, ``chips`` in a cluster file), and
+    the profile file when the bad key is in it."""
+    where = f"{key}.{name}"
+    inline = {} if inline is None else inline
+    if not isinstance(inline, Mapping):
+        raise ProfileError(where, f"got {inline!r}; expected a mapping of chip fields (e.g. {{nodes: 1}})")
+    profile = inline.get("profile")
+    if profile is not None and not isinstance(profile, str):
+        raise ProfileError(
+            f"{where}.profile", f"got {profile!r}; expected a chip profile name (e.g. sim_a) or a YAML path"
+        )
+    raw: dict[str, Any] = {}
+    path = find_config("chips", profile or name)
+    if path is not None:
+        loaded = read_yaml(path, key=f"{where}.profile")
+        if loaded is not None and not isinstance(loaded, Mapping):
+            raise ProfileError(f"{where}.profile", f"{path} holds {type(loaded).__name__}; expected a mapping")
+        _check_chip_keys(loaded or {}, where, path)
+        raw.update(loaded or {})
+    elif profile is not None:
+        raise ProfileError(
+            f"{where}.profile", f"profile {profile!r} not found in {[str(d / 'chips') for d in config_dirs()]}"
+        )
+    raw.update(inline)
+    return chip_from_dict(name, raw, where=where)
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """Chip types available to one job: name -> (profile, nodes). Order is the file's order."""
+    """Chip types available to one job: (profile, nodes) pairs in the file's order.
+
+    The pair's node count is the one the planner uses (a loaded cluster's profiles carry the
+    same number as ``nodes``; a search may pair a profile with fewer nodes).
+    """
 
     chips: tuple[tuple[ChipProfile, int], ...]
     name: str = "cluster"
@@ -230,24 +280,40 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, raw: Any, *, name: str = "cluster") -> Cluster:
+        """The cluster of a cluster file's data: ``chips:`` (chip type -> profile keys, with
+        ``nodes`` or ``count``). A chip type without a profile file must give the numbers the
+        planner prices it by (memory_gib, peak_tflops): defaults would price a typo."""
         if not isinstance(raw, Mapping) or not isinstance(raw.get("chips"), Mapping) or not raw["chips"]:
             raise ProfileError(
-                f"{name}: expected a mapping with a non-empty `chips:` mapping "
-                "(chip type -> {nodes: N} or {count: N})"
+                "chips",
+                f"{name} has no non-empty `chips:` mapping; expected chip type -> {{nodes: N}} or {{count: N}}",
             )
         chips = []
         for chip, inline in raw["chips"].items():
             if not isinstance(inline, Mapping):
-                raise ProfileError(f"chips.{chip}: expected a mapping like {{nodes: 2}}, got {inline!r}")
-            chips.append(load_chip(str(chip), inline))
+                raise ProfileError(f"chips.{chip}", f"got {inline!r}; expected a mapping like {{nodes: 2}}")
+            prof_name = inline.get("profile") or str(chip)
+            if (
+                isinstance(prof_name, str)
+                and find_config("chips", prof_name) is None
+                and not {"memory_gib", "peak_tflops"} <= set(inline)
+            ):
+                raise ProfileError(
+                    f"chips.{chip}",
+                    f"no profile configs/chips/{prof_name}.yaml found in {[str(d) for d in config_dirs()]} and the "
+                    "entry does not give memory_gib and peak_tflops, which the planner prices the chip by",
+                )
+            chips.append(load_chip(str(chip), inline, key="chips"))
         return cls(tuple(chips), name=name)
 
     @classmethod
     def load(cls, path_or_name: str | os.PathLike[str]) -> Cluster:
         path = find_config("clusters", str(path_or_name))
         if path is None:
-            raise ProfileError(f"cluster {str(path_or_name)!r} not found (a YAML path or a name in configs/clusters/)")
-        return cls.from_dict(yaml.safe_load(path.read_text()) or {}, name=path.stem)
+            raise ProfileError(
+                "cluster", f"{str(path_or_name)!r} not found (a YAML path or a name in configs/clusters/)"
+            )
+        return cls.from_dict(read_yaml(path, key="cluster") or {}, name=path.stem)
 
 
 @dataclass(frozen=True)

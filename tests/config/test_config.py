@@ -156,7 +156,7 @@ def test_float_rejects(text, expected):
     "data, key, expected",
     [
         ({"stepz": 1}, "stepz", "ExperimentConfig has keys ['checkpoint', 'cluster', 'data', 'model', 'name'"),
-        ({"model": {"n_layer": 6}}, "model.n_layer", "GPTConfig has keys ['d_ff', 'd_model'"),
+        ({"model": {"n_layer": 6}}, "model.n_layer", "'n_layers'"),
         ({"optimizer": {"learning_rate": 1.0}}, "optimizer.learning_rate", "'lr'"),
         ({"train": {"log": {"every": 1}}}, "train.log", "'log_every'"),
         ({"plan": {"microbatches": 4}}, "plan.microbatches", "expected one of model, global_batch, num_microbatches"),
@@ -168,7 +168,7 @@ def test_float_rejects(text, expected):
         (
             {"cluster": {"chips": {"sim_a": {"nodes": 1, "memory": 4}}}},
             "cluster.chips.sim_a.memory",
-            "ChipSpec has keys ['devices_per_node', 'emulated'",
+            "a chip has keys ['count', 'devices_per_node', 'emulated'",
         ),
         ({"cluster": {"nodes": 1}}, "cluster.nodes", "ClusterConfig has keys ['chips']"),
         ({1: 2, "zz": 3}, "1", "ExperimentConfig has keys"),  # non-string YAML keys: no TypeError

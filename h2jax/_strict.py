@@ -1,4 +1,10 @@
-"""Strict construction of frozen dataclasses from YAML data: unknown keys and wrong types fail."""
+"""Strict construction of frozen dataclasses from YAML data, and the error every bad input becomes.
+
+Pure Python (no JAX), below both ``h2jax.plan`` and ``h2jax.config`` in the import graph, so
+that the planner and the experiment config parse the same files with the same rules:
+unknown keys and wrong types fail naming the dotted key (:func:`build_dataclass`); a file
+that is not UTF-8 or not valid YAML fails naming the file, line and column (:func:`read_yaml`).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,43 @@ import re
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from h2jax.config._errors import ConfigError
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad input: names the dotted key, the value and what was expected (the CLI exits 2)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # ValueError would re-create the error from its one formatted argument
+        return (type(self), (self.key, self.message))
+
+
+def read_yaml(path: str | Path, *, key: str) -> Any:
+    """The YAML data of file ``path``; ConfigError under ``key`` when the file cannot be read,
+    is not UTF-8 (with the byte offset) or is not valid YAML (with its line and column)."""
+    p = Path(path)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(key, f"{p} is not UTF-8 text (byte {e.start}: {e.reason}); expected a YAML file") from None
+    except OSError as e:
+        raise ConfigError(key, f"{p} cannot be read ({e.strerror or e}); expected a readable YAML file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(key, f"{where}: not valid YAML ({problem})") from None
+
 
 # PyYAML (YAML 1.1) reads an exponent without a dot (1e-3, 5e4) as a string; only those
 # strings become floats -- not "nan", "inf" or "1_0", which Python's float() would accept.
