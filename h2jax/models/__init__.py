@@ -17,11 +17,14 @@ stage; stages share the model's submodules, so their parameters partition the mo
 Tensor parallelism is declared on the parameters themselves with Flax NNX sharding
 metadata (``nnx.Param(..., out_sharding=(None, "tensor"))``) over the stage mesh axis
 "tensor"; `partition_specs(module)` returns the PartitionSpec of every Param, matching
-``nnx.split(module, nnx.Param)[1]``. `tensor_divisible_dims(cfg)` lists the sizes a stage's
-tensor degree must divide.
+``nnx.split(module, nnx.Param)[1]``; pass the stage's degree (``tensor=t``) so that
+grouped-query key/value weights are replicated where t does not divide their heads.
+`tensor_divisible_dims(cfg)` lists the sizes a stage's tensor degree must divide.
 
-`GPT` is the built-in model: pre-norm RMSNorm, causal attention with rotary positions,
-SwiGLU MLP, untied lm_head, no biases; `build_model(cfg, seed=...)` makes one.
+`GPT` is the built-in model, of the LLaMA family: pre-norm RMSNorm, causal grouped-query
+attention (`n_kv_heads`) with rotary positions (optionally scaled: `RopeScaling`), SwiGLU
+MLP, lm_head untied or tied to the embedding, no biases; `build_model(cfg, seed=...)`
+makes one. Its defaults (MHA, unscaled, untied) are h2jax's small GPT.
 """
 
 from __future__ import annotations
@@ -29,25 +32,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from h2jax.models._config import GPTConfig, tensor_divisible_dims  # pure Python: no JAX
+from h2jax.models._config import GPTConfig, RopeScaling, tensor_divisible_dims  # pure Python: no JAX
 
 # the rest needs Flax/JAX; loaded on first use so that configs validate without JAX
 _LAZY = {
-    "GPT": "h2jax.models._gpt",
-    "TENSOR": "h2jax.models._gpt",
-    "Block": "h2jax.models._gpt",
-    "Embed": "h2jax.models._gpt",
-    "Head": "h2jax.models._gpt",
-    "build_model": "h2jax.models._gpt",
+    "GPT": "h2jax.models._llama",
+    "TENSOR": "h2jax.models._llama",
+    "Block": "h2jax.models._llama",
+    "Embed": "h2jax.models._llama",
+    "Head": "h2jax.models._llama",
+    "build_model": "h2jax.models._llama",
     "StageModule": "h2jax.models._stage",
     "check_stageable": "h2jax.models._stage",
     "partition_specs": "h2jax.models._stage",
 }
 
-__all__ = sorted([*_LAZY, "GPTConfig", "tensor_divisible_dims"])
+__all__ = sorted([*_LAZY, "GPTConfig", "RopeScaling", "tensor_divisible_dims"])
 
 if TYPE_CHECKING:
-    from h2jax.models._gpt import GPT, TENSOR, Block, Embed, Head, build_model
+    from h2jax.models._llama import GPT, TENSOR, Block, Embed, Head, build_model
     from h2jax.models._stage import StageModule, check_stageable, partition_specs
 
 

@@ -1,4 +1,8 @@
-"""GPTConfig: the shape of the decoder-only transformer, and the sizes tensor parallelism splits."""
+"""GPTConfig: the shape of a LLaMA-family decoder-only transformer, and the sizes tensor parallelism splits.
+
+Pure Python (no JAX): the config tree validates, and the planner counts parameters, before
+any device exists.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,40 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+ROPE_SCALING_TYPES = ("linear", "llama3")
+ATTENTION_IMPLS = ("auto", "xla")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How the rotary frequencies are stretched for contexts beyond the pre-training length.
+
+    The published variants of Hugging Face's ``rope_scaling`` that h2jax computes exactly:
+    ``linear`` (every frequency / factor: position interpolation) and ``llama3`` (LLaMA 3.1:
+    wavelengths longer than original_max_position_embeddings / low_freq_factor are divided
+    by factor, shorter than .../high_freq_factor kept, smooth blend between).
+    """
+
+    type: str = "llama3"
+    """Variant: "linear" or "llama3"."""
+    factor: float = 8.0
+    """How much longer the new context is than the original (dimensionless, > 0; 1: no change)."""
+    low_freq_factor: float = 1.0
+    """llama3 only: wavelengths above original_max_position_embeddings / this are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3 only: wavelengths below original_max_position_embeddings / this are kept (> low_freq_factor)."""
+    original_max_position_embeddings: int = 8192
+    """llama3 only: the context length (tokens) the model was pre-trained with before scaling."""
+
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Shape of a decoder-only transformer (pre-norm RMSNorm, RoPE attention, SwiGLU MLP)."""
+    """Shape of a LLaMA-family decoder-only transformer (pre-norm RMSNorm, RoPE attention with
+    grouped-query heads, SwiGLU MLP, no biases). The defaults are h2jax's small GPT: plain
+    multi-head attention, unscaled RoPE, untied head."""
 
     vocab_size: int = 256
-    """Number of token ids (rows of the embedding, columns of the untied lm_head)."""
+    """Number of token ids (rows of the embedding, columns of the lm_head)."""
 
     seq_len: int = 128
     """Training context length, in tokens. The model itself accepts any length up to this."""
@@ -22,7 +53,7 @@ class GPTConfig:
     """Width of the residual stream (hidden size), in elements per token."""
 
     n_heads: int = 4
-    """Attention heads per layer; head_dim = d_model / n_heads. The tensor degree must divide it."""
+    """Query heads per layer; head_dim = d_model / n_heads. The tensor degree must divide it."""
 
     n_layers: int = 4
     """Number of transformer blocks: the unit a pipeline stage's layer range counts."""
@@ -42,6 +73,26 @@ class GPTConfig:
     dtype: str = "float32"
     """Compute dtype of matmuls and activations ("float32", "bfloat16", ...). Parameters
     are always stored in float32; softmax, norms and the loss always run in float32."""
+
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention: n_heads / n_kv_heads query heads share one).
+    None: n_heads (multi-head attention); 1: multi-query. Must divide n_heads. Fewer kv heads
+    shrink wk/wv and the attention's key/value activations by n_heads / n_kv_heads. A stage's
+    tensor degree splits them when it divides n_kv_heads, else every device holds them all."""
+
+    rope_scaling: RopeScaling | None = None
+    """Rotary frequency scaling for long contexts (LLaMA 3.1's "llama3", or "linear"). None: unscaled."""
+
+    tie_embeddings: bool = False
+    """True: the lm_head is the embedding table (transposed), as in GPT-2 and small LLaMAs:
+    vocab_size * d_model fewer parameters. The table is then split over the vocabulary
+    under tensor parallelism (the logits stay vocab-parallel)."""
+
+    attention: str = "auto"
+    """Attention kernel, through jax.nn.dot_product_attention (causal, no mask array):
+    "auto" -- cuDNN's fused kernel on NVIDIA for bfloat16/float16 when this process has
+    cuDNN (it keeps O(seq) softmax statistics for the backward, not the [seq, seq]
+    probabilities), XLA's elsewhere; "xla" -- XLA's everywhere."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff"):
@@ -65,29 +116,63 @@ class GPTConfig:
             ml_dtypes.finfo(dtype)  # raises for integer, bool and non-numeric dtypes
         except (TypeError, ValueError) as e:
             raise ValueError(f"model.dtype={self.dtype!r} is not a floating dtype name") from e
+        check_llama_fields(self)
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head, in elements: d_model // n_heads."""
         return self.d_model // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads when it is None."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
     def num_params(self) -> int:
-        """Exact number of parameters (scalars) of `GPT(self)`, by arithmetic alone."""
-        d, inner = self.d_model, self.n_heads * self.head_dim
-        attention = 3 * d * inner + inner * d  # wq, wk, wv, wo
-        mlp = 3 * d * self.d_ff  # w_gate, w_up, w_down
-        block = attention + mlp + 2 * d  # + two RMSNorm scales
-        embed = self.vocab_size * d
-        head = d + d * self.vocab_size  # final RMSNorm scale + untied lm_head
-        return embed + self.n_layers * block + head
+        """Exact number of parameters (scalars) of the model built from this config, by arithmetic alone."""
+        from h2jax.plan._profiles import ModelShape  # the planner's count is the one definition
+
+        return ModelShape.from_config(self).num_params()
+
+
+def check_llama_fields(cfg: GPTConfig) -> None:
+    """Value checks of n_kv_heads, rope_scaling, tie_embeddings and attention; ValueError naming the key."""
+    kv = cfg.n_kv_heads
+    if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or cfg.n_heads % kv):
+        raise ValueError(f"model.n_kv_heads={kv!r}; expected a positive int that divides model.n_heads={cfg.n_heads}")
+    if not isinstance(cfg.tie_embeddings, bool):
+        raise ValueError(f"model.tie_embeddings={cfg.tie_embeddings!r}; expected true or false")
+    if cfg.attention not in ATTENTION_IMPLS:
+        raise ValueError(f"model.attention={cfg.attention!r}; expected one of {list(ATTENTION_IMPLS)}")
+    rs = cfg.rope_scaling
+    if rs is None:
+        return
+    if not isinstance(rs, RopeScaling):
+        raise ValueError(f"model.rope_scaling={rs!r}; expected a mapping with keys type, factor, ... or null")
+    if rs.type not in ROPE_SCALING_TYPES:
+        raise ValueError(f"model.rope_scaling.type={rs.type!r}; expected one of {list(ROPE_SCALING_TYPES)}")
+    if not rs.factor > 0:
+        raise ValueError(f"model.rope_scaling.factor={rs.factor}; expected > 0")
+    if rs.type == "llama3":
+        if not 0 < rs.low_freq_factor < rs.high_freq_factor:
+            raise ValueError(
+                f"model.rope_scaling.low_freq_factor={rs.low_freq_factor}, high_freq_factor="
+                f"{rs.high_freq_factor}; expected 0 < low_freq_factor < high_freq_factor"
+            )
+        if rs.original_max_position_embeddings < 1:
+            raise ValueError(
+                f"model.rope_scaling.original_max_position_embeddings={rs.original_max_position_embeddings}; "
+                "expected >= 1"
+            )
 
 
 def tensor_divisible_dims(cfg: GPTConfig) -> dict[str, int]:
     """Sizes that a stage's tensor degree must divide, keyed by their config key.
 
-    Heads are split across the "tensor" axis (wq/wk/wv columns, wo rows), so are the SwiGLU
-    hidden units (d_ff) and the vocabulary columns of lm_head. d_model (embedding columns)
-    is n_heads * head_dim, so it is divisible whenever n_heads is.
+    Query heads are split across the "tensor" axis (wq columns, wo rows), so are the SwiGLU
+    hidden units (d_ff) and the vocabulary columns of lm_head (rows of a tied embedding).
+    d_model (embedding columns) is n_heads * head_dim, so it is divisible whenever n_heads
+    is. Key/value heads are not listed: a degree that does not divide them replicates wk/wv.
     """
     return {
         "model.n_heads": cfg.n_heads,

@@ -1,4 +1,11 @@
-"""A decoder-only transformer in the stageable form: Embed, a list of Blocks, Head.
+"""A LLaMA-family decoder-only transformer in the stageable form: Embed, a list of Blocks, Head.
+
+Pre-norm RMSNorm, rotary positions (optionally scaled: LLaMA 3.1's or linear), grouped-query
+attention through `jax.nn.dot_product_attention` (causal, no mask array), SwiGLU MLP, no
+biases, optionally an lm_head tied to the embedding. h2jax's default GPT is this model with
+n_kv_heads = n_heads, unscaled RoPE and an untied head. The maths is Hugging Face's
+``LlamaForCausalLM`` (rotate-half RoPE, float32 norms and softmax), so converted weights give
+its logits (tests/convert).
 
 Every parameter is a float32 `nnx.Param` created through `_param`, which attaches the
 Megatron-style tensor-parallel layout as Flax NNX `out_sharding` metadata (logical names =
@@ -6,15 +13,18 @@ mesh axis names, here only "tensor"). Construction never places arrays: the runt
 the layout back with `partition_specs` and puts each stage's state on its own mesh.
 
 Layout on the "tensor" axis (t = tensor degree):
-- wq, wk, wv, w_gate, w_up: column-parallel (None, "tensor") -- each device owns
-  n_heads/t heads (or d_ff/t hidden units); attention and the SwiGLU product are local.
+- wq, w_gate, w_up: column-parallel (None, "tensor") -- each device owns n_heads/t query
+  heads (or d_ff/t hidden units); attention and the SwiGLU product are local.
+- wk, wv: column-parallel like wq when t divides n_kv_heads (each device owns the key/value
+  heads its query heads read), else replicated: the Param carries ``tensor_units`` =
+  n_kv_heads, and `partition_specs(module, tensor=t)` drops the axis when t does not divide it.
 - wo, w_down: row-parallel ("tensor", None) -- partial sums, one all-reduce per sub-layer.
-- embedding [vocab, d_model]: (None, "tensor"), sharded on d_model. The lookup is a gather
-  along vocab, which GSPMD partitions as a pure pass-through when the gathered dim is
+- embedding [vocab, d_model], untied: (None, "tensor"), sharded on d_model. The lookup is a
+  gather along vocab, which GSPMD partitions as a pure pass-through when the gathered dim is
   unsharded: every device looks up its own columns, then one all-gather of [b, s, d] feeds
-  the replicated RMSNorm. Vocab-sharding ("tensor", None) works too, but GSPMD then emits a
-  masked gather plus an all-reduce of [b, s, d] (twice the bytes of the all-gather), and it
-  buys nothing at this size since the table is small next to the blocks.
+  the replicated RMSNorm.
+- embedding, tied: ("tensor", None), sharded on vocab, so that the logits it also computes
+  stay vocab-parallel (a masked gather plus an all-reduce of [b, s, d] for the lookup).
 - lm_head [d_model, vocab]: (None, "tensor") -- vocab-parallel logits; GSPMD reduces the
   log-sum-exp and the target-logit pick across the axis, so full logits never exist on one
   device.
@@ -23,25 +33,38 @@ Layout on the "tensor" axis (t = tensor degree):
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
-from h2jax.models._config import GPTConfig
+from h2jax.models._config import GPTConfig, RopeScaling
 
 TENSOR = "tensor"
 """Mesh axis name that tensor parallelism shards over (stage meshes are ("data", "tensor"))."""
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, sharding: tuple[str | None, ...]) -> nnx.Param:
+def _param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    std: float,
+    sharding: tuple[str | None, ...],
+    *,
+    tensor_units: int | None = None,
+) -> nnx.Param:
     """A float32 normal(std) parameter annotated with its tensor-parallel layout.
 
     `eager_sharding=False`: the model is built on the host without a mesh; the runtime
-    places the state onto each stage mesh from `partition_specs`.
+    places the state onto each stage mesh from `partition_specs`. `tensor_units`: how many
+    indivisible units (heads) the "tensor" dim holds, when a degree may not divide them.
     """
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value, out_sharding=sharding, eager_sharding=False)
+    extra = {} if tensor_units is None else {"tensor_units": tensor_units}
+    return nnx.Param(value, out_sharding=sharding, eager_sharding=False, **extra)
 
 
 class RMSNorm(nnx.Module):
@@ -60,11 +83,32 @@ class RMSNorm(nnx.Module):
         return (x32 * inv_rms * scale).astype(x.dtype)
 
 
-def _rope(x: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """The rotary angular frequencies [head_dim / 2] (radians per token), float32.
+
+    theta ** (-2i / head_dim), then the scaling variant (Hugging Face's
+    ``_compute_llama3_parameters`` / ``linear``), computed in float64 and rounded once.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    if scaling.type == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    # llama3: long wavelengths / factor, short ones kept, a smooth blend between
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def _rope(x: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotary positions on x [b, s, heads, head_dim], rotate-half convention, math in float32."""
     seq_len, half = x.shape[1], x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [half]
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [s, half]
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [s, half]
     cos = jnp.cos(angles)[None, :, None, :]  # [1, s, 1, half]
     sin = jnp.sin(angles)[None, :, None, :]
     x32 = x.astype(jnp.float32)
@@ -73,40 +117,72 @@ def _rope(x: jax.Array, theta: float) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
+@functools.cache
+def _have_cudnn() -> bool:
+    """Whether this process can trace cuDNN's fused attention (a CUDA backend with cuDNN)."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        check_cudnn_version()
+        return any(d.platform == "gpu" for d in jax.devices())
+    except Exception:  # noqa: BLE001 -- no CUDA backend, no cuDNN, or another JAX layout: use XLA
+        return False
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str) -> jax.Array:
+    """Causal attention of q [b, s, n_heads, hd] over k, v [b, s, n_kv_heads, hd].
+
+    `impl` "auto": on NVIDIA, in bfloat16/float16, when this process has cuDNN, the program
+    lowers to cuDNN's fused kernel (chosen per platform at lowering, so a CPU stage of the same
+    process still lowers to XLA's); everywhere else XLA's implementation.
+
+    XLA's implementation masks the float32 [s, s] scores with a `where`, and left to itself
+    the backward would keep, per score, the broadcast bool mask, the masked scores, their exp
+    and the probabilities (9 + dtype bytes: 13 in bf16, 3x a fused kernel's whole footprint at
+    seq 4096 for a LLaMA-7B shape). It runs under `jax.checkpoint` saving nothing, so the
+    backward keeps q, k, v (its inputs) and recomputes the scores and softmax, as a fused
+    kernel does: one extra q.k^T matmul per backward, activation memory linear in seq_len.
+    """
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def xla(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    fused_ok = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0
+    if impl == "auto" and fused_ok and _have_cudnn():
+
+        def cudnn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+        return jax.lax.platform_dependent(q, k, v, cuda=cudnn, default=xla)
+    return xla(q, k, v)
+
+
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with rotary positions; no biases."""
+    """Causal grouped-query self-attention with rotary positions; no biases."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.rope_theta, self.dtype = cfg.rope_theta, jnp.dtype(cfg.dtype)
-        inner = cfg.n_heads * cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.dtype, self.impl = jnp.dtype(cfg.dtype), cfg.attention
+        inner, kv_inner = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         self.wq = _param(rngs, (cfg.d_model, inner), cfg.init_std, (None, TENSOR))
-        self.wk = _param(rngs, (cfg.d_model, inner), cfg.init_std, (None, TENSOR))
-        self.wv = _param(rngs, (cfg.d_model, inner), cfg.init_std, (None, TENSOR))
+        self.wk = _param(rngs, (cfg.d_model, kv_inner), cfg.init_std, (None, TENSOR), tensor_units=cfg.kv_heads)
+        self.wv = _param(rngs, (cfg.d_model, kv_inner), cfg.init_std, (None, TENSOR), tensor_units=cfg.kv_heads)
         self.wo = _param(rngs, (inner, cfg.d_model), cfg.init_std, (TENSOR, None))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, _ = x.shape
         dt = self.dtype
 
-        def heads(w: nnx.Param) -> jax.Array:  # [b, s, d] @ [d, h*hd] -> [b, s, h, hd]
-            return (x @ w[...].astype(dt)).reshape(b, s, self.n_heads, self.head_dim)
+        def heads(w: nnx.Param, n: int) -> jax.Array:  # [b, s, d] @ [d, n*hd] -> [b, s, n, hd]
+            return (x @ w[...].astype(dt)).reshape(b, s, n, self.head_dim)
 
-        q = _rope(heads(self.wq), self.rope_theta)
-        k = _rope(heads(self.wk), self.rope_theta)
-        v = heads(self.wv)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
-        # the causal mask as an additive [s, s] bias (0 or the fp32 minimum), not a `where` on the
-        # scores: `where` keeps a broadcast [b, h, s, s] mask and the masked scores for the
-        # backward (5 B per score, left unsharded under tensor parallelism), an add keeps
-        # nothing. Same numbers: score + 0 is the score, score + min rounds to min, and exp
-        # underflows to exactly 0 there either way (a finite minimum, not -inf: no row is all-masked)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-        scores = scores + jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)[None, None]
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        out = out.reshape(b, s, self.n_heads * self.head_dim)
+        inv_freq = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+        q = _rope(heads(self.wq, self.n_heads), inv_freq)
+        k = _rope(heads(self.wk, self.n_kv_heads), inv_freq)
+        v = heads(self.wv, self.n_kv_heads)
+        out = attend(q, k, v, impl=self.impl).reshape(b, s, self.n_heads * self.head_dim)
         return out @ self.wo[...].astype(dt)
 
 
@@ -130,7 +206,8 @@ class Embed(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.dtype = jnp.dtype(cfg.dtype)
-        self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, (None, TENSOR))
+        layout = (TENSOR, None) if cfg.tie_embeddings else (None, TENSOR)
+        self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, layout)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
@@ -151,15 +228,24 @@ class Block(nnx.Module):
 
 
 class Head(nnx.Module):
-    """Final RMSNorm, untied lm_head, mean token cross-entropy in float32 -> scalar loss."""
+    """Final RMSNorm, lm_head (its own [d_model, vocab], or the embedding [vocab, d_model] when
+    tied), mean token cross-entropy in float32 -> scalar loss."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, embedding: nnx.Param | None = None):
         self.dtype = jnp.dtype(cfg.dtype)
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, (None, TENSOR))
+        if cfg.tie_embeddings:
+            if embedding is None:
+                raise ValueError("model.tie_embeddings=true: the head needs the embedding Param it shares")
+            self.embedding = embedding  # the same Param object: one parameter, two uses
+        else:
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, (None, TENSOR))
 
     def logits(self, h: jax.Array) -> jax.Array:
         """float32 logits [b, s, vocab] (inference helper; the loss path uses the same math)."""
+        if hasattr(self, "embedding"):
+            w = self.embedding[...].astype(self.dtype)
+            return jnp.einsum("bsd,vd->bsv", self.norm(h), w, preferred_element_type=jnp.float32)
         w = self.lm_head[...].astype(self.dtype)
         return jnp.einsum("bsd,dv->bsv", self.norm(h), w, preferred_element_type=jnp.float32)
 
@@ -169,13 +255,14 @@ class Head(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Decoder-only transformer: `embed`, `blocks` (nnx.List of n_layers Block), `head`."""
+    """The LLaMA-family decoder-only transformer: `embed`, `blocks` (nnx.List of n_layers
+    Block), `head`. (GPT is its historical name in h2jax; the architecture is LLaMA's.)"""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.head = Head(cfg, rngs=rngs)
+        self.head = Head(cfg, rngs=rngs, embedding=self.embed.embedding if cfg.tie_embeddings else None)
 
     def hidden(self, tokens: jax.Array) -> jax.Array:
         """Hidden states after the last block, before the final norm: [b, s, d_model]."""
@@ -184,11 +271,15 @@ class GPT(nnx.Module):
             h = block(h)
         return h
 
+    def logits(self, tokens: jax.Array) -> jax.Array:
+        """float32 next-token logits [b, s, vocab] of int32 tokens [b, s]."""
+        return self.head.logits(self.hidden(tokens))
+
     def __call__(self, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy (float32 scalar) of int32 tokens/targets [b, s]."""
         return self.head(self.hidden(tokens), targets)
 
 
 def build_model(cfg: GPTConfig, *, seed: int) -> GPT:
-    """A freshly initialised GPT; the same (cfg, seed) gives bit-identical parameters."""
+    """A freshly initialised model; the same (cfg, seed) gives bit-identical parameters."""
     return GPT(cfg, rngs=nnx.Rngs(seed))

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+TENSOR_AXIS = "tensor"  # the stage mesh axis tensor parallelism splits (models._llama.TENSOR)
 
 
 def check_stageable(model: object) -> None:
@@ -73,13 +77,29 @@ class StageModule(nnx.Module):
         return self.head(h, targets)
 
 
-def partition_specs(module: nnx.Module) -> nnx.State:
+def partition_specs(module: nnx.Module, *, tensor: int | None = None) -> nnx.State:
     """PartitionSpecs of every nnx.Param of `module`, read from its NNX sharding metadata.
 
     The result matches `nnx.split(module, nnx.Param)[1]` leaf for leaf (same State tree,
     each leaf a `jax.sharding.PartitionSpec`), so
     `jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(m))` is a sharding
     tree for `jax.device_put(state, ...)`. A Param without metadata gets P() (replicated).
+
+    `tensor`: the stage's tensor degree. A Param whose metadata holds ``tensor_units`` (the
+    key/value heads of grouped-query attention) is replicated instead of split over the
+    "tensor" axis when `tensor` does not divide that count; None keeps every split.
     """
     _, params = nnx.split(module, nnx.Param)
-    return nnx.get_partition_spec(params)
+    specs = nnx.get_partition_spec(params)
+    if tensor is None or tensor == 1:
+        return specs
+
+    def resolve(var: Any, spec: Any) -> Any:
+        units = var.get_metadata().get("tensor_units") if isinstance(var, nnx.Variable) else None
+        if units is None or units % tensor == 0:
+            return spec
+        inner = spec.get_value() if isinstance(spec, nnx.Variable) else spec
+        dropped = P(*(None if axis == TENSOR_AXIS else axis for axis in inner))
+        return spec.replace(dropped) if isinstance(spec, nnx.Variable) else dropped
+
+    return jax.tree.map(resolve, params, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -7,7 +7,7 @@ Everything the cost model needs to price a stage, and nothing that needs a devic
   one parser of h2jax (``h2jax.config`` holds these in ``cluster.chips`` as ``ChipSpec``,
   the same class), kept here so that ``h2jax.plan`` stays pure and below ``h2jax.config``;
 - :class:`Cluster` -- chip type -> profile and device count, from ``configs/clusters/*.yaml``;
-- :class:`ModelShape` -- the GPT dims that fix FLOPs, bytes and parameter counts;
+- :class:`ModelShape` -- the model dims that fix FLOPs, bytes and parameter counts;
 - :class:`LayerCost` / :class:`ProfileTable` -- per-layer forward/backward seconds and
   bytes for one (chip, model shape, tensor degree, microbatch): measured by
   ``h2jax profile`` (cached as JSON) or estimated from the roofline here and marked
@@ -318,10 +318,13 @@ class Cluster:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dims of the stageable GPT that fix its FLOPs, bytes and parameter counts.
+    """The dims of the stageable LLaMA-family model that fix its FLOPs, bytes and parameter counts.
 
     `act_bytes` is the compute dtype's size (2: bf16, 4: fp32). Parameters, gradients and
     the two AdamW moments are fp32 as in the runtime: 4 + 4 + 8 = 16 bytes per parameter.
+    `n_kv_heads` None means n_heads (multi-head attention); `tie_embeddings` drops the
+    lm_head matrix (the head reuses the embedding); `attention` is the model config's kernel
+    choice ("auto": cuDNN's fused kernel on cuda chips in bf16/fp16, XLA's elsewhere).
     """
 
     n_layers: int
@@ -331,13 +334,15 @@ class ModelShape:
     vocab_size: int
     seq_len: int
     act_bytes: int = 2
+    n_kv_heads: int | None = None
+    tie_embeddings: bool = False
+    attention: str = "auto"
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelShape:
         """From a GPTConfig (or any object/mapping with its fields)."""
-        get = (lambda k: cfg[k]) if isinstance(cfg, Mapping) else (lambda k: getattr(cfg, k))
-        dtype = cfg.get("dtype", "bfloat16") if isinstance(cfg, Mapping) else getattr(cfg, "dtype", "bfloat16")
-        act = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(dtype), 2)
+        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
+        act = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(get("dtype", "bfloat16")), 2)
         return cls(
             n_layers=get("n_layers"),
             d_model=get("d_model"),
@@ -346,6 +351,9 @@ class ModelShape:
             vocab_size=get("vocab_size"),
             seq_len=get("seq_len"),
             act_bytes=act,
+            n_kv_heads=get("n_kv_heads"),
+            tie_embeddings=bool(get("tie_embeddings", False)),
+            attention=str(get("attention", "auto")),
         )
 
     @functools.cached_property
@@ -356,9 +364,15 @@ class ModelShape:
         return self._key
 
     def _make_key(self) -> str:
-        """Short stable id of the shape a per-layer profile depends on (not n_layers)."""
+        """Short stable id of the shape a per-layer profile depends on (not n_layers).
+
+        Fields at their defaults stay out of the hashed text, so a model of the original
+        fields keeps the key its cached profiles were stored under."""
         d = asdict(self)
         d.pop("n_layers")
+        for f in fields(self):
+            if f.default is not MISSING and d.get(f.name) == f.default and f.name != "act_bytes":
+                d.pop(f.name)
         text = json.dumps(d, sort_keys=True)
         return (
             f"d{self.d_model}h{self.n_heads}f{self.d_ff}v{self.vocab_size}s{self.seq_len}a{self.act_bytes}-"
@@ -366,9 +380,17 @@ class ModelShape:
         )
 
     @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
     def block_params(self) -> int:
-        d = self.d_model
-        return 4 * d * d + 3 * d * self.d_ff + 2 * d
+        d, kv = self.d_model, self.kv_heads * self.head_dim
+        return 2 * d * d + 2 * d * kv + 3 * d * self.d_ff + 2 * d  # wq, wo; wk, wv; SwiGLU; two norms
 
     @property
     def embed_params(self) -> int:
@@ -376,7 +398,7 @@ class ModelShape:
 
     @property
     def head_params(self) -> int:
-        return self.d_model * self.vocab_size + self.d_model
+        return self.d_model + (0 if self.tie_embeddings else self.d_model * self.vocab_size)
 
     def num_params(self) -> int:
         return self.embed_params + self.n_layers * self.block_params + self.head_params
@@ -484,25 +506,29 @@ def roofline_costs(
 
     hidden = tokens * d * a  # one [b, s, d] activation
     h, hd = model.n_heads, d / model.n_heads
-    # block: 4 d^2 + 3 d f matmul weights (sharded), attention scores/probs (heads sharded)
-    w_block = (4 * d * d + 3 * d * f) / t
-    fl_block = 2 * tokens * w_block + 4 * tokens * s * d / t
+    kv = model.kv_heads
+    t_kv = t if kv % t == 0 else 1  # key/value heads split only when t divides them (else replicated)
+    # block: wq, wo, w_gate, w_up, w_down (sharded by t), wk, wv (by t_kv); attention's q.k^T
+    # and p.v over all s keys (XLA does not skip the masked half)
+    w_block = (2 * d * d + 3 * d * f) / t + 2 * d * kv * hd / t_kv
+    fl_attn = 4 * tokens * s * d / t
+    fl_block = 2 * tokens * w_block + fl_attn
     # What the forward keeps for the backward: JAX's residuals of this model's block, counted
-    # array by array (jax.vjp of h2jax.models' Block): per token the two RMSNorms (3 fp32 [d]
-    # arrays + 2 scalars each, the normed input in the compute dtype), the rotary tables, q,
-    # k, v and the attention output, six [d_ff] arrays of the MLP, the softmax's row sums;
-    # per score (h x s per token) the exp (fp32) and the probabilities (compute dtype); and
-    # once per microbatch the weights cast to the compute dtype; plus the block's output (as
-    # the profiler counts: the forward program's outputs). Matches the profiler's measured
-    # bytes on CPU within 1 % at tensor 1, 2 and 4 (docs/LOG.md); the earlier count (no
-    # norms, rotary tables or weight copies) was half of what an H200 kept.
-    per_token = 24 * d + 16 + 8 * hd + 2 * a * d + (4 * a * d + 6 * a * f + 8 * h) / t
-    scores = (4 + a) * h * s / t
-    act_block = tokens * (per_token + scores) + w_block * a + hidden
+    # array by array (jax.vjp of h2jax.models' Block; tests/models/test_activation_memory.py
+    # compares with XLA's compiled memory analysis): per token the two RMSNorms (3 fp32 [d]
+    # arrays + 2 scalars each, the normed input in the compute dtype), the rotated q and k,
+    # v, the attention output, six [d_ff] arrays of the MLP; per position the four rotary
+    # tables [hd/2] (fp32); once per microbatch the weights cast to the compute dtype; plus
+    # the block's output (as the profiler counts: the forward program's outputs). Nothing per
+    # score: the attention recomputes its scores in the backward (h2jax.models' `attend`), and
+    # a fused kernel (cuDNN: cuda chips in bf16/fp16) adds only its fp32 softmax statistics.
+    fused = model.attention == "auto" and chip.platform == "cuda" and a == 2 and hd <= 128 and hd % 8 == 0
+    per_token = 24 * d + 16 + 2 * a * d + (2 * a * d + 6 * a * f + (4 * h if fused else 0)) / t + 2 * a * kv * hd / t_kv
+    act_block = tokens * per_token + s * 8 * hd + w_block * a + hidden
     by_block = w_block * a + act_block + 2 * hidden
     ar_block = allreduce(hidden, t)
     blk_f = compute(fl_block, by_block) + 2 * ar_block
-    blk_b = compute(2 * fl_block, 2 * by_block) + 2 * ar_block
+    blk_b = compute(2 * fl_block + fl_attn / 2, 2 * by_block) + 2 * ar_block  # + the q.k^T recomputed
     block = LayerCost(
         fwd_s=blk_f,
         bwd_s=blk_b,

@@ -1,0 +1,55 @@
+"""The planner's per-block activation bytes equal what XLA keeps for the backward.
+
+XLA's compiled memory analysis of one block's forward-with-residuals program (``jax.vjp``,
+as the runtime's stage programs run it) against `roofline_costs(...)["block"].act_bytes`, at
+two sequence lengths, both compute dtypes, grouped-query attention, and tensor degrees that
+split the key/value heads and that replicate them. The estimate is within 25 % (the issue's
+bar); it is in fact within 0.1 % here (docs/LOG.md), and a per-score term -- what an
+attention that keeps its [s, s] probabilities would add -- would break the bar at the longer
+sequence.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from h2jax.models import GPTConfig, build_model, partition_specs
+from h2jax.plan import ModelShape
+from h2jax.plan._profiles import ChipProfile, roofline_costs
+
+CPU = ChipProfile(name="cpu", memory_gib=16, peak_tflops=1, mem_bw_gbps=10, intra_node_gbps=10, inter_node_gbps=10)
+BATCH = 2
+
+
+def kept_bytes(cfg: GPTConfig, tensor: int) -> int:
+    """Per-device bytes of one block's forward outputs: its output and the vjp residuals."""
+    block = build_model(cfg, seed=0).blocks[0]
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+    mesh = Mesh(np.array(jax.devices("cpu")[:tensor]).reshape(1, tensor), ("data", "tensor"))
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(block, tensor=tensor))
+    params = jax.device_put(params, shardings)
+    x = jax.device_put(jnp.zeros((BATCH, cfg.seq_len, cfg.d_model), jnp.dtype(cfg.dtype)), NamedSharding(mesh, P()))
+
+    def fwd(params, x):
+        return jax.vjp(lambda p, x_: nnx.merge(graphdef, p, rest)(x_), params, x)
+
+    return jax.jit(fwd).lower(params, x).compile().memory_analysis().output_size_in_bytes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("n_kv_heads", "tensor"), [(2, 1), (2, 2), (2, 4), (8, 4)])
+def test_block_activation_bytes_match_the_estimate(dtype, n_kv_heads, tensor):
+    for seq_len in (128, 512):
+        cfg = GPTConfig(
+            vocab_size=256, seq_len=seq_len, d_model=256, n_heads=8, n_kv_heads=n_kv_heads, n_layers=1, d_ff=704,
+            dtype=dtype,
+        )  # fmt: skip
+        measured = kept_bytes(cfg, tensor)
+        estimate = roofline_costs(ModelShape.from_config(cfg), CPU, tensor=tensor, microbatch=BATCH)["block"].act_bytes
+        assert abs(measured - estimate) <= 0.25 * measured, (seq_len, measured, estimate)
