@@ -2,10 +2,12 @@
 
 ``load_config(path, ["plan.num_microbatches=16"])`` returns a validated
 :class:`ExperimentConfig` or raises :class:`ConfigError` naming the key, the value and
-what was expected -- before any device is touched.
+what was expected -- before any device is touched. It runs :func:`validate` (the config
+against itself) and :func:`check_inputs` (against the files the run reads and writes).
 """
 
 from h2jax.config._errors import ConfigError
+from h2jax.config._inputs import check_inputs, format_bytes, format_count
 from h2jax.config._load import config_to_dict, load_config, load_raw, save_config, validate
 from h2jax.config._schema import (
     CheckpointConfig,
@@ -22,11 +24,14 @@ __all__ = [
     "ChipSpec",
     "ClusterConfig",
     "ConfigError",
+    "check_inputs",
     "DataConfig",
     "ExperimentConfig",
     "OptimizerConfig",
     "TrainConfig",
     "config_to_dict",
+    "format_bytes",
+    "format_count",
     "load_config",
     "load_raw",
     "save_config",

@@ -13,15 +13,17 @@ from typing import Any
 
 import yaml
 
-from h2jax._strict import VALUE_CHECKS, build_dataclass, to_raw
+from h2jax._strict import VALUE_CHECKS, build_dataclass, read_yaml, to_raw
 from h2jax.config._chips import resolve_chip
 from h2jax.config._errors import ConfigError
+from h2jax.config._inputs import check_inputs
 from h2jax.config._schema import ExperimentConfig
 from h2jax.models import GPTConfig, tensor_divisible_dims
 from h2jax.plan import PlanError, check_plan
 from h2jax.plan._profiles import config_dirs
 
 TRANSPORTS = ("local", "host", "ffi")  # local: one process; host, ffi: one process per stage (mpirun)
+MULTIPROCESS_TRANSPORTS = ("host", "ffi")  # these need a launcher (mpirun, srun) and more than one process
 TOKEN_DTYPES = ("uint16", "uint32")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("abort", "skip")
@@ -99,10 +101,7 @@ def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str
                     "config", f"file {str(path)!r} not found (also looked in {[str(d) for d in config_dirs()]})"
                 )
             p = found
-        try:
-            user = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError("config", f"{p} is not valid YAML: {e}") from e
+        user = read_yaml(p, key="config") or {}
         if not isinstance(user, dict):
             raise ConfigError("config", f"{p} must hold a mapping at the top, got {type(user).__name__}")
         raw = _merge(raw, user)
@@ -144,6 +143,23 @@ def check_model_values(values: dict[str, Any], key: str = "model") -> None:
 VALUE_CHECKS[GPTConfig] = check_model_values
 
 
+def _check_launcher(transport: str, num_stages: int) -> None:
+    """A transport between processes needs this process to be one of several started by a
+    launcher (h2jax.launch reads the launcher's environment variables; nothing is started)."""
+    from h2jax.launch import LauncherError, detect_launch
+
+    try:
+        launch = detect_launch()
+    except LauncherError as e:
+        raise ConfigError("train.transport", f"{transport!r} needs a launcher h2jax recognises: {e}") from None
+    if launch is None or launch.size < 2:
+        raise ConfigError(
+            "train.transport",
+            f"{transport!r} moves tensors between processes; run one process per stage (mpirun -np "
+            f"{num_stages} h2jax train ...) or use transport 'local'",
+        )
+
+
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     """Cross-field checks; raises ConfigError naming the key and the numbers."""
     m = cfg.model
@@ -171,6 +187,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("train.log_every", f"log_every={t.log_every}; expected >= 1")
     if t.transport not in TRANSPORTS:
         raise ConfigError("train.transport", f"transport={t.transport!r}; expected one of {list(TRANSPORTS)}")
+    if t.transport in MULTIPROCESS_TRANSPORTS:
+        _check_launcher(t.transport, cfg.plan.num_stages)
     if t.gantt_step != -1 and not 0 <= t.gantt_step < t.steps:
         raise ConfigError("train.gantt_step", f"gantt_step={t.gantt_step}; expected -1 or 0..{t.steps - 1}")
     if t.nonfinite not in NONFINITE_POLICIES:
@@ -199,14 +217,20 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     d = cfg.data
     if d.token_dtype not in TOKEN_DTYPES:
         raise ConfigError("data.token_dtype", f"token_dtype={d.token_dtype!r}; expected one of {list(TOKEN_DTYPES)}")
-    if d.tokenizer == "byte" and d.token_file is None and m.vocab_size < 256:
-        raise ConfigError("model.vocab_size", f"vocab_size={m.vocab_size} but the byte tokenizer needs 256")
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """The validated experiment from ``path`` (None: the embedded default) and overrides."""
-    return validate(build(load_raw(path, overrides)))
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, check_files: bool = True
+) -> ExperimentConfig:
+    """The validated experiment from ``path`` (None: the embedded default) and overrides.
+
+    ``check_files``: also check what the run reads and writes (:func:`check_inputs`: data and
+    tokenizer files, output folders), so that a bad path fails here and not after the
+    backends start. False: the config alone (e.g. to inspect an experiment of another machine).
+    """
+    cfg = validate(build(load_raw(path, overrides)))
+    return check_inputs(cfg) if check_files else cfg
 
 
 def config_to_dict(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -5,7 +5,7 @@ Pure numpy; no JAX import.
 
 from h2jax.data._batching import get_global_batch, get_microbatch
 from h2jax.data._corpus import default_corpus_text, load_text
-from h2jax.data._dataset import TokenDataset, load_dataset
+from h2jax.data._dataset import TokenDataset, check_token_ids, load_dataset, open_token_file
 from h2jax.data._tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -19,11 +19,13 @@ __all__ = [
     "HFTokenizer",
     "TokenDataset",
     "Tokenizer",
+    "check_token_ids",
     "default_corpus_text",
     "get_global_batch",
     "get_microbatch",
     "load_dataset",
     "load_text",
     "load_tokenizer",
+    "open_token_file",
     "token_dtype_for",
 ]

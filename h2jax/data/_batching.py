@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from h2jax._strict import ConfigError
 from h2jax.data._dataset import TokenDataset
 
 
@@ -36,9 +37,10 @@ def get_microbatch(
         raise ValueError(f"seed, step and microbatch_idx must be >= 0, got {seed}, {step}, {microbatch_idx}")
     num_starts = len(dataset) - seq_len
     if num_starts < 1:
-        raise ValueError(
-            f"dataset has {len(dataset)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
-            f"use a larger corpus or a smaller model.seq_len"
+        raise ConfigError(
+            "model.seq_len",
+            f"the dataset has {len(dataset)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+            "expected a larger corpus (data.corpus, data.token_file) or a smaller model.seq_len",
         )
     rng = np.random.default_rng([seed, step, microbatch_idx])
     starts = rng.integers(0, num_starts, size=microbatch_size)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from h2jax._strict import ConfigError
 from h2jax.data._corpus import default_corpus_text, load_text
 from h2jax.data._tokenizer import Tokenizer, load_tokenizer
 
@@ -36,29 +37,11 @@ class TokenDataset:
         ``dtype`` is ``"uint16"`` (2 bytes/token) or ``"uint32"`` (4 bytes/token).
         ``vocab_size`` defaults to max id + 1 (one pass over the file); pass the
         tokenizer's vocabulary size when you know it. Ids must be below ``vocab_size``.
+        Problems are ConfigErrors naming ``data.token_file`` (see :func:`check_token_file`).
         """
-        if dtype not in _TOKEN_FILE_DTYPES:
-            raise ValueError(f"data.token_dtype={dtype!r} is not valid: expected one of {_TOKEN_FILE_DTYPES}")
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"data.token_file: {str(path)!r} does not exist")
-        np_dtype = np.dtype(dtype).newbyteorder("<")
-        num_bytes = path.stat().st_size
-        if num_bytes < np_dtype.itemsize or num_bytes % np_dtype.itemsize:
-            raise ValueError(
-                f"data.token_file {str(path)!r} has {num_bytes} bytes, which is not a positive "
-                f"multiple of {np_dtype.itemsize} bytes per {dtype} token; check data.token_dtype"
-            )
-        tokens = np.memmap(path, dtype=np_dtype, mode="r")
-        max_id = int(tokens.max())
-        if vocab_size is None:
-            vocab_size = max_id + 1
-        elif max_id >= vocab_size:
-            raise ValueError(
-                f"data.token_file {str(path)!r} holds token id {max_id}, but the tokenizer's "
-                f"vocab_size is {vocab_size}; check data.tokenizer and data.token_dtype"
-            )
-        return cls(tokens=tokens, vocab_size=vocab_size)
+        tokens = open_token_file(path, dtype=dtype)
+        max_id = check_token_ids(tokens, path, vocab_size=vocab_size)
+        return cls(tokens=tokens, vocab_size=max_id + 1 if vocab_size is None else vocab_size)
 
     def split(self, val_fraction: float) -> tuple[TokenDataset, TokenDataset]:
         """Contiguous (train, val) split: the last ``val_fraction`` of tokens is validation."""
@@ -74,6 +57,49 @@ class TokenDataset:
     def __len__(self) -> int:
         """Number of tokens."""
         return int(self.tokens.shape[0])
+
+
+def open_token_file(path: str | Path, *, dtype: str, key: str = "data.token_file") -> np.memmap:
+    """The token file memory-mapped; ConfigError when it is missing or its size is not a
+    positive multiple of the token dtype's size."""
+    if dtype not in _TOKEN_FILE_DTYPES:
+        raise ConfigError(
+            "data.token_dtype", f"data.token_dtype={dtype!r} is not valid: expected one of {_TOKEN_FILE_DTYPES}"
+        )
+    path = Path(path)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ConfigError(key, f"{str(path)!r} {what}; expected a flat binary file of {dtype} token ids")
+    np_dtype = np.dtype(dtype).newbyteorder("<")
+    num_bytes = path.stat().st_size
+    if num_bytes < np_dtype.itemsize or num_bytes % np_dtype.itemsize:
+        raise ConfigError(
+            key,
+            f"{str(path)!r} has {num_bytes} bytes, which is not a positive multiple of "
+            f"{np_dtype.itemsize} bytes per {dtype} token; check data.token_dtype",
+        )
+    return np.memmap(path, dtype=np_dtype, mode="r")
+
+
+def check_token_ids(
+    tokens: np.ndarray, path: str | Path, *, vocab_size: int | None, key: str = "data.token_file"
+) -> int:
+    """The largest id of ``tokens`` (scanned in chunks: a memmap is never read whole into
+    memory); ConfigError naming the first id >= ``vocab_size`` and its position."""
+    chunk = 1 << 24
+    max_id = 0
+    for start in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[start : start + chunk])
+        m = int(part.max())
+        if vocab_size is not None and m >= vocab_size:
+            pos = start + int(np.argmax(part >= vocab_size))
+            raise ConfigError(
+                key,
+                f"{str(path)!r} holds token id {int(tokens[pos])} at position {pos}, but the tokenizer's "
+                f"vocab_size is {vocab_size}; expected ids below it (check data.tokenizer and data.token_dtype)",
+            )
+        max_id = max(max_id, m)
+    return max_id
 
 
 def load_dataset(*, corpus: str, token_file: str | None, tokenizer: str, token_dtype: str) -> TokenDataset:

@@ -7,10 +7,13 @@ Two kinds, behind one duck-typed contract (``vocab_size``, ``encode``, ``decode`
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from h2jax._strict import ConfigError
 
 _UINT16_LIMIT = 1 << 16
 
@@ -57,7 +60,15 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HFTokenizer  # deferred: optional at import time
 
         self.path = Path(path)
-        self._tok = _HFTokenizer.from_file(str(self.path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001 - the tokenizers package raises a bare Exception
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(
+                "data.tokenizer",
+                f"{str(self.path)!r} is not a valid tokenizer.json ({reason}); expected a file "
+                "written by the Hugging Face tokenizers library (Tokenizer.save)",
+            ) from None
         self.vocab_size: int = int(self._tok.get_vocab_size())
         self.dtype: np.dtype = token_dtype_for(self.vocab_size)
 
@@ -78,14 +89,24 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     """Build the tokenizer named by config key ``data.tokenizer``.
 
     ``"byte"`` gives a ``ByteTokenizer``; a path to an existing ``tokenizer.json`` file
-    gives an ``HFTokenizer``. Anything else is a ``ValueError``.
+    gives an ``HFTokenizer`` (cached per file version: validation before the devices and
+    the run share one). Anything else, or a file the tokenizers library cannot read, is a
+    ConfigError naming ``data.tokenizer``.
     """
     if spec == "byte":
         return ByteTokenizer()
     path = Path(spec)
     if path.suffix == ".json" and path.is_file():
-        return HFTokenizer(path)
-    raise ValueError(
+        st = path.stat()
+        return _hf_tokenizer(str(path.resolve()), st.st_mtime_ns, st.st_size)
+    raise ConfigError(
+        "data.tokenizer",
         f"data.tokenizer={spec!r} is not valid: expected 'byte' or the path to an existing "
-        f"Hugging Face tokenizer.json file" + (" (no such file)" if path.suffix == ".json" else "")
+        f"Hugging Face tokenizer.json file" + (" (no such file)" if path.suffix == ".json" else ""),
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_tokenizer(path: str, mtime_ns: int, size: int) -> HFTokenizer:
+    del mtime_ns, size  # the cache key: a rewritten file is read again
+    return HFTokenizer(path)

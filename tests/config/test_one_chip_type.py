@@ -74,7 +74,9 @@ def test_count_stands_for_nodes_in_both(tmp_path, monkeypatch):
     assert (chip.nodes, nodes) == (2, 2)
     cfg = load_config(None, ["cluster.chips={sim_a: {nodes: 1}, sim_b: {count: 8}}"])
     assert cfg.cluster.chips["sim_b"].nodes == 2
-    with pytest.raises(ConfigError, match=r"cluster.chips.sim_b.count: count=6 is not a multiple of devices_per_node=4"):
+    with pytest.raises(
+        ConfigError, match=r"cluster.chips.sim_b.count: count=6 is not a multiple of devices_per_node=4"
+    ):
         load_config(None, ["cluster.chips={sim_a: {nodes: 1}, sim_b: {count: 6}}"])
 
 

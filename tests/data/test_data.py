@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from h2jax.config import ConfigError
 from h2jax.data import (
     ByteTokenizer,
     HFTokenizer,
@@ -98,8 +99,35 @@ def test_load_text(tmp_path: Path) -> None:
     path = tmp_path / "c.txt"
     path.write_text("añb\n", encoding="utf-8")
     assert load_text(path) == "añb\n"
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
+    with pytest.raises(ConfigError, match=r"data\.corpus: '.*missing.txt' does not exist"):
         load_text(tmp_path / "missing.txt")
+
+
+def test_load_text_refuses_empty_and_non_utf8(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"data\.corpus: '.*empty.txt' is empty"):
+        load_text(empty)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"data\.corpus: '.*latin1.txt' is not UTF-8 text \(byte 3: invalid"):
+        load_text(latin1)
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_text(tmp_path)
+
+
+def test_invalid_tokenizer_json_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "tokenizer.json"
+    bad.write_bytes(b"\xff\xfe not json")
+    with pytest.raises(ConfigError, match=r"data\.tokenizer: '.*tokenizer.json' is not a valid tokenizer.json \("):
+        load_tokenizer(str(bad))
+    bad.write_text('{"version": "1.0"}')
+    with pytest.raises(ConfigError, match="is not a valid tokenizer.json"):
+        load_tokenizer(str(bad))
+
+
+def test_hf_tokenizer_is_loaded_once_per_file_version(tokenizer_json: Path) -> None:
+    assert load_tokenizer(str(tokenizer_json)) is load_tokenizer(str(tokenizer_json))
 
 
 # datasets
@@ -138,9 +166,9 @@ def test_token_file_errors(tmp_path: Path) -> None:
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="0 bytes"):
         TokenDataset.from_file(empty)
-    with pytest.raises(FileNotFoundError, match="nope.bin"):
+    with pytest.raises(ConfigError, match=r"data\.token_file: '.*nope.bin' does not exist"):
         TokenDataset.from_file(tmp_path / "nope.bin")
-    with pytest.raises(ValueError, match="token id 4.*vocab_size is 3"):
+    with pytest.raises(ConfigError, match="token id 3 at position 3, but the tokenizer's vocab_size is 3"):
         TokenDataset.from_file(path, vocab_size=3)
 
 
