@@ -54,6 +54,8 @@ from h2jax.plan._plan import Plan, StageSpec
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 
 INF = math.inf
+DEFAULT_TIME_BUDGET_S = 3.0  # what `h2jax plan` allows the search without --time-budget
+EXACT_DIRECT = 4000  # (microbatch, configuration, order) triples below which auto goes straight to exact
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,13 @@ class SearchOptions:
         "memory" (memory-descending only: the paper's rule).
     allow_recompute: let stages recompute activations in the backward.
     max_options_per_chip: keep only the best this-many (k_c, t_c) choices per chip type by
-        throughput (a beam for very large clusters; None: all, which is exact).
+        memory-capped capability (a beam, fixed by hand; None: all, which is exact).
+    auto: let the search set its own effort (module docstring, "Effort"): exact in one
+        round where the space is small, else rounds of growing beams over an order
+        neighbourhood, then the exact space, until the space is covered, the rounds stop
+        improving, or the time budget is spent. False: one round over exactly this space.
+    time_budget_s: wall-clock seconds the search may take (None: no limit). Past it the
+        search returns the best plan found so far, marked not exhaustive.
     """
 
     schedule: str = "1f1b"
@@ -86,6 +94,8 @@ class SearchOptions:
     max_orders: int = 120
     allow_recompute: bool = True
     max_options_per_chip: int | None = None
+    auto: bool = True
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
     cost: CostOptions = field(default_factory=CostOptions)
 
 
@@ -110,13 +120,18 @@ class ChipChoice:
     def layers_within(self, b: np.ndarray) -> np.ndarray:
         """Upper bound on the blocks these stages can hold if no stage may take longer than `b`.
 
-        A stage with l <= max_layers blocks takes >= l * layer_s; with more it must
-        recompute and takes >= l * layer_rc_s; it never holds more than max_layers_rc.
+        A stage with l <= max_layers blocks takes >= l * layer_s, so l <= floor(b / layer_s);
+        with more it must recompute and takes >= l * layer_rc_s; it never holds more than
+        max_layers_rc. Whole blocks only: the floor is what makes the bound see that 96
+        layers over 16 stages cannot be split finer than one block (rounded up by a hair so
+        floating-point noise can only loosen it).
         """
-        total = np.zeros_like(b)
-        for ln, lr in zip(self.max_layers, self.max_layers_rc):
-            total += np.maximum(np.minimum(ln, b / self.layer_s), np.minimum(lr, b / self.layer_rc_s))
-        return total
+        b = np.asarray(b, dtype=np.float64)
+        ln = np.asarray(self.max_layers, dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
+        lr = np.asarray(self.max_layers_rc, dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
+        xn = np.floor(b / self.layer_s * (1 + 1e-9))
+        xr = np.floor(b / self.layer_rc_s * (1 + 1e-9)) if math.isfinite(self.layer_rc_s) else np.zeros_like(b)
+        return np.maximum(np.minimum(ln, xn), np.minimum(lr, xr)).sum(axis=0)
 
 
 @dataclass
@@ -132,6 +147,8 @@ class SearchResult:
     dp_solves: int = 0
     memory_descending: bool | None = None
     note: str = ""
+    exhaustive: bool = False  # every plan of the space was priced or excluded by a lower bound
+    rounds: tuple[str, ...] = ()  # what each round of the search covered, in order
 
     @property
     def gap(self) -> float:
@@ -166,10 +183,75 @@ def derive_data(
     return 0
 
 
+def _memory_caps(
+    model: ModelShape,
+    chip: ChipProfile,
+    table: ProfileTable | None,
+    opts: SearchOptions,
+    *,
+    data: int,
+    tensor: int,
+    microbatch: int,
+    k: int,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Most blocks the j-th (1..k) middle stage of this shape holds without / with recompute.
+
+    A middle stage's memory is bilinear in its block count l and microbatches in flight j
+    (params, grads and moments grow with l; activations with l x j, or with j alone for the
+    recomputed inputs), so four priced corners give every (l, j). The cap is rounded up by
+    a hair so floating-point noise can only loosen it (it feeds bounds, never a plan).
+    """
+    L = float(model.n_layers)
+    js = np.arange(1, k + 1, dtype=np.float64)
+    out = []
+    for rc in (False, True):
+        kw = dict(
+            first=False,
+            last=False,
+            data=data,
+            tensor=tensor,
+            microbatch=microbatch,
+            recompute=rc,
+            table=table,
+            opts=opts.cost,
+        )
+        m = {(l, j): stage_cost(model, chip, layers=l, in_flight=j, **kw) for l in (0, 1) for j in (1, 2)}
+        limit = m[0, 1].memory_limit
+        a00, a01 = m[0, 1].memory.total, m[0, 2].memory.total
+        a10, a11 = m[1, 1].memory.total, m[1, 2].memory.total
+        c_j = a01 - a00  # per microbatch in flight, no blocks
+        slope_j = (a11 - a10) - c_j  # per block and microbatch in flight
+        base = a00 - c_j  # j = 0, l = 0
+        slope_l = a10 - a00 - slope_j  # per block at j = 0
+        if opts.schedule != "1f1b":
+            js_ = np.ones_like(js)  # GPipe: the count is not known per choice; bound with 1
+        else:
+            js_ = js
+        room = limit - base - c_j * js_
+        slope = slope_l + slope_j * js_
+        with np.errstate(divide="ignore", invalid="ignore"):
+            caps = np.where(slope > 0, np.floor(room / slope * (1 + 1e-9) + 1e-9), L)
+        out.append(tuple(np.clip(caps, 0.0, L).tolist()))
+    caps_n, caps_r = out
+    if not opts.allow_recompute:
+        caps_r = caps_n
+    return caps_n, caps_r
+
+
 def chip_choices(
-    cluster: Cluster, model: ModelShape, microbatch: int, opts: SearchOptions, table: ProfileTable | None
+    cluster: Cluster,
+    model: ModelShape,
+    microbatch: int,
+    opts: SearchOptions,
+    table: ProfileTable | None,
+    caps_cache: dict | None = None,
 ) -> dict[str, list[ChipChoice]]:
-    """Every (k, data, tensor) of every chip type for this microbatch size."""
+    """Every (k, data, tensor) of every chip type for this microbatch size.
+
+    `caps_cache`: memory caps by (chip, tensor, sequences per device), which is all they
+    depend on, shared between microbatch sizes.
+    """
+    caps_cache = {} if caps_cache is None else caps_cache
     out: dict[str, list[ChipChoice]] = {}
     L = model.n_layers
     for chip, nodes in cluster.chips:
@@ -181,66 +263,107 @@ def chip_choices(
             kmax = min(L, devices // t, opts.max_stages_per_chip or L)
             if opts.group_size:
                 kmax = min(kmax, max(1, math.ceil(devices / opts.group_size)))
+            by_data: dict[int, list[int]] = {}
             for k in range(1, kmax + 1):
                 d = derive_data(
                     chip, nodes, stages=k, tensor=t, microbatch=microbatch, stage_in_node=opts.stage_in_node
                 )
-                if d == 0:
-                    continue
+                if d:
+                    by_data.setdefault(d, []).append(k)
+            for d, ks in by_data.items():
                 blk = part_costs(model, chip, table, tensor=t, microbatch_per_device=microbatch // d)["block"]
+                rc_s = blk.fwd_s * 2 + blk.bwd_s
                 # most blocks one stage holds, best case: the j-th of its k stages has j microbatches
                 # in flight (1F1B gives the k stages of one chip type k distinct counts >= 1)
-                caps_n, caps_r = [], []
-                for j in range(1, k + 1):
-                    infl = j if opts.schedule == "1f1b" else global_batch_m(microbatch, opts)
-                    row = []
-                    for rc in (False, True):
-                        kw = dict(
-                            first=False,
-                            last=False,
-                            data=d,
-                            tensor=t,
-                            microbatch=microbatch,
-                            recompute=rc,
-                            in_flight=infl,
-                            table=table,
-                            opts=opts.cost,
-                        )
-                        c0 = stage_cost(model, chip, layers=0, **kw)
-                        c1 = stage_cost(model, chip, layers=1, **kw)
-                        slope = c1.memory.total - c0.memory.total
-                        room = c0.memory_limit - c0.memory.total
-                        row.append(min(float(L), max(0.0, math.floor(room / slope))) if slope > 0 else float(L))
-                    if not opts.allow_recompute:
-                        row[1] = row[0]
-                    caps_n.append(row[0])
-                    caps_r.append(row[1])
-                caps = (tuple(caps_n), tuple(caps_r))
+                key = (chip.name, t, microbatch // d)
+                if key not in caps_cache:
+                    caps_cache[key] = _memory_caps(
+                        model, chip, table, opts, data=d, tensor=t, microbatch=microbatch, k=L
+                    )
+                caps_n, caps_r = caps_cache[key]
                 if caps_r[0] < 1:
                     continue  # not even one block fits a stage of this shape
-                rc_s = blk.fwd_s * 2 + blk.bwd_s
-                choices.append(ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps[0], caps[1]))
+                for k in ks:
+                    choices.append(ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps_n[:k], caps_r[:k]))
         choices.sort(key=lambda c: (-c.capability, c.stages, c.tensor))
         out[chip.name] = choices
     if opts.max_options_per_chip:
-        # beam: per chip type the choices that hold the most layers at the slot time the
-        # whole cluster's bound needs (memory-capped capability, not raw speed)
-        lists = list(out.values())
-        amin = min((c.layer_s for cs in lists for c in cs), default=1.0)
-        amax = max((c.layer_rc_s for cs in lists for c in cs), default=1.0)
-        grid = np.geomspace(amin * 1e-3, amax * L * 1.01, 2000)
-        env = sum((np.max([c.layers_within(grid) for c in cs], axis=0) for cs in lists if cs), np.zeros_like(grid))
-        idx = min(int(np.searchsorted(env, L - 1e-9)), len(grid) - 1)
-        b_star = grid[idx : idx + 1]
-        for name, cs in out.items():
-            cs = sorted(cs, key=lambda c: (-float(c.layers_within(b_star)[0]), c.stages, c.tensor))
-            out[name] = cs[: opts.max_options_per_chip]
+        out = beam(out, L, opts.max_options_per_chip)
     return out
 
 
-def global_batch_m(microbatch: int, opts: SearchOptions) -> int:
-    """GPipe keeps every microbatch in flight; its count is not known per choice, so bound by 1."""
-    return 1
+class _Held:
+    """Every choice of one chip type at once: how many blocks each holds within slot time b
+    (the vectorised :meth:`ChipChoice.layers_within`). Choices of one (data, tensor) share
+    their per-stage caps and differ only in how many stages they take, so a row per
+    (data, tensor) and a running sum over its stages give every choice."""
+
+    def __init__(self, choices: Sequence[ChipChoice]):
+        rows: dict[tuple[int, int], ChipChoice] = {}
+        for c in choices:
+            key = (c.data, c.tensor)
+            if key not in rows or c.stages > rows[key].stages:
+                rows[key] = c
+        keys = list(rows)
+        k = max(c.stages for c in rows.values())
+        self.ln = np.zeros((len(keys), k))
+        self.lr = np.zeros((len(keys), k))
+        for i, key in enumerate(keys):
+            c = rows[key]
+            self.ln[i, : c.stages] = c.max_layers
+            self.lr[i, : c.stages] = c.max_layers_rc
+        self.a = np.array([rows[key].layer_s for key in keys])[:, None]
+        self.arc = np.array([rows[key].layer_rc_s for key in keys])[:, None]
+        where = {key: i for i, key in enumerate(keys)}
+        self.row = np.array([where[(c.data, c.tensor)] for c in choices])
+        self.col = np.array([c.stages - 1 for c in choices])
+        self.amin = float(self.a.min())
+
+    def _per_stage(self, b: float) -> np.ndarray:
+        xn = np.floor(b / self.a * (1 + 1e-9))
+        xr = np.floor(b / self.arc * (1 + 1e-9))
+        return np.maximum(np.minimum(self.ln, xn), np.minimum(self.lr, xr))
+
+    def each(self, b: float) -> np.ndarray:
+        return np.cumsum(self._per_stage(b), axis=1)[self.row, self.col]
+
+    def most(self, b: float) -> float:
+        return float(self._per_stage(b).sum(axis=1).max())
+
+
+def slot_time_bound(helds: Sequence[_Held], L: int) -> float:
+    """The smallest slot time b at which the chip types together can hold all L blocks
+    (each type with its best choice): no plan's slowest stage is faster. Bisection on a
+    non-decreasing step function; the lower end is returned, so it never overshoots."""
+    lo = 0.0
+    hi = max(h.amin for h in helds) * L * 4 + 1e-12
+    while sum(h.most(hi) for h in helds) < L:
+        hi *= 2
+        if hi > 1e12:
+            return INF
+    for _ in range(64):
+        mid = 0.5 * (lo + hi)
+        if sum(h.most(mid) for h in helds) >= L:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-7 * hi:
+            break
+    return lo
+
+
+def beam(choices: dict[str, list[ChipChoice]], L: int, width: int) -> dict[str, list[ChipChoice]]:
+    """Per chip type the `width` choices that hold the most blocks at the slot time the
+    whole cluster's bound needs (memory-capped capability, not raw speed)."""
+    if any(not cs for cs in choices.values()):
+        return choices
+    b_star = slot_time_bound([_Held(cs) for cs in choices.values()], L)
+    out = {}
+    for name, cs in choices.items():
+        held = _Held(cs).each(b_star) if math.isfinite(b_star) else np.zeros(len(cs))
+        rank = sorted(range(len(cs)), key=lambda i: (-float(held[i]), cs[i].stages, cs[i].tensor))
+        out[name] = [cs[i] for i in rank[:width]]
+    return out
 
 
 def chip_orders(cluster: Cluster, opts: SearchOptions) -> list[tuple[str, ...]]:
@@ -350,10 +473,9 @@ class _Solver:
         v = first
         back = []
         for t, cap in zip(ts[1:], caps[1:]):
-            tt = t.copy()
-            tt[cap + 1 :] = INF
+            cap = int(cap)
             ext[: L + 1] = v
-            mat = ext[self._idx] + tt[None, :]
+            mat = ext[self._idx[:, : cap + 1]] + t[None, : cap + 1]  # columns past the cap would be inf
             arg = np.argmin(mat, axis=1)
             v = mat[np.arange(L + 1), arg]
             back.append(arg)
@@ -385,20 +507,18 @@ class _Solver:
             return None
         g_floor = float(G[:, 0].max())
         cand_b = np.unique(T[np.isfinite(T)])
-        # smallest B whose caps can hold L layers (caps grow with B)
-        counts = (T[:, :, None] <= cand_b[None, None, :]).sum(axis=1) if T.size * len(cand_b) < 2_000_000 else None
-        if counts is not None:
-            ok = (counts.sum(axis=0) >= L) & (counts.min(axis=0) >= 1)
-            lo = int(np.argmax(ok)) if ok.any() else len(cand_b)
-        else:
-            lo, hi = 0, len(cand_b) - 1
-            while lo < hi:
-                mid = (lo + hi) // 2
-                c = (T <= cand_b[mid]).sum(axis=1)
-                if c.sum() >= L and c.min() >= 1:
-                    hi = mid
-                else:
-                    lo = mid + 1
+        # smallest B whose caps can hold L layers (caps grow with B): bisection over the candidates
+        lo, hi = 0, len(cand_b) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            c = (T <= cand_b[mid]).sum(axis=1)
+            if c.sum() >= L and c.min() >= 1:
+                hi = mid
+            else:
+                lo = mid + 1
+        c = (T <= cand_b[lo]).sum(axis=1)
+        if c.sum() < L or c.min() < 1:
+            lo = len(cand_b)
         if lo >= len(cand_b):
             return None
         b0 = float(cand_b[lo])
@@ -488,41 +608,237 @@ class _Bounds:
         return (self.m - 1) * b_lb + self.L * amin
 
 
-def search(
-    cluster: Cluster,
-    model: ModelShape,
-    *,
-    global_batch: int,
-    table: ProfileTable | None = None,
-    opts: SearchOptions = SearchOptions(),
-) -> SearchResult:
-    """The fastest plan of the space (see module docstring) that fits, with its lower bound and timing."""
-    t0 = time.perf_counter()
-    L = model.n_layers
-    solver = _Solver(model, cluster, table, opts)
-    orders = chip_orders(cluster, opts)
-    best = INF
-    best_plan: tuple | None = None
-    lower = INF
-    names = cluster.names
-    stats = {"configs": 0, "solved": 0, "orders": 0}
-    shared = opts.cost.host_contention and has_shared_host(cluster)
-    per_mb = []
-    for mb in microbatch_sizes(global_batch, opts):
-        m = global_batch // mb
-        choices = chip_choices(cluster, model, mb, opts, table)
-        if any(not choices[n] for n in names):
-            continue
-        per_mb.append(_Bounds(choices, names, m, mb, L))
-    for bd in per_mb:
-        lower = min(lower, bd.root)
-    per_mb.sort(key=lambda bd: bd.root)
+class _OutOfTime(Exception):
+    """The time budget is spent: the round in progress stops where it is."""
 
-    def evaluate(config: Sequence[ChipChoice], mb: int, m: int) -> None:
-        nonlocal best, best_plan
-        stats["solved"] += 1
+
+def root_bound(choices: dict[str, list[ChipChoice]], *, m: int, L: int, fixed_s: float = 0.0) -> float:
+    """A lower bound on every plan of one microbatch size (any configuration, any order).
+
+    ``T >= (m - 1) B + sum_s t_s`` with B = max_s t_s. B is at least the slot time at which
+    the chip types, each with its best choice, hold all L whole blocks within their memory
+    (:func:`slot_time_bound`); and for any B, the blocks cost at least a fill of the types'
+    capacities within B from the fastest per-block time up (a fractional knapsack: the
+    pipeline's fill and drain priced with the memory limits kept). T(B) is minimised over a
+    grid above the slot-time bound, each interval [B_i, B_i+1] counted at its cheapest:
+    ``(m - 1) B_i + F(B_i+1)``. `fixed_s`: seconds every plan pays beyond the blocks (the
+    cheapest embedding and head).
+    """
+    if any(not cs for cs in choices.values()):
+        return INF
+    helds = sorted((_Held(cs) for cs in choices.values()), key=lambda h: h.amin)
+    b_lb = slot_time_bound(helds, L)
+    if not math.isfinite(b_lb):
+        return INF
+    amin = helds[0].amin
+
+    def fill(b: float) -> float:
+        left, cost = float(L), 0.0
+        for h in helds:
+            take = min(h.most(b), left)
+            cost += take * h.amin
+            left -= take
+        return cost if left <= 1e-9 else INF
+
+    if m == 1:
+        return max(b_lb, L * amin) + fixed_s
+    # above b_top no slot time can pay for itself: (m - 1) b_top + L amin is what the
+    # slowest feasible slot already costs
+    b_feasible = b_lb * (1 + 1e-7) + 1e-15
+    while not math.isfinite(fill(b_feasible)):
+        b_feasible *= 1.01
+    b_top = b_lb + max(0.0, (m - 1) * (b_feasible - b_lb) + fill(b_feasible) - L * amin) / (m - 1)
+    grid = np.linspace(b_lb, b_top, 33)
+    fills = [fill(float(b)) for b in grid]
+    best = (m - 1) * float(grid[-1]) + L * amin
+    for i in range(len(grid) - 1):
+        best = min(best, (m - 1) * float(grid[i]) + fills[i + 1])
+    return max(best, (m - 1) * b_lb + L * amin) + fixed_s
+
+
+def _fixed_parts_s(
+    cluster: Cluster, model: ModelShape, choices: dict[str, list[ChipChoice]], mb: int, table: ProfileTable | None
+) -> float:
+    """The cheapest embedding plus the cheapest head (fwd + bwd) over every choice: stage 0
+    and the last stage run them besides their blocks, whatever the plan."""
+    emb, head = INF, INF
+    for name, cs in choices.items():
+        chip = cluster.profile(name)
+        for t, d in {(c.tensor, c.data) for c in cs}:
+            parts = part_costs(model, chip, table, tensor=t, microbatch_per_device=max(1, mb // d))
+            emb = min(emb, parts["embed"].fwd_s + parts["embed"].bwd_s)
+            head = min(head, parts["head"].fwd_s + parts["head"].bwd_s)
+    return (emb if math.isfinite(emb) else 0.0) + (head if math.isfinite(head) else 0.0)
+
+
+def order_neighbourhood(cluster: Cluster) -> list[tuple[str, ...]]:
+    """Memory-descending (the paper's rule), its adjacent swaps, reversed, and by speed either way."""
+    by_mem = tuple(p.name for p in sorted(cluster.profiles.values(), key=lambda p: (-p.memory_gib, p.name)))
+    swaps = []
+    for i in range(len(by_mem) - 1):
+        o = list(by_mem)
+        o[i], o[i + 1] = o[i + 1], o[i]
+        swaps.append(tuple(o))
+    by_speed = tuple(p.name for p in sorted(cluster.profiles.values(), key=lambda p: (p.peak_tflops, p.name)))
+    out = [by_mem, *swaps, tuple(reversed(by_mem)), by_speed, tuple(reversed(by_speed))]
+    return list(dict.fromkeys(out))
+
+
+class _Run:
+    """One search: the best plan so far (kept across rounds, so every round prunes with it),
+    the caches, and the clock."""
+
+    def __init__(self, cluster, model, global_batch, table, opts: SearchOptions, deadline: float):
+        self.cluster, self.model, self.gb, self.table, self.opts = cluster, model, global_batch, table, opts
+        self.deadline = deadline
+        self.L = model.n_layers
+        self.names = cluster.names
+        self.solver = _Solver(model, cluster, table, opts)
+        self.shared = opts.cost.host_contention and has_shared_host(cluster)
+        self.best = INF
+        self.best_plan: tuple | None = None
+        self.best_config: tuple[tuple[ChipChoice, ...], int] | None = None
+        self.stats = {"configs": 0, "solved": 0, "orders": 0}
+        self.ticks = 0
+        self._keyed_cache: dict[int, dict] = {}
+        self._ranked_cache: dict[int, dict] = {}
+        space_opts = SearchOptions(**{**_fields(opts), "max_options_per_chip": None})
+        self.space: dict[int, dict[str, list[ChipChoice]]] = {}
+        caps_cache: dict = {}
+        for mb in microbatch_sizes(global_batch, opts):
+            choices = chip_choices(cluster, model, mb, space_opts, table, caps_cache)
+            if all(choices[n] for n in self.names):
+                self.space[mb] = choices
+            self.tick()
+
+    def tick(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise _OutOfTime
+
+    def size(self, width: int | None, n_orders: int) -> int:
+        """(microbatch, configuration, order) triples of a round with this beam."""
+        total = 0
+        for choices in self.space.values():
+            total += math.prod(len(cs) if width is None else min(width, len(cs)) for cs in choices.values())
+        return total * n_orders
+
+    def lower_bound(self) -> float:
+        lower = INF
+        for mb, choices in self.space.items():
+            fixed = _fixed_parts_s(self.cluster, self.model, choices, mb, self.table)
+            lower = min(lower, root_bound(choices, m=self.gb // mb, L=self.L, fixed_s=fixed))
+        return lower
+
+    def round(self, width: int | None, orders: Sequence[tuple[str, ...]]) -> None:
+        """Every configuration of the beam `width` (None: all) in every order of `orders`,
+        pruned by the bounds against the best plan so far."""
+        per_mb = []
+        for mb, choices in self.space.items():
+            if width is not None:
+                choices = beam(choices, self.L, width)
+            per_mb.append(_Bounds(choices, self.names, self.gb // mb, mb, self.L))
+            self.tick()
+        per_mb.sort(key=lambda bd: bd.root)
+        for bd in per_mb:
+            if bd.root >= self.best:
+                break
+            self._dfs(bd, list(orders))
+
+    def _keyed(self, mb: int) -> dict[str, dict[tuple[int, int], ChipChoice]]:
+        """Per chip type, its choices at microbatch `mb` by (stages, tensor)."""
+        hit = self._keyed_cache.get(mb)
+        if hit is None:
+            hit = {n: {(c.stages, c.tensor): c for c in cs} for n, cs in self.space[mb].items()}
+            self._keyed_cache[mb] = hit
+        return hit
+
+    def _ranked(self, mb: int) -> dict[str, list[ChipChoice]]:
+        """Per chip type, its choices by the blocks they hold at the slot-time bound (best first)."""
+        hit = self._ranked_cache.get(mb)
+        if hit is None:
+            hit = beam(self.space[mb], self.L, max(len(cs) for cs in self.space[mb].values()))
+            self._ranked_cache[mb] = hit
+        return hit
+
+    def seeds(self, orders: Sequence[tuple[str, ...]]) -> None:
+        """A few configurations per microbatch size: each chip type's best-ranked choice, and
+        every chip type with the same stage count K (its best-ranked choice with K stages)
+        for K = 1, 2, 3, 4, 6, 8, ...: the stage count is the dimension the ranking judges
+        worst (more stages hold more blocks, but the first ones hold more microbatches)."""
+        for mb in sorted(self.space, key=lambda b: -b):
+            ranked = self._ranked(mb)
+            configs = [tuple(cs[0] for cs in ranked.values())]
+            top = max(c.stages for cs in ranked.values() for c in cs)
+            stage_counts = sorted({1, 2, 3, *(int(round(2 ** (e / 2))) for e in range(4, 2 * int(math.log2(top)) + 2))})
+            for K in stage_counts:
+                pick = []
+                for cs in ranked.values():
+                    same = [c for c in cs if c.stages == K] or [min(cs, key=lambda c: (abs(c.stages - K), c.stages))]
+                    pick.append(same[0])
+                configs.append(tuple(pick))
+            for config in dict.fromkeys(configs):
+                self.stats["configs"] += 1
+                self.evaluate(config, mb, self.gb // mb, list(orders))
+
+    def local(self, orders: Sequence[tuple[str, ...]]) -> None:
+        """Coordinate descent from the best configuration: change one chip type's stage count
+        (by 1, 2, half or double) or tensor degree, or the microbatch size (halved or
+        doubled, every type keeping its stages and tensor degree), while that helps."""
+        tried: set = set()
+        while self.best_config is not None:
+            config, mb = self.best_config
+            before = self.best
+            moves: list[tuple[tuple[ChipChoice, ...], int]] = []
+            keyed = self._keyed(mb)
+            for i, c in enumerate(config):
+                near = {c.stages + d for d in (-2, -1, 1, 2)} | {c.stages // 2, c.stages * 2}
+                for (k, t), alt in keyed[c.chip].items():
+                    if alt != c and ((k in near and t == c.tensor) or (k == c.stages and t != c.tensor)):
+                        moves.append((config[:i] + (alt,) + config[i + 1 :], mb))
+            for mb2 in (mb // 2, mb * 2):
+                if mb2 in self.space:
+                    k2 = self._keyed(mb2)
+                    alt = tuple(k2[c.chip].get((c.stages, c.tensor)) for c in config)
+                    if all(a is not None for a in alt):
+                        moves.append((alt, mb2))
+            for move in moves:
+                if move in tried:
+                    continue
+                tried.add(move)
+                self.stats["configs"] += 1
+                self.evaluate(move[0], move[1], self.gb // move[1], list(orders))
+            if self.best >= before:
+                return
+
+    def _dfs(self, bd: _Bounds, orders: list[tuple[str, ...]]) -> None:
+        names, L = self.names, self.L
+        chosen: list[ChipChoice] = []
+
+        def visit(i: int, held: np.ndarray, amin: float, nstages: int) -> None:
+            self.ticks += 1
+            if self.ticks % 64 == 0:
+                self.tick()
+            if nstages + (len(names) - i) > L:
+                return
+            if bd.bound(held + bd.suffix[i], min(amin, bd.suffix_amin[i])) >= self.best:
+                return
+            if i == len(names):
+                self.stats["configs"] += 1
+                self.evaluate(chosen, bd.mb, bd.m, orders)
+                return
+            for c, grid in zip(bd.lists[i], bd.grids[i]):
+                chosen.append(c)
+                visit(i + 1, held + grid, min(amin, c.layer_s), nstages + c.stages)
+                chosen.pop()
+
+        visit(0, np.zeros_like(bd.grid), INF, 0)
+
+    def evaluate(self, config: Sequence[ChipChoice], mb: int, m: int, orders: list[tuple[str, ...]]) -> None:
+        opts, solver, L = self.opts, self.solver, self.L
+        self.stats["solved"] += 1
         by_chip = {c.chip: c for c in config}
         for order in orders:
+            self.tick()
             seq = [by_chip[name] for name in order for _ in range(by_chip[name].stages)]
             S = len(seq)
             if S > L:
@@ -535,53 +851,107 @@ def search(
                 solver.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
                 for a, b in zip(seq, seq[1:])
             )
-            stats["orders"] += 1
-            res = solver.solve(arrays, m, xfer, best)
-            if res is None or res[0] >= best:
+            self.stats["orders"] += 1
+            res = solver.solve(arrays, m, xfer, self.best)
+            if res is None or res[0] >= self.best:
                 continue
             value, layers, recompute = res[0], list(res[1]), list(res[2])
-            if shared:  # contention on the host: price in full, then improve the split
+            if self.shared:  # contention on the host: price in full, then improve the split
                 value, layers, recompute = polish_split(
                     seq,
                     layers,
                     recompute,
-                    lambda ls, rc: _full_time(
-                        build_plan(seq, ls, rc, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule),
-                        model,
-                        cluster,
-                        table,
+                    lambda ls, rc, seq=seq: _full_time(
+                        build_plan(seq, ls, rc, global_batch=self.gb, num_microbatches=m, schedule=opts.schedule),
+                        self.model,
+                        self.cluster,
+                        self.table,
                         opts.cost,
                     ),
                     allow_recompute=opts.allow_recompute,
                 )
-                if value >= best:
+                if value >= self.best:
                     continue
-            best = value
-            best_plan = (seq, layers, recompute, mb, m)
+            self.best = value
+            self.best_plan = (list(seq), layers, recompute, mb, m)
+            self.best_config = (tuple(config), mb)
 
-    for bd in per_mb:
-        if bd.root >= best:
-            break
-        chosen: list[ChipChoice] = []
 
-        def dfs(i: int, held: np.ndarray, amin: float, nstages: int, bd: _Bounds = bd) -> None:
-            if nstages + (len(names) - i) > L:
-                return
-            if bd.bound(held + bd.suffix[i], min(amin, bd.suffix_amin[i])) >= best:
-                return
-            if i == len(names):
-                stats["configs"] += 1
-                evaluate(chosen, bd.mb, bd.m)
-                return
-            for c, grid in zip(bd.lists[i], bd.grids[i]):
-                chosen.append(c)
-                dfs(i + 1, held + grid, min(amin, c.layer_s), nstages + c.stages)
-                chosen.pop()
+def _fields(opts: SearchOptions) -> dict:
+    return {f: getattr(opts, f) for f in opts.__dataclass_fields__}
 
-        dfs(0, np.zeros_like(bd.grid), INF, 0)
 
+def _rounds(run: _Run, cluster: Cluster, opts: SearchOptions) -> list[tuple[str, int | None, list]]:
+    """The rounds of an auto search, cheapest first; the last one is the whole space."""
+    orders = chip_orders(cluster, opts)
+    if opts.max_options_per_chip is not None:
+        return [("fixed beam", opts.max_options_per_chip, orders)]
+    if not opts.auto or run.size(None, len(orders)) <= EXACT_DIRECT:
+        return [("exact", None, orders)]
+    neigh = [o for o in order_neighbourhood(cluster) if o in set(orders)] or orders[:1]
+    if len(orders) <= len(neigh):
+        neigh = orders
+    widest = max(len(cs) for choices in run.space.values() for cs in choices.values())
+    out: list[tuple[str, int | None, list]] = [("seeds", None, neigh), ("local", None, neigh)]
+    width = 2
+    while width < widest and run.size(width, len(neigh)) < run.size(None, len(orders)):
+        out += [("beam", width, neigh), ("local", None, neigh)]
+        width = width + 1 if width < 4 else width * 2
+    return [*out, ("exact", None, orders)]
+
+
+def search(
+    cluster: Cluster,
+    model: ModelShape,
+    *,
+    global_batch: int,
+    table: ProfileTable | None = None,
+    opts: SearchOptions = SearchOptions(),
+) -> SearchResult:
+    """The fastest plan of the space (see module docstring) that fits, with its lower bound and timing."""
+    t0 = time.perf_counter()
+    deadline = t0 + opts.time_budget_s if opts.time_budget_s is not None else INF
+    done: list[str] = []
+    exhaustive_ = False
+    lower = INF
+    run: _Run | None = None
+    stop = "time budget spent"
+    try:
+        run = _Run(cluster, model, global_batch, table, opts, deadline)
+        lower = run.lower_bound()
+        rounds = _rounds(run, cluster, opts)
+        stale = 0
+        for kind, width, orders in rounds:
+            before, t_round = run.best, time.perf_counter()
+            if kind == "seeds":
+                run.seeds(orders)
+            elif kind == "local":
+                run.local(orders)
+            else:
+                run.round(width, orders)
+            label = kind + (f" {width}" if width else "") + f", {len(orders)} orders"
+            done.append(f"{label} ({time.perf_counter() - t_round:.2f} s)")
+            if kind == "exact":
+                exhaustive_ = opts.orders == "memory" or len(orders) == math.factorial(len(cluster.names))
+                stop = "exact" if exhaustive_ else f"exact over {len(orders)} stage orders"
+                break
+            if kind == "fixed beam":
+                stop = "every configuration of the fixed beam"
+                break
+            if kind == "beam":
+                stale = stale + 1 if run.best >= before * (1 - 1e-6) else 0
+                if stale >= 2 and math.isfinite(run.best):
+                    stop = "two beam rounds without improvement"
+                    break
+    except _OutOfTime:
+        pass
     elapsed = time.perf_counter() - t0
-    if best_plan is None:
+    note = f"{stop}; rounds: {', '.join(done) or 'none complete'}"
+    stats = run.stats if run is not None else {"configs": 0, "solved": 0, "orders": 0}
+    dp = run.solver.dp_solves if run is not None else 0
+    if run is None or run.best_plan is None:
+        if exhaustive_:
+            note = "no plan of the space fits the chips' memory"
         return SearchResult(
             None,
             None,
@@ -591,10 +961,12 @@ def search(
             stats["configs"],
             stats["solved"],
             stats["orders"],
-            solver.dp_solves,
-            note="no plan of the space fits the chips' memory",
+            dp,
+            note=note,
+            exhaustive=exhaustive_,
+            rounds=tuple(done),
         )
-    seq, layers, recompute, mb, m = best_plan
+    seq, layers, recompute, mb, m = run.best_plan
     plan = build_plan(seq, layers, recompute, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule)
     cost = estimate(plan, model, cluster, table=table, opts=opts.cost)
     elapsed = time.perf_counter() - t0
@@ -607,8 +979,11 @@ def search(
         stats["configs"],
         stats["solved"],
         stats["orders"],
-        solver.dp_solves,
+        dp,
         memory_descending=is_memory_descending(plan, cluster),
+        note=note,
+        exhaustive=exhaustive_,
+        rounds=tuple(done),
     )
 
 
