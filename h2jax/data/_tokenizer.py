@@ -101,8 +101,8 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
         return _hf_tokenizer(str(path.resolve()), st.st_mtime_ns, st.st_size)
     raise ConfigError(
         "data.tokenizer",
-        f"data.tokenizer={spec!r} is not valid: expected 'byte' or the path to an existing "
-        f"Hugging Face tokenizer.json file" + (" (no such file)" if path.suffix == ".json" else ""),
+        f"{spec!r} is not valid; expected 'byte' or the path to an existing Hugging Face tokenizer.json file"
+        + (" (no such file)" if path.suffix == ".json" else ""),
     )
 
 
