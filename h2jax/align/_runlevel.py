@@ -1,0 +1,153 @@
+"""Run level: N training steps from the same init and data, loss curves against the reference.
+
+Each run is the trainer's step written as one jitted program: the step loss (mean of the
+microbatch losses) and its gradient under a numerics policy, clipping to the global norm
+(``optimizer.clip_norm``, as the trainer does over all stages), and the experiment's AdamW
+(``h2jax.runtime.make_optimizer``). Runs:
+
+- ``reference``: the host in float64 (parameters, gradients and optimizer state);
+- each chip type alone, on its own device, with its policy;
+- ``plan``: the experiment's heterogeneous plan -- every layer under the policy of its
+  stage's chip type (:func:`h2jax.align._targets.plan_policy`), as one sequential program on
+  the host. The pipeline itself is not run: that it computes the same step as the
+  sequential program is what the pipeline-equivalence tests prove; what differs between
+  chip types is the numerics, and those are applied here per layer.
+
+Gate: the loss's mean relative error against the reference over the N steps
+(``MRE = mean_t |loss_t - ref_t| / |ref_t|``), 1.5 % by default (H2's bar).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from h2jax.align._policy import PolicyLike, apply_policy, reference
+from h2jax.align._targets import HOST, ChipTarget, Experiment, graphdef_for, step_loss
+
+DEFAULT_MRE_GATE = 0.015
+"""Loss mean relative error allowed against the reference over the run (H2: < 1.5 % over 300 steps)."""
+
+
+@dataclass
+class RunLevel:
+    steps: int
+    gate: float
+    losses: dict[str, list[float]]  # run -> loss per step ("reference" included)
+    mre: dict[str, float]
+    describe: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def status(self, run: str) -> str:
+        mre = self.mre[run]
+        return "pass" if np.isfinite(mre) and mre <= self.gate else "fail"
+
+    def passed(self) -> bool:
+        return all(self.status(r) == "pass" for r in self.mre)
+
+    def rel_error(self, run: str) -> np.ndarray:
+        ref = np.asarray(self.losses["reference"])
+        return np.abs(np.asarray(self.losses[run]) - ref) / np.abs(ref)
+
+
+def _optimizer(cfg: Any, steps: int):
+    import dataclasses
+
+    from h2jax.runtime import make_optimizer
+
+    train = dataclasses.replace(cfg.train, steps=steps)
+    return make_optimizer(dataclasses.replace(cfg, train=train))[0]
+
+
+def _train_step(loss_and_grad: Any, tx: Any, clip_norm: float):
+    import optax
+
+    def step(params, opt_state, tokens, targets):
+        loss, grads = loss_and_grad(params, tokens, targets)
+        norm = optax.global_norm(grads)
+        # the trainer's clip_scale: clip when the norm reaches clip_norm; no clipping when clip_norm <= 0
+        scale = jnp.where((clip_norm > 0) & (norm >= clip_norm), clip_norm / norm, 1.0)
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def train_losses(
+    exp: Experiment,
+    policy: PolicyLike | None,
+    device: Any,
+    steps: int,
+    *,
+    graphdef: Any = None,
+    fault: Any = None,
+) -> list[float]:
+    """Loss per step of ``steps`` steps on ``device`` with ``policy`` (None: the float64 reference)."""
+    graphdef = graphdef if graphdef is not None else exp.graphdef
+    fn = jax.value_and_grad(step_loss(graphdef))
+    tx = _optimizer(exp.cfg, steps)
+    clip = float(exp.cfg.optimizer.clip_norm)
+    if policy is None:
+        ref = reference(fn, exp.params, exp.tokens, exp.targets)  # traced in the model's dtypes
+        with jax.enable_x64(True):
+            params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), exp.params), device)
+            step = _train_step(ref, tx, clip)
+            return _loop(exp, step, params, tx, device, steps)
+    step = _train_step(apply_policy(fn, policy, fault=fault), tx, clip)
+    return _loop(exp, step, jax.device_put(exp.params, device), tx, device, steps)
+
+
+def _loop(exp: Experiment, step: Any, params: Any, tx: Any, device: Any, steps: int) -> list[float]:
+    opt_state = jax.device_put(tx.init(params), device)
+    losses = []
+    for t in range(steps):
+        tokens, targets = exp.batch(t)
+        params, opt_state, loss = step(
+            params, opt_state, jax.device_put(tokens, device), jax.device_put(targets, device)
+        )
+        losses.append(loss)
+    return [float(x) for x in jax.device_get(losses)]
+
+
+def run_level(
+    exp: Experiment,
+    chips: Sequence[ChipTarget],
+    *,
+    steps: int,
+    plan: PolicyLike | None = None,
+    gate: float = DEFAULT_MRE_GATE,
+) -> RunLevel:
+    """Reference, each chip type alone, and the plan (if given): ``steps`` steps each; see the module doc."""
+    host = jax.devices(HOST)[0]
+    losses: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}
+    describe: dict[str, str] = {"reference": "host CPU, float64"}
+
+    def timed(name: str, fn: Any) -> None:
+        start = time.perf_counter()
+        losses[name] = fn()
+        seconds[name] = time.perf_counter() - start
+
+    timed("reference", lambda: train_losses(exp, None, host, steps))
+    for chip in chips:
+        g = graphdef_for(exp, chip.policy)
+        timed(chip.name, lambda c=chip, g=g: train_losses(exp, c.policy, c.device, steps, graphdef=g, fault=c.fault))
+        describe[chip.name] = chip.describe()
+    if plan is not None:
+        timed("plan", lambda: train_losses(exp, plan, host, steps))
+        stages = ", ".join(f"{s.chip} {s.layers[0]}-{s.layers[1] - 1}" for s in exp.cfg.plan.stages)
+        describe["plan"] = f"stages {stages}; each layer under its chip's policy, sequential on the host"
+    ref = np.asarray(losses["reference"])
+    mre = {
+        name: float(np.mean(np.abs(np.asarray(v) - ref) / np.abs(ref)))
+        for name, v in losses.items()
+        if name != "reference"
+    }
+    return RunLevel(steps, gate, losses, mre, describe, seconds)
