@@ -107,96 +107,33 @@ def cmd_train(args: argparse.Namespace) -> int:
     fail_fast = None
     if launch is not None and launch.size > 1:
         fail_fast = FailFast(launch)
-        fail_fast.start()  # first: every thread created later inherits the blocked SIGTERM
+        fail_fast.start()  # first: every thread created later inherits the blocked stop signals
     cfg = _load(args)
-    if launch is not None and launch.size > 1:  # mpirun/srun: this process runs one stage
-        from h2jax.runtime._multiproc import run_multiprocess
+    from h2jax.config import config_to_dict
 
-        return run_multiprocess(
-            cfg,
-            launch,
-            fail_fast=fail_fast,
-            run_dir=args.run_dir,
-            console=console,
-            restore_step=args.restore_step,
-            init_from=args.init_from,
-        )
-    if cfg.train.transport != "local":
-        console.print(
-            f"[bold red]h2jax: config error:[/] train.transport: {cfg.train.transport!r} moves tensors "
-            f"between processes; run one process per stage (mpirun -np {cfg.plan.num_stages} h2jax "
-            "train ...) or use transport 'local'",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return EXIT_CONFIG
-    from h2jax.checkpoint import CheckpointError, CheckpointSaveError
-    from h2jax.config import ConfigError, config_to_dict
-    from h2jax.runtime import NonFiniteLossError, StageFailure, Trainer
-
-    def failed(what: str, e: BaseException) -> int:
-        console.print(f"[bold red]h2jax: {what}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return 1
-
-    console.rule(f"h2jax train: {cfg.name}")
-    console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
-    console.print(_plan_table(cfg))
-    if any(c.emulated for c in cfg.cluster.chips.values()):
-        console.print(
-            "[dim]emulated chip types: CPU PJRT clients sharing this host's cores; declared "
-            "memory is enforced by the memory check, speed is not emulated.[/]"
-        )
-    try:
-        trainer = Trainer(cfg, run_dir=args.run_dir, console=console)
-        for s, (st, mem) in enumerate(zip(trainer.stages, trainer.memory)):
+    writer = launch is None or launch.rank == 0
+    if writer:
+        console.rule(f"h2jax train: {cfg.name}")
+        console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
+        console.print(_plan_table(cfg))
+        if launch is not None and launch.size > 1:
+            console.print(f"{launch.size} processes ({launch.launcher}), transport {cfg.train.transport}")
+        if any(c.emulated for c in cfg.cluster.chips.values()):
             console.print(
-                f"stage {s} on {trainer.placements[s].backend}: {mem.total / 2**20:.1f} MiB per device "
-                f"(limit {cfg.cluster.chips[st.spec.chip].memory_gib:g} GiB)"
+                "[dim]emulated chip types: CPU PJRT clients sharing this host's cores; declared "
+                "memory is enforced by the memory check, speed is not emulated.[/]"
             )
-        resumed = trainer.resume(restore_step=args.restore_step, init_from=args.init_from)
-        if resumed:
-            console.print(f"[green]h2jax:[/] {escape(resumed)}", highlight=False, soft_wrap=True)
-        start = trainer.step
-        history = trainer.run()
-    except ConfigError as e:
-        console.print(f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return EXIT_CONFIG
-    except CheckpointSaveError as e:
-        return failed("checkpoint save failed (earlier checkpoints are intact)", e)
-    except CheckpointError as e:
-        return failed("checkpoint error", e)
-    except (NonFiniteLossError, StageFailure) as e:
-        return failed("training failed", e)
-    if trainer.preempted:
-        where = (
-            f"saved step {trainer.step} to {trainer.checkpoint_dir}; run the same command to resume"
-            if cfg.checkpoint.enabled
-            else "checkpoints are off (checkpoint.enabled=false): nothing saved"
-        )
-        console.print(
-            f"[yellow]h2jax: stopped by {trainer.preempted} after step {trainer.step}:[/] {escape(where)}",
-            highlight=False,
-            soft_wrap=True,
-        )
-        print(trainer.run_dir)
-        return 0
-    if not history:
-        console.print(f"nothing to train: the run is at step {start} of train.steps={cfg.train.steps}")
-        print(trainer.run_dir)
-        return 0
-    first, last = history[0], history[-1]
-    med = sorted(h.tokens_per_s for h in history[1:] or history)[len(history[1:] or history) // 2]
-    skipped = sum(h.skipped for h in history)
-    console.print(
-        f"loss {first.loss:.4f} -> {last.loss:.4f} over {len(history)} steps"
-        f"{f' (from step {start})' if start else ''}; median {med:,.0f} tokens/s"
-        f"{f'; {skipped} non-finite steps skipped' if skipped else ''}"
+    from h2jax.runtime._job import run_job
+
+    return run_job(
+        cfg,
+        run_dir=args.run_dir,
+        restore_step=args.restore_step,
+        init_from=args.init_from,
+        console=console,
+        fail_fast=fail_fast,
+        launch=launch,
     )
-    if cfg.checkpoint.enabled:
-        console.print(f"checkpoints: {trainer.checkpoint_dir} (latest step {trainer.step})")
-    console.print(f"run folder: [bold]{trainer.run_dir}[/] (metrics.jsonl, tb/, trace.json, gantt.png, summary.json)")
-    print(trainer.run_dir)
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

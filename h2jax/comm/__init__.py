@@ -1,38 +1,46 @@
-"""Everything that crosses a stage boundary: the Transport protocols and their implementations.
+"""Everything that crosses a stage boundary: one channel per stage, and the byte movers under it.
 
-One process (single controller), ``Transport``::
+The runtime uses one interface, the stage's :class:`Channel` (``recv``/``send`` per
+direction and microbatch, ``flush`` at the end of a step), built once by
+:func:`make_channel` from ``train.transport`` (see ``h2jax/comm/_channel.py``):
+``local`` (one process: ``jax.device_put`` across backends), ``host`` (numpy + mpi4py, the
+CPU-mediated baseline), ``ffi-call`` (FFI send/recv, a program per transfer) and ``ffi``
+(FFI send/recv traced into the stage programs). The tag scheme and the per-device routing
+live in ``_routing.py``; the resharding pattern itself is the pure
+:func:`h2jax.plan.reshard_pattern`.
 
-    transport = make_transport("local")
-    y = transport.transfer(x, dst_sharding)          # jax.device_put, across backends
-
-Several processes (``mpirun``; ranks of one MPI communicator), ``PeerTransport``::
+Below the channels, point-to-point movers between ranks of one MPI communicator (also
+what ``benchmarks/transport.py`` measures)::
 
     t = make_peer_transport("ffi" | "host", comm=None, timeout_s=60.0)   # collective over comm
     t.send(x, *, peer: int, tag: int) -> None                     # never waits for the receiver
-    y = t.recv(like: jax.ShapeDtypeStruct, *, peer: int, tag: int,
-               sharding: jax.sharding.Sharding | None = None) -> jax.Array
+    y = t.recv(like, *, peer: int, tag: int, sharding=None) -> jax.Array
     t.flush() -> None                                             # every send delivered (or error)
 
-  Messages of one (peer, tag) arrive in the order they were sent, so tags may repeat across
-  steps; concurrent transfers between the same two ranks need distinct tags. A receive whose
-  message never comes fails after ``timeout_s`` naming rank, peer, tag and tensor (``ffi``:
-  the error surfaces when the result is used, as an XlaRuntimeError; ``host``: TimeoutError).
-  ``ffi`` runs each call as a small jitted program (FfiTransport); ``host`` copies through
-  numpy and mpi4py (HostTransport, the CPU-mediated baseline).
+and the FFI calls usable inside any jitted program (per device under ``jax.shard_map``;
+tokens order the calls)::
 
-Inside a jitted stage program (the ~1 µs path; per device under ``jax.shard_map`` when the
-mesh has several devices; tokens order the calls)::
-
-    tok = new_token()
-    tok = send(x, peer=1, tag=7, comm=comm, token=tok, timeout_s=60.0)          -> token
-    y, tok = recv(shape, dtype, peer=1, tag=8, comm=comm, token=tok, timeout_s=60.0)
+    tok = send(x, peer=1, tag=7, comm=comm, token=new_token())
+    y, tok = recv(shape, dtype, peer=1, tag=8, comm=comm, token=tok)
     y, tok = sendrecv(x, shape, dtype, dest=1, source=1, send_tag=7, recv_tag=8, comm=comm, token=tok)
 
-  ``comm`` is an mpi4py communicator reserved for these calls (e.g. ``MPI.COMM_WORLD.Dup()``,
-  or ``FfiTransport(...).comm``). See ``h2jax/comm/_ffi.py`` for ordering and deadlock freedom;
-  ``stash_stats()`` counts the messages that took the deadlock-free detour (one more copy).
+A receive whose message never comes fails after ``timeout_s`` naming rank, peer, tag and
+tensor. ``stash_stats()`` counts the messages that took the deadlock-free detour.
 """
 
+from h2jax.comm._channel import (
+    PROCESS_TRANSPORTS,
+    TRANSPORTS,
+    Channel,
+    FfiChannel,
+    LocalHub,
+    PeerChannel,
+    PipelineAborted,
+    StageLink,
+    TransferFailure,
+    make_channel,
+    needs_launcher,
+)
 from h2jax.comm._ffi import (
     DEFAULT_TIMEOUT_S,
     FfiUnavailableError,
@@ -46,19 +54,32 @@ from h2jax.comm._ffi import (
 )
 from h2jax.comm._host import HostTransport
 from h2jax.comm._peer import FfiTransport, PeerTransport, make_peer_transport
-from h2jax.comm._transport import LocalTransport, Transport, make_transport
+from h2jax.comm._routing import BWD, FWD, Boundary, RoutingUnsupported, tag_base
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "FfiTransport",
     "FfiUnavailableError",
     "HostTransport",
-    "LocalTransport",
+    "LocalHub",
+    "PeerChannel",
+    "PipelineAborted",
+    "PROCESS_TRANSPORTS",
+    "RoutingUnsupported",
+    "StageLink",
+    "TRANSPORTS",
+    "TransferFailure",
+    "make_channel",
+    "needs_launcher",
+    "tag_base",
+    "BWD",
+    "FWD",
+    "Boundary",
+    "Channel",
+    "FfiChannel",
     "PeerTransport",
-    "Transport",
     "is_available",
     "make_peer_transport",
-    "make_transport",
     "new_token",
     "recv",
     "register",

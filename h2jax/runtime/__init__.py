@@ -1,35 +1,48 @@
-"""Executes a Plan: stage meshes, jitted stage programs, the pipeline driver, metrics, timeline."""
+"""Executes a Plan: stage meshes, jitted stage programs, the stage runners, the trainer, metrics, timeline.
+
+One runtime for one process and for mpirun: :class:`Trainer` over a World
+(:class:`LocalWorld` or :class:`MpiWorld`), one :class:`StageRunner` per stage, one
+channel per stage (h2jax.comm). See docs/ARCHITECTURE.md.
+"""
 
 from h2jax.runtime._cluster import StagePlacement, place_stages, setup_backends, stage_mesh
 from h2jax.runtime._layout import flatten, model_layout
 from h2jax.runtime._metrics import MetricsLogger, read_metrics
-from h2jax.runtime._pipeline import Pipeline, StageFailure
 from h2jax.runtime._reference import reference_loss_and_grads
+from h2jax.runtime._runner import StageFailure, StageRunner
 from h2jax.runtime._stage import StageMemory, StageProgram
+from h2jax.runtime._state import NonFiniteLossError, StepStats, clip_scale, make_optimizer
 from h2jax.runtime._timeline import Timeline, TraceEvent, bubble_fraction, load_trace, plot_gantt
-from h2jax.runtime._trainer import NonFiniteLossError, StepStats, Trainer, clip_scale, make_optimizer, train
+from h2jax.runtime._trainer import Trainer, TrainResult, train
+from h2jax.runtime._world import JobError, LocalWorld, MpiWorld, ThreadGroup, World
 
 __all__ = [
+    "JobError",
+    "LocalWorld",
+    "MetricsLogger",
+    "MpiWorld",
     "NonFiniteLossError",
-    "Pipeline",
     "StageFailure",
     "StageMemory",
     "StagePlacement",
     "StageProgram",
+    "StageRunner",
     "StepStats",
+    "ThreadGroup",
     "Timeline",
     "TraceEvent",
+    "TrainResult",
     "Trainer",
+    "World",
     "bubble_fraction",
     "clip_scale",
     "flatten",
     "load_trace",
-    "read_metrics",
-    "MetricsLogger",
     "make_optimizer",
     "model_layout",
     "place_stages",
     "plot_gantt",
+    "read_metrics",
     "reference_loss_and_grads",
     "setup_backends",
     "stage_mesh",

@@ -25,10 +25,9 @@ backend, as before.
 
 Device -> rank map: the stage mesh orders its devices by (process, local id), so device
 ``i`` (row-major over ``(data, tensor)``) belongs to group rank ``i // devices_per_process``.
-:meth:`ProcessLayout.device_ranks` gives the world rank of every device of a stage; the
-``ffi`` transport (:class:`h2jax.runtime._fused.FusedStage` ``rank_of_device``) and
-:class:`HostBoundary` address each piece of :func:`h2jax.plan.reshard_pattern` to the rank
-that owns its peer device.
+:meth:`ProcessLayout.device_ranks` gives the world rank of every device of a stage; every
+multi-process channel (h2jax.comm) addresses each piece of :func:`h2jax.plan.reshard_pattern`
+to the rank that owns its peer device.
 
 Reductions over the whole pipeline (loss, squared grad norm) go over MPI ``COMM_WORLD``;
 every process of a stage holds the same (replicated) value, so only the stage's leader
@@ -39,15 +38,13 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from h2jax.config import ConfigError
-
-FWD, BWD = 0, 1
 
 
 # -- where every rank sits (pure: no jax, no MPI) ------------------------------------------------
@@ -296,106 +293,3 @@ def fetch(tree: Any) -> Any:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(one, tree)
-
-
-# -- host transport, per device -------------------------------------------------------------------
-class HostBoundary:
-    """The ``host`` transport for stages over several processes: every process sends the
-    pieces its own devices hold and receives those for its own devices, as
-    :func:`h2jax.plan.reshard_pattern` says; the destination stage then all-gathers the
-    ``1/tp`` pieces over its ``tensor`` axis (across its processes if it spans several).
-
-    Tags: ``FusedStage.tag_base(microbatch, direction) + transfer index``, as the ``ffi`` path.
-    Collective over ``comm`` (duplicates it).
-    """
-
-    def __init__(
-        self, group: StageGroup, st: Any, *, shape: Sequence[int], dtype: Any, comm: Any = None, timeout_s: float = 60.0
-    ):
-        import jax
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        from h2jax.comm import HostTransport
-        from h2jax.runtime._fused import TAGS_PER_TRANSFER, Boundary
-
-        self.group, self.st = group, st
-        self.transport = HostTransport(group.comm if comm is None else comm, timeout_s=timeout_s)
-        self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
-        plan, s, layout = group.plan, group.stage_idx, group.layout
-        n = plan.num_stages
-        mesh_of = [(x.data, x.tensor) for x in plan.stages]
-        me = mesh_of[s]
-        shp = self.shape
-        # (boundary, ranks of the other stage's devices) per (direction, send|recv)
-        self.links = {
-            ("recv", FWD): (Boundary(shp, mesh_of[s - 1], me), layout.device_ranks(s - 1)) if s > 0 else None,
-            ("send", FWD): (Boundary(shp, me, mesh_of[s + 1]), layout.device_ranks(s + 1)) if s < n - 1 else None,
-            ("recv", BWD): (Boundary(shp, mesh_of[s + 1], me), layout.device_ranks(s + 1)) if s < n - 1 else None,
-            ("send", BWD): (Boundary(shp, me, mesh_of[s - 1]), layout.device_ranks(s - 1)) if s > 0 else None,
-        }
-        self.patterns = {key: link[0].pattern() for key, link in self.links.items() if link is not None}
-        for key, pattern in self.patterns.items():
-            if len(pattern) > TAGS_PER_TRANSFER:
-                b = self.links[key][0]
-                raise ValueError(
-                    f"stage {s}: {len(pattern)} transfers across one boundary ({b.src[0]}x{b.src[1]} -> "
-                    f"{b.dst[0]}x{b.dst[1]}); at most {TAGS_PER_TRANSFER} (tags per microbatch)"
-                )
-        self.coord = {d: idx for idx, d in np.ndenumerate(st.mesh.devices)}  # device -> (data, tensor)
-        local = set(st.mesh.local_devices)
-        self._local = [d for d in st.mesh.devices.flat if d in local]  # this process's devices, mesh order
-        nd = len(shp)
-        self._pieces_sharding = NamedSharding(st.mesh, P("data", *([None] * (nd - 2)), "tensor"))
-        self._gather = jax.jit(lambda x: x, out_shardings=st.act_sharding)
-
-    def send(self, y: Any, microbatch: int, direction: int) -> None:
-        """Start sending this process's pieces of ``y`` (laid out as the stage's activations)."""
-        from h2jax.runtime._fused import TAG_SPACE, FusedStage, _lin
-
-        b, peers = self.links[("send", direction)]
-        base = FusedStage.tag_base(microbatch, direction)
-        shards = {self.coord[sh.device]: sh for sh in y.addressable_shards}
-        host: dict[tuple[int, int], np.ndarray] = {}
-        for t_idx, t in enumerate(self.patterns[("send", direction)]):
-            sh = shards.get(t.src)
-            if sh is None:
-                continue  # another process's device sends this one
-            if t.src not in host:
-                host[t.src] = np.asarray(sh.data)
-            off = [sl.start or 0 for sl in sh.index]
-            piece = host[t.src][tuple(slice(a - o, z - o) for (a, z), o in zip(t.index, off))]
-            self.transport.send(piece, peer=peers[_lin(t.dst, b.dst)], tag=(base + t_idx) % TAG_SPACE)
-
-    def recv(self, microbatch: int, direction: int) -> Any:
-        """This stage's copy of the boundary tensor, laid out as its activations."""
-        import jax
-        import jax.numpy as jnp
-
-        from h2jax.runtime._fused import TAG_SPACE, FusedStage, _lin
-
-        b, peers = self.links[("recv", direction)]
-        base = FusedStage.tag_base(microbatch, direction)
-        pattern = list(enumerate(self.patterns[("recv", direction)]))
-        split = pattern[0][1].index[-1] != (0, self.shape[-1])  # 1/tp pieces, all-gathered below
-        arrays = []
-        for dev in self._local:
-            mine = sorted(((t.index[0][0], t_idx, t) for t_idx, t in pattern if t.dst == self.coord[dev]))
-            parts = []
-            for _, t_idx, t in mine:
-                like = jax.ShapeDtypeStruct(tuple(z - a for a, z in t.index), self.dtype)
-                parts.append(
-                    self.transport.recv(
-                        like,
-                        peer=peers[_lin(t.src, b.src)],
-                        tag=(base + t_idx) % TAG_SPACE,
-                        sharding=jax.sharding.SingleDeviceSharding(dev),
-                    )
-                )
-            arrays.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
-        sharding = self._pieces_sharding if split else self.st.act_sharding
-        x = jax.make_array_from_single_device_arrays(self.shape, sharding, arrays)
-        return self._gather(x) if split else x
-
-    def flush(self) -> None:
-        self.transport.flush()

@@ -68,7 +68,7 @@ from h2jax.plan import DriverCost, LayerCost, StageSpec
 from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
 from h2jax.runtime._cluster import StagePlacement, stage_mesh
 from h2jax.runtime._stage import StageProgram
-from h2jax.runtime._trainer import make_optimizer
+from h2jax.runtime._state import make_optimizer
 
 MAX_PROBE_COPIES = 4  # the contention probe runs one copy per host core, on hosts this small
 BLOCK_COUNTS = (1, 2, 4)  # blocks of the programs the per-block cost is fitted to
@@ -239,14 +239,14 @@ class ChipProfiler:
                     if kw["last"]
                     else None
                 )
-                y, _ = st.forward(x, tgt)
+                y, _ = st.forward(0, x, tgt)
                 dy = (
                     jax.device_put(jnp.float32(1.0), st.scalar_sharding)
                     if kw["last"]
                     else jax.device_put(jnp.ones_like(y), st.act_sharding)
                 )
-                f = lambda st=st, x=x, tgt=tgt: st.forward(x, tgt)[0]  # noqa: E731
-                fb = lambda st=st, x=x, tgt=tgt, dy=dy: st.backward(st.forward(x, tgt)[1], dy)  # noqa: E731
+                f = lambda st=st, x=x, tgt=tgt: st.forward(0, x, tgt)[0]  # noqa: E731
+                fb = lambda st=st, x=x, tgt=tgt, dy=dy: st.backward(0, st.forward(0, x, tgt)[1], tgt, dy)  # noqa: E731
                 if name == "b2":
                     together.setdefault("f", []).append(f)
                     together.setdefault("fb", []).append(fb)
@@ -466,8 +466,8 @@ class DriverProfiler:
             tr1 = self.trainers[(1, 3)]
             st = tr1.stages[0]
             tok, tgt = tr1._device_batch(0)
-            dloss = tr1.pipeline._dloss
-            self._call = {"fb": lambda: st.backward(st.forward(tok[0], tgt[0])[1], dloss)}
+            dloss = tr1.runners[0].dloss
+            self._call = {"fb": lambda: st.backward(0, st.forward(0, tok[0], tgt[0])[1], tgt[0], dloss)}
             jax.block_until_ready(self._call["fb"]())
         except BaseException:
             self.close()
@@ -507,7 +507,7 @@ class DriverProfiler:
 
     def close(self) -> None:
         for tr in self.trainers.values():
-            tr.pipeline.close()
+            tr.close()
 
 
 def profile_driver(chip_name: str, *, steps: int = 30, statistic: str = "median") -> DriverCost:

@@ -2,13 +2,16 @@
 
 For each stage, once, on that stage's mesh (devices of one backend):
 
-- ``fwd(params, x, targets) -> (y, residuals)``: ``residuals`` is the ``jax.vjp``
-  closure, a pytree that leaves the jit and is handed to ``bwd``. With recompute the
-  forward returns ``y`` alone and ``bwd`` recomputes from the kept input.
-- ``bwd(residuals, dy, acc) -> (acc + dparams, dx)``: gradients accumulate in fp32 in
-  a donated buffer, so accumulation costs no extra dispatch.
+- ``forward_fn(params, x, targets) -> (y, saved)``: ``saved`` is the ``jax.vjp`` closure, a
+  pytree that leaves the jit and is handed to the backward; with recompute it is the
+  input alone and the backward recomputes.
+- ``backward_fn(params, saved, targets, dy, acc) -> (acc + dparams, dx)``: gradients
+  accumulate in fp32 in a donated buffer, so accumulation costs no extra dispatch.
 - ``update(params, opt_state, acc, scale) -> (params, opt_state, zeros)``: the global
-  clip factor ``scale`` is computed by the driver from every stage's squared norm.
+  clip factor ``scale`` comes from every stage's squared norm.
+
+The forward and backward programs wrap those two functions; an in-program channel
+(``ffi``) adds its receive and send inside them.
 """
 
 from __future__ import annotations
@@ -68,7 +71,13 @@ class StageMemory:
 
 
 class StageProgram:
-    """Parameters and compiled programs of one stage (see module docstring)."""
+    """Parameters and compiled programs of one stage (see module docstring).
+
+    The stage's maths is defined once, as traceable functions: :meth:`forward_fn` and
+    :meth:`backward_fn` (recompute is decided inside them). :meth:`build` jits them, and
+    with a channel whose transfers live inside the programs (``channel.in_program``) it
+    traces the receive before and the send after them, so every mode runs these functions.
+    """
 
     def __init__(
         self,
@@ -106,9 +115,10 @@ class StageProgram:
         )
         self.opt_state = jax.jit(tx.init, out_shardings=self.opt_state_shardings)(self.params)
         self.acc = jax.jit(_f32_zeros, out_shardings=self.param_shardings)(self.params)
-        self._build_programs()
+        self._build_optimizer_programs()
+        self.build(None)
 
-    # -- programs ---------------------------------------------------------------------------
+    # -- the stage's maths, defined once --------------------------------------------------------
     def _apply(self, params: Any, x: jax.Array, targets: jax.Array | None) -> jax.Array:
         module = nnx.merge(self._graphdef, params)
         if self.last:
@@ -118,33 +128,58 @@ class StageProgram:
 
     def _vjp(self, params: Any, x: jax.Array, targets: jax.Array | None):
         if self.first:  # integer tokens: differentiate the parameters only
-            y, vjp = jax.vjp(lambda p: self._apply(p, x, targets), params)
-        else:
-            y, vjp = jax.vjp(lambda p, x_: self._apply(p, x_, targets), params, x)
-        return y, vjp
+            return jax.vjp(lambda p: self._apply(p, x, targets), params)
+        return jax.vjp(lambda p, x_: self._apply(p, x_, targets), params, x)
 
-    def _accumulate(self, vjp, dy: jax.Array, acc: Any):
+    def forward_fn(self, params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any]:
+        """(output or loss, what the backward needs): the vjp residuals, or with recompute
+        the input alone."""
+        if self.recompute:
+            return self._apply(params, x, targets), x
+        return self._vjp(params, x, targets)
+
+    def backward_fn(
+        self, params: Any, saved: Any, targets: jax.Array | None, dy: jax.Array, acc: Any
+    ) -> tuple[Any, jax.Array]:
+        """(acc + this microbatch's fp32 parameter gradient, input gradient); on the first
+        stage the input gradient is a scalar that becomes ready with the backward."""
+        vjp = self._vjp(params, saved, targets)[1] if self.recompute else saved
         grads = vjp(dy)
-        dparams = grads[0]
-        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, dparams)
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads[0])
         acc = jax.lax.with_sharding_constraint(acc, self.param_shardings)
-        if self.first:  # nothing to send back; a small output that is ready when the step is done
+        if self.first:
             return acc, jnp.zeros((), jnp.float32)
         return acc, jax.lax.with_sharding_constraint(grads[1], self.act_sharding)
 
-    def _build_programs(self) -> None:
-        if self.recompute:
-            self.fwd = jax.jit(lambda p, x, t: self._apply(p, x, t))
+    # -- programs ---------------------------------------------------------------------------------
+    def build(self, channel: Any) -> None:
+        """Jit the forward and backward programs; with an in-program channel, its receive and
+        send are traced into them (the tag base of the microbatch is an argument)."""
+        from h2jax.comm import BWD, FWD
 
-            def bwd(params, x, targets, dy, acc):
-                _, vjp = self._vjp(params, x, targets)
-                return self._accumulate(vjp, dy, acc)
+        inside = channel is not None and getattr(channel, "in_program", False)
+        self._in_program = inside
+        if not inside:
+            self._fwd = jax.jit(lambda p, x, t, base: self.forward_fn(p, x, t))
+            self._bwd = jax.jit(lambda p, s, t, dy, acc, base: self.backward_fn(p, s, t, dy, acc), donate_argnums=(4,))
+            return
 
-            self._bwd = jax.jit(bwd, donate_argnums=(4,))
-        else:
-            self.fwd = jax.jit(self._vjp)
-            self._bwd = jax.jit(self._accumulate, donate_argnums=(2,))
+        def fwd(params, x, targets, base):
+            if not self.first:
+                x = channel.recv_in_program(FWD, base)
+            y, saved = self.forward_fn(params, x, targets)
+            return (y if self.last else channel.send_in_program(FWD, y, base)), saved
 
+        def bwd(params, saved, targets, dy, acc, base):
+            if not self.last:
+                dy = channel.recv_in_program(BWD, base)
+            acc, dx = self.backward_fn(params, saved, targets, dy, acc)
+            return acc, (dx if self.first else channel.send_in_program(BWD, dx, base))
+
+        self._fwd = jax.jit(fwd)
+        self._bwd = jax.jit(bwd, donate_argnums=(4,))
+
+    def _build_optimizer_programs(self) -> None:
         def update(params, opt_state, acc, scale):
             grads = jax.tree.map(lambda g: g * scale, acc)
             updates, opt_state = self._tx.update(grads, opt_state, params)
@@ -161,22 +196,28 @@ class StageProgram:
         )
         self._sqnorm = jax.jit(lambda acc: sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(acc)))
 
-    # -- what the driver calls ---------------------------------------------------------------
-    def forward(self, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any]:
-        """Dispatch the forward of one microbatch; returns (y, what backward needs)."""
-        if self.recompute:
-            return self.fwd(self.params, x, targets), (x, targets)
-        return self.fwd(self.params, x, targets)
+    # -- what the runner calls ------------------------------------------------------------------------
+    def forward(self, microbatch: int, x: jax.Array | None, targets: jax.Array | None) -> tuple[jax.Array, Any]:
+        """Dispatch the forward of one microbatch; returns (output, loss or send token; what
+        backward needs). ``x`` is None when the program receives it."""
+        from h2jax.comm import FWD
 
-    def backward(self, saved: Any, dy: jax.Array) -> jax.Array:
+        return self._fwd(self.params, x, targets, self._base(microbatch, FWD))
+
+    def backward(self, microbatch: int, saved: Any, targets: jax.Array | None, dy: jax.Array | None) -> jax.Array:
         """Dispatch the backward of one microbatch; accumulates into ``self.acc``; returns dx
-        (on the first stage, a scalar that becomes ready with the backward)."""
-        if self.recompute:
-            x, targets = saved
-            self.acc, dx = self._bwd(self.params, x, targets, dy, self.acc)
-        else:
-            self.acc, dx = self._bwd(saved, dy, self.acc)
+        (on the first stage a scalar, with in-program sends their token), ready with the work."""
+        from h2jax.comm import BWD
+
+        self.acc, dx = self._bwd(self.params, saved, targets, dy, self.acc, self._base(microbatch, BWD))
         return dx
+
+    def _base(self, microbatch: int, direction: int) -> jax.Array | None:
+        if not self._in_program:
+            return None
+        from h2jax.comm import tag_base
+
+        return jnp.int32(tag_base(microbatch, direction))
 
     def zero_grads(self) -> None:
         """Drop the accumulated gradient (a skipped step) without an update."""
@@ -197,7 +238,7 @@ class StageProgram:
         """Per-device memory estimate from array shardings and XLA's compiled memory analysis."""
         params = _tree_bytes_per_device(self.params)
         opt = _tree_bytes_per_device(self.opt_state)
-        lowered = self.fwd.lower(self.params, example_x, example_t)
+        lowered = jax.jit(self.forward_fn).lower(self.params, example_x, example_t)
         fwd_mem = lowered.compile().memory_analysis()
         if self.recompute:
             kept = example_x.sharding.shard_shape(example_x.shape)

@@ -209,6 +209,11 @@ class Timeline:
             self._events.append(event)
         return event
 
+    def extend(self, events: Iterable[TraceEvent]) -> None:
+        """Add events recorded elsewhere (another process's timeline with the same origin)."""
+        with self._lock:
+            self._events.extend(events)
+
     def events(self, step: int | None = None) -> list[TraceEvent]:
         """Recorded events (of ``step`` only, if given), sorted by start time."""
         with self._lock:

@@ -1,280 +1,144 @@
-"""The training loop: config -> stages on their meshes -> pipelined optimizer steps.
+"""The trainer: config -> this process's stages on their meshes -> pipelined optimizer steps.
 
-``Trainer(cfg)`` validates, registers the chip types, cuts the model into stages, places
-each on its mesh and checks memory; ``run()`` trains and writes the run folder:
-``config.yaml``, ``plan.yaml``, ``metrics.jsonl``, ``tb/``, ``trace.json``, ``gantt.png``
-and ``summary.json``. With checkpoints on, ``run()`` saves every ``checkpoint.every_steps``
-steps and at the end, and on SIGTERM/SIGINT saves at the next step boundary and returns
-(``preempted``); ``resume()`` continues from a checkpoint, under this trainer's plan.
+One trainer for one process and for mpirun. ``Trainer(cfg)`` validates, finds its
+:class:`~h2jax.runtime._world.World` from the launcher (one process: every stage; under
+mpirun/srun: the stage of this rank), registers the chip types, cuts the model into
+stages, places each on its mesh, builds each stage's channel and runner, and checks
+memory; ``run()`` trains and writes the run folder (on the writer: ``config.yaml``,
+``plan.yaml``, ``metrics.jsonl``, ``tb/``, ``trace.json``, ``gantt.png``, ``summary.json``,
+``ranks.json``). With checkpoints on, ``run()`` saves every ``checkpoint.every_steps`` steps
+and at the end, and on a stop signal saves at the next step boundary (every process
+agrees on it there) and returns (``preempted``); ``resume()`` continues from a
+checkpoint, under this trainer's plan, whichever mode wrote it.
 
-Checkpoint step N is the state after N optimizer steps: parameters, optimizer state,
-the data position (the next step; a batch is a pure function of (seed, step,
-microbatch)), the seed, and the count of skipped steps.
-
-The module-level checkpoint helpers (``stage_state_by_layer``, ``restore_targets``,
-``load_state_by_layer``, ``checkpoint_meta``, ``check_checkpoint``, ``data_position``,
-``nonfinite_error``) take a list of stages and the plan they belong to -- every stage of
-the plan here, one stage with a one-stage plan (``one_stage_plan``) in a multi-process
-run -- so both modes write and read the same plan-independent layout.
+Non-finite steps follow ``train.nonfinite`` on every process alike: the loss and every
+stage's gradient norm are known to all of them, so they all abort or all skip.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from rich.console import Console
 
 from h2jax.checkpoint import CheckpointError, CheckpointStore
-from h2jax.comm import make_transport
-from h2jax.config import ConfigError, ExperimentConfig, config_to_dict, save_config, validate
+from h2jax.checkpoint._faults import failpoint
+from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher
+from h2jax.comm._channel import stage_links
+from h2jax.config import ConfigError, ExperimentConfig, save_config, validate
 from h2jax.data import get_global_batch, load_dataset
 from h2jax.models import StageModule, build_model, check_stageable
-from h2jax.plan import get_schedule
-from h2jax.runtime._cluster import StagePlacement, place_stages, setup_backends, stage_mesh
-from h2jax.runtime._layout import model_layout, opt_state_layout, opt_state_names, opt_state_trees, stage_trees
+from h2jax.plan import get_schedule, stage_tasks
+from h2jax.runtime._layout import flatten, model_layout
 from h2jax.runtime._metrics import METRICS_FILENAME, MetricsLogger, read_metrics
-from h2jax.runtime._pipeline import Pipeline
+from h2jax.runtime._procgroup import fetch, global_array, local_value
+from h2jax.runtime._runner import StageFailure, StageRunner, run_stages
 from h2jax.runtime._stage import StageMemory, StageProgram
+from h2jax.runtime._state import (
+    StepStats,
+    check_checkpoint,
+    checkpoint_meta,
+    clip_scale,
+    data_position,
+    load_state_by_layer,
+    local_plan,
+    make_optimizer,
+    nonfinite_error,
+    poison,
+    restore_targets,
+    stage_state_by_layer,
+    truncate_metrics,
+)
 from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
+from h2jax.runtime._world import JobError, LocalWorld, MpiWorld, World
 
 GIB = 1024**3
 
 
-CHECKPOINT_FORMAT = 1
+def part_name(stage: int) -> str:
+    """The checkpoint part a stage writes when every process saves its own stage."""
+    return f"stage{stage}"
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/inf (policy ``abort``)."""
+def make_world(cfg: ExperimentConfig, *, fail_fast: Any = None) -> World:
+    """The world of this process, from the launcher's environment (h2jax.launch): a
+    :class:`LocalWorld` without one, else an :class:`MpiWorld` over COMM_WORLD whose stage
+    group (jax.distributed cluster, mesh) is built here, before JAX's backends start."""
+    from h2jax.launch import FailFast, detect_launch
 
-    def __init__(self, message: str, *, step: int, stages: list[int]):
-        super().__init__(message)
-        self.step, self.stages = step, stages
+    launch = detect_launch()
+    if launch is None or launch.size == 1:
+        return LocalWorld(cfg.plan.num_stages)
+    from mpi4py import MPI
 
+    from h2jax.runtime._procgroup import StageGroup
 
-def one_stage_plan(spec: Any) -> Any:
-    """A stand-in plan of one stage, for mapping that stage's trees to model paths."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(stages=(spec,))
-
-
-@jax.jit
-def poison(tree: Any) -> Any:
-    """``train.inject_nonfinite_steps``: the tree made NaN, as a diverging step would."""
-    return jax.tree.map(lambda a: a * jnp.float32(jnp.nan), tree)
-
-
-def make_optimizer(cfg: ExperimentConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW (decay on matrices only) with linear warm-up and cosine decay."""
-    o = cfg.optimizer
-    steps = cfg.train.steps
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=o.lr,
-        warmup_steps=o.warmup_steps,
-        decay_steps=max(steps, o.warmup_steps + 1),
-        end_value=o.lr * o.min_lr_ratio,
-    )
-    tx = optax.adamw(
-        schedule,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-    )
-    return tx, schedule
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != launch.size:
+        raise RuntimeError(f"{launch.launcher} says {launch.size} processes, MPI COMM_WORLD has {comm.Get_size()}")
+    if fail_fast is None:  # the CLI starts it earlier, before JAX's threads exist
+        fail_fast = FailFast(launch)
+        fail_fast.start()
+    group = StageGroup(cfg.plan, cfg.cluster.chips, comm)
+    fail_fast.stage = group.stage_idx
+    world = MpiWorld(comm, [group.layout.stage_of(r) for r in range(comm.Get_size())], launcher=launch.launcher)
+    world.group, world.fail_fast = group, fail_fast
+    return world
 
 
-def clip_scale(grad_norm: float, clip_norm: float) -> float:
-    """optax.clip_by_global_norm's factor, computed from the norm over all stages."""
-    if clip_norm <= 0 or grad_norm < clip_norm:
-        return 1.0
-    return clip_norm / grad_norm
+def shared_parameters(model: nnx.Module, plan: Any) -> list[tuple[str, list[int]]]:
+    """Parameters that two stages of ``plan`` would both hold (e.g. an embedding table the
+    head reuses): (a path of the parameter, the stages) for each."""
+    where: dict[int, tuple[str, set[int]]] = {}
+    n = plan.num_stages
+    for s, spec in enumerate(plan.stages):
+        module = StageModule(model, layers=spec.layers, first=s == 0, last=s == n - 1)
+        for path, node in nnx.iter_graph(module):
+            if isinstance(node, nnx.Param):
+                name, stages = where.setdefault(id(node), ("/".join(map(str, path)), set()))
+                stages.add(s)
+    return [(name, sorted(st)) for name, st in where.values() if len(st) > 1]
+
+
+def boundary_shapes(model: nnx.Module, plan: Any, token_shape: tuple[int, int]) -> list[jax.ShapeDtypeStruct]:
+    """The tensor between stage b and b+1 for each boundary b, from the model itself
+    (``jax.eval_shape`` of the stages in turn; no arrays are made)."""
+    n = plan.num_stages
+    x = jax.ShapeDtypeStruct(token_shape, jnp.int32)
+    out = []
+    for s, spec in enumerate(plan.stages[:-1]):
+        graphdef, params = nnx.split(StageModule(model, layers=spec.layers, first=s == 0, last=False), nnx.Param)
+        x = jax.eval_shape(lambda p, x_, g=graphdef: nnx.merge(g, p)(x_), params, x)
+        out.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    assert len(out) == n - 1
+    return out
 
 
 @dataclass
-class StepStats:
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    tokens_per_s: float
-    skipped: bool = False  # non-finite, policy "skip": nothing was updated
-    extra: dict[str, float] = field(default_factory=dict)
+class TrainResult:
+    """What :func:`train` gives back: the model with the trained parameters (gathered from
+    every stage and process, on every process), the run's summary and per-step stats."""
 
-
-# -- checkpoint helpers shared by the single-controller and the multi-process trainer ----------
-def stage_state_by_layer(stages: list[StageProgram], plan: Any, *, stage_wide: bool = True) -> dict[str, jax.Array]:
-    """Parameters and optimizer state of ``stages`` (the stages of ``plan``, in order), keyed by
-    model path (plan-independent). ``stage_wide=False`` leaves out the optimizer leaves every
-    stage holds alike (step counts): in a multi-process run stage 0 alone saves them."""
-    params = [st.params for st in stages]
-    out = {f"params/{k}": v for k, v in model_layout(params, plan).items()}
-    opt = opt_state_layout([st.opt_state for st in stages], params, plan)
-    if not stage_wide:
-        wide = {
-            name
-            for st, spec in zip(stages, plan.stages)
-            for name, param in opt_state_names(st.opt_state, st.params, spec)
-            if param is None
-        }
-        opt = {k: v for k, v in opt.items() if k not in wide}
-    out.update({f"opt_state/{k}": v for k, v in opt.items()})
-    return out
-
-
-def opt_state_shardings(stage: StageProgram, spec: Any) -> Any:
-    """Where a stage's optimizer state belongs: per-parameter leaves (mu, nu) with their
-    parameter's sharding, stage-wide leaves (counts) replicated over the stage mesh."""
-    by_param = model_layout([stage.param_shardings], one_stage_plan(spec))
-    leaves = [
-        by_param[p] if p is not None else stage.scalar_sharding
-        for _, p in opt_state_names(stage.opt_state, stage.params, spec)
-    ]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stage.opt_state), leaves)
-
-
-def restore_targets(stages: list[StageProgram], plan: Any, *, params_only: bool) -> dict[str, jax.ShapeDtypeStruct]:
-    """What a restore onto ``stages`` reads: every array with its shape, dtype and target
-    sharding (stage-wide optimizer leaves onto the first of ``stages``; load_state_by_layer
-    copies them to the others)."""
-    params = [st.params for st in stages]
-    sh = model_layout([st.param_shardings for st in stages], plan)
-    out = {
-        f"params/{k}": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
-        for k, v in model_layout(params, plan).items()
-    }
-    if not params_only:
-        opt_sh = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
-        sh = opt_state_layout(opt_sh, params, plan)
-        for k, v in opt_state_layout([st.opt_state for st in stages], params, plan).items():
-            out[f"opt_state/{k}"] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
-    return out
-
-
-def load_state_by_layer(
-    stages: list[StageProgram], plan: Any, flat: dict[str, jax.Array], *, params_only: bool = False
-) -> None:
-    """Place a model-layout state (``stage_state_by_layer``'s keys) onto ``stages``; the
-    accumulated gradients start from zero."""
-    params = {k[len("params/") :]: v for k, v in flat.items() if k.startswith("params/")}
-    new_params = stage_trees(params, [st.params for st in stages], plan)
-    if not params_only:
-        opt = {k[len("opt_state/") :]: v for k, v in flat.items() if k.startswith("opt_state/")}
-        new_opt = opt_state_trees(opt, [st.opt_state for st in stages], [st.params for st in stages], plan)
-        opt_shardings = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
-    for s, st in enumerate(stages):
-        st.params = jax.device_put(new_params[s], st.param_shardings)
-        if not params_only:
-            st.opt_state = jax.device_put(new_opt[s], opt_shardings[s])
-        st.acc = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=st.param_shardings)(st.acc)
-
-
-def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int) -> dict[str, Any]:
-    """What a checkpoint records besides the arrays (the same in every part)."""
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "step": step,
-        "skipped_steps": skipped_steps,
-        # a batch is a pure function of (seed, step, microbatch): the position is the next step
-        "data": {
-            "seed": cfg.seed,
-            "next_step": step,
-            "global_batch": cfg.plan.global_batch,
-            "num_microbatches": cfg.plan.num_microbatches,
-        },
-        # the model has no stochastic layers: the seed made the initial parameters and the data
-        "rng": {"seed": cfg.seed},
-        "model": config_to_dict(cfg)["model"],
-        "plan": cfg.plan.to_dict(),
-        "config": config_to_dict(cfg),
-    }
-
-
-def check_checkpoint(
-    store: CheckpointStore, step: int, cfg: ExperimentConfig, model_keys: Any, *, params_only: bool
-) -> dict[str, Any]:
-    """The meta of committed ``step`` after checking that it holds this run's model: the same
-    shapes, and no arrays ``model_keys`` (every restore target of the whole model) lacks."""
-    meta = store.read_meta(step)
-    have, want = meta.get("model"), config_to_dict(cfg)["model"]
-    shape_keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff")
-    if have is not None and any(have.get(k) != want.get(k) for k in shape_keys):
-        diff = ", ".join(f"{k} {have.get(k)} vs {want.get(k)}" for k in shape_keys if have.get(k) != want.get(k))
-        raise CheckpointError(f"{store.dir} step {step} holds another model (checkpoint vs this run: {diff})")
-    model_keys = set(model_keys)
-    extra = sorted(
-        n for n in store.shapes(step) if n not in model_keys and (n.startswith("params/") or not params_only)
-    )
-    if extra:
-        raise CheckpointError(f"{store.dir} step {step} holds {len(extra)} arrays this model lacks, e.g. {extra[:3]}")
-    return meta
-
-
-def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tuple[int, int, str | None]:
-    """(the step the run continues at, skipped steps so far, a warning or None) from a
-    checkpoint's meta; a data stream that cannot continue (another seed) is an error."""
-    step = int(meta["step"])
-    data = meta.get("data", {})
-    if data.get("seed", cfg.seed) != cfg.seed:
-        raise CheckpointError(
-            f"{where} was written with seed {data['seed']}, this run has "
-            f"seed {cfg.seed}: the data stream would not continue"
-        )
-    warning = None
-    batch = (data.get("global_batch"), data.get("num_microbatches"))
-    if batch != (cfg.plan.global_batch, cfg.plan.num_microbatches):
-        warning = (
-            f"the checkpoint's run used global batch {batch[0]} in {batch[1]} microbatches, this run "
-            f"{cfg.plan.global_batch} in {cfg.plan.num_microbatches}: the data stream continues from "
-            f"step {step} but its batches differ"
-        )
-    return step, int(meta.get("skipped_steps", 0)), warning
-
-
-def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop metric rows of steps >= ``step``: the lost future of an interrupted run."""
-    path = run_dir / METRICS_FILENAME
-    if not path.exists():
-        return
-    rows = [r for r in read_metrics(path) if r["step"] < step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def nonfinite_error(step: int, loss: float, grad_norm: float, sqnorms: list[float]) -> NonFiniteLossError:
-    """Policy ``abort``: the error naming the step and where the non-finite values are
-    (``sqnorms``: every stage's squared gradient norm, in stage order)."""
-    last = len(sqnorms) - 1
-    bad = [s for s, x in enumerate(sqnorms) if not math.isfinite(x)]
-    where = []
-    if not math.isfinite(loss):
-        where.append(f"the loss of the last stage, stage {last}")
-    if bad:
-        where.append(f"the gradients of stage{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}")
-    return NonFiniteLossError(
-        f"step {step}: non-finite loss={loss}, grad_norm={grad_norm} ({'; '.join(where)}); "
-        "nothing was updated (train.nonfinite=skip would skip such steps)",
-        step=step,
-        stages=bad or [last],
-    )
+    model: nnx.Module
+    summary: dict[str, Any]
+    history: list[StepStats]
+    run_dir: Path
 
 
 class Trainer:
-    """Builds the stages of an experiment and trains them (single controller)."""
+    """Builds this process's stages of an experiment and trains them (module docstring)."""
 
     def __init__(
         self,
@@ -283,13 +147,41 @@ class Trainer:
         model: nnx.Module | None = None,
         run_dir: str | Path | None = None,
         console: Console | None = None,
+        world: World | None = None,
+        hub: LocalHub | None = None,
+        fail_fast: Any = None,
     ):
-        self.cfg = validate(cfg)
-        self.console = console or Console(stderr=True)
+        cfg = validate(cfg)
+        if model is not None:
+            check_stageable(model)
+            if len(model.blocks) != cfg.model.n_layers:  # the plan was checked against model.n_layers
+                raise ConfigError(
+                    "model.n_layers", f"n_layers={cfg.model.n_layers} but the model has {len(model.blocks)} blocks"
+                )
+        self.cfg = cfg
         plan = cfg.plan
+        self.console = console or Console(stderr=True)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
-        # chip types first: emulated backends must exist before JAX initialises any backend
-        setup_backends(cfg.cluster)
+        self.world = world if world is not None else make_world(cfg, fail_fast=fail_fast)
+        self.fail_fast = getattr(self.world, "fail_fast", fail_fast)
+        w = self.world
+        transport = cfg.train.transport
+        if needs_launcher(transport) and not isinstance(w, MpiWorld):
+            raise ConfigError(
+                "train.transport",
+                f"{transport!r} moves tensors between processes; run one process per stage (mpirun -np "
+                f"{plan.num_stages} h2jax train ...) or use transport 'local'",
+            )
+        if transport == "local" and getattr(w, "group", None) is not None:
+            raise ConfigError(
+                "train.transport",
+                "'local' moves tensors inside one process; under mpirun use 'ffi', 'host' or 'ffi-call'",
+            )
+        group = getattr(w, "group", None)
+        if group is None:  # chip types first: emulated backends must exist before JAX starts any
+            from h2jax.runtime._cluster import setup_backends
+
+            setup_backends(cfg.cluster)
         self.dataset = load_dataset(
             corpus=cfg.data.corpus,
             token_file=cfg.data.token_file,
@@ -303,40 +195,94 @@ class Trainer:
             )
         if model is None:
             model = build_model(cfg.model, seed=cfg.seed)
-        check_stageable(model)
-        if len(model.blocks) != cfg.model.n_layers:
-            raise ConfigError(
-                "model.n_layers", f"n_layers={cfg.model.n_layers} but the model has {len(model.blocks)} blocks"
-            )
         self.model = model
-        self.placements: list[StagePlacement] = place_stages(plan, cfg.cluster)
-        self.tx, self.lr_schedule = make_optimizer(cfg)
+        shared = shared_parameters(model, plan)
+        if shared:
+            name, stages = shared[0]
+            raise ConfigError(
+                "plan.stages",
+                f"parameter {name} is used by stages {' and '.join(map(str, stages))}: a parameter two stages "
+                "share (e.g. a head tied to the embedding) would train as two untied copies; h2jax refuses it "
+                "(use a plan whose one stage holds both, or untie it)",
+            )
         n = plan.num_stages
+        mb = plan.microbatch_size
+        self.boundaries = boundary_shapes(model, plan, (mb, cfg.model.seq_len))
+        self.tx, self.lr_schedule = make_optimizer(cfg)
+        self.local = w.local_stages
+        self.labels = [
+            f"stage {i} · {st.chip} ({st.data}x{st.tensor}) layers {st.layers[0]}-{st.layers[1] - 1}"
+            for i, st in enumerate(plan.stages)
+        ]
+        if group is not None:
+            meshes = {group.stage_idx: group.mesh}
+            self.backends = {group.stage_idx: group.backend}
+            ranks = [group.layout.device_ranks(i) for i in range(n)]
+        else:
+            from h2jax.runtime._cluster import place_stages, stage_mesh
+
+            placements = place_stages(plan, cfg.cluster)
+            meshes = {
+                s: stage_mesh(placements[s], data=plan.stages[s].data, tensor=plan.stages[s].tensor) for s in self.local
+            }
+            self.backends = {s: placements[s].backend for s in self.local}
+            ranks = None
         self.stages: list[StageProgram] = []
-        for s, (spec, place) in enumerate(zip(plan.stages, self.placements)):
-            mesh = stage_mesh(place, data=spec.data, tensor=spec.tensor)
+        for s in self.local:
+            spec = plan.stages[s]
             module = StageModule(model, layers=spec.layers, first=s == 0, last=s == n - 1)
-            label = f"stage {s} · {spec.chip} ({spec.data}x{spec.tensor}) layers {spec.layers[0]}-{spec.layers[1] - 1}"
-            self.stages.append(StageProgram(s, spec, mesh, module, self.tx, first=s == 0, last=s == n - 1, label=label))
+            self.stages.append(
+                StageProgram(s, spec, meshes[s], module, self.tx, first=s == 0, last=s == n - 1, label=self.labels[s])
+            )
         self.schedule = get_schedule(plan.schedule, n, plan.num_microbatches)
-        self.grid = self.schedule.tasks()
-        self.timeline = Timeline(stage_labels=[st.label for st in self.stages]) if cfg.train.timeline else None
-        self.pipeline = Pipeline(
-            self.stages,
-            make_transport(cfg.train.transport),
-            self.grid,
-            num_microbatches=plan.num_microbatches,
-            timeline=self.timeline,
-        )
+        grid = self.schedule.tasks()
+        # one time origin for every process's events (perf_counter is the host's monotonic clock)
+        t0 = w.from_stage(0, time.perf_counter()) if w.multiprocess else None
+        self.timeline = Timeline(stage_labels=self.labels, t0=t0) if cfg.train.timeline else None
+        self.hub = hub
+        if transport == "local" and self.hub is None:
+            self.hub = LocalHub(n)
+        self._own_hub = hub is None
+        mesh_shapes = [(st.data, st.tensor) for st in plan.stages]
+        comm = getattr(w, "comm", None)
+        record = group is None or group.is_leader  # a stage over several processes records once
+        self.runners: list[StageRunner] = []
+        for st in self.stages:
+            link = stage_links(
+                mesh_shapes,
+                self.boundaries,
+                stage_idx=st.stage_idx,
+                mesh=st.mesh,
+                sharding=st.act_sharding,
+                ranks=ranks,
+            )
+            channel = self._channel(transport, link, comm, st.spec.chip)
+            st.build(channel)
+            dloss = global_array(np.float32(1.0 / plan.num_microbatches), st.scalar_sharding) if st.last else None
+            self.runners.append(
+                StageRunner(
+                    st, channel, stage_tasks(grid, st.stage_idx), dloss=dloss, timeline=self.timeline, record=record
+                )
+            )
         self.tokens_per_step = plan.global_batch * cfg.model.seq_len
         self.step = 0
         self.skipped_steps = 0
-        self.preempted: str | None = None  # the signal that stopped run(), if one did
+        self.preempted: str | None = None  # the stop signal that ended run(), if one did
         self._stop_signal: str | None = None
         self._store: CheckpointStore | None = None
+        self._saved_step: int | None = None  # the step of the state saved (or restored) last
+        self._all_committed = -1
         self.memory: list[StageMemory] = []
         if cfg.train.memory_check:
-            self.memory = self.check_memory()
+            self.memory = w.all(self.check_memory, "config error")
+
+    def _channel(self, transport: str, link: Any, comm: Any, chip: str) -> Any:
+        from h2jax.comm import RoutingUnsupported
+
+        try:
+            return make_channel(transport, link, comm=comm, hub=self.hub, chip=chip)
+        except RoutingUnsupported as e:
+            raise ConfigError("train.transport", f"{transport!r} cannot carry this plan's boundaries: {e}") from e
 
     # -- data ----------------------------------------------------------------------------------
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -350,23 +296,29 @@ class Trainer:
             seq_len=self.cfg.model.seq_len,
         )
 
-    def _device_batch(self, step: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    def _device_batch(self, step: int) -> tuple[list[jax.Array] | None, list[jax.Array] | None]:
+        first = next((st for st in self.stages if st.first), None)
+        last = next((st for st in self.stages if st.last), None)
+        if first is None and last is None:
+            return None, None
         tokens, targets = self.batch(step)
-        first, last = self.stages[0], self.stages[-1]
         return (
-            [jax.device_put(t, first.act_sharding) for t in tokens],
-            [jax.device_put(t, last.act_sharding) for t in targets],
+            [global_array(t, first.act_sharding) for t in tokens] if first is not None else None,
+            [global_array(t, last.act_sharding) for t in targets] if last is not None else None,
         )
 
     # -- memory --------------------------------------------------------------------------------
     def check_memory(self) -> list[StageMemory]:
-        """Per-device memory of every stage against its chip's declared memory."""
-        tokens, targets = self._device_batch(0)
+        """Per-device memory of this process's stages against their chips' declared memory."""
         in_flight = self.schedule.max_in_flight()
+        mb, seq = self.cfg.plan.microbatch_size, self.cfg.model.seq_len
         out = []
-        x = tokens[0]
-        for s, st in enumerate(self.stages):
-            mem = st.memory(x, targets[0] if st.last else None, in_flight=in_flight[s])
+        for st in self.stages:
+            s = st.stage_idx
+            like = jax.ShapeDtypeStruct((mb, seq), jnp.int32) if st.first else self.boundaries[s - 1]
+            x = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=st.act_sharding)
+            t = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding) if st.last else None
+            mem = st.memory(x, t, in_flight=in_flight[s])
             out.append(mem)
             limit = self.cfg.cluster.chips[st.spec.chip].memory_gib * GIB
             if mem.total > limit:
@@ -378,66 +330,66 @@ class Trainer:
                     f"{mem.workspace / GIB:.2f}); chip {st.spec.chip} has {limit / GIB:.2f} GiB "
                     "(try recompute: true, more microbatches, or a larger tensor degree)",
                 )
-            if not st.last:  # the next stage's input has this stage's output shape
-                x = jax.device_put(
-                    jnp.zeros((x.shape[0], x.shape[1], self.cfg.model.d_model), jnp.dtype(self.cfg.model.dtype)),
-                    self.stages[s + 1].act_sharding,
-                )
         return out
 
     # -- one step ------------------------------------------------------------------------------
-    def forward_backward(self, step: int) -> jax.Array:
-        """Run every forward and backward of ``step``; gradients accumulate in the stages.
-
-        Returns the step's loss (mean over microbatches) as a device scalar."""
+    def forward_backward(self, step: int) -> jax.Array | None:
+        """Every forward and backward of ``step`` on this process's stages; gradients
+        accumulate in the stages. Returns the step's loss (mean over microbatches) as a
+        device scalar where the last stage runs, else None."""
         tokens, targets = self._device_batch(step)
-        result = self.pipeline.run_step(step, tokens, targets)
-        return jnp.mean(jnp.stack(result.losses))
-
-    def finish_step(self) -> float:
-        """Clip by the global gradient norm over all stages and update every stage; returns the norm.
-
-        A non-finite norm updates nothing (the caller decides what that means)."""
-        grad_norm = math.sqrt(sum(self._grad_sqnorms()))
-        self._apply(grad_norm)
-        return grad_norm
+        try:
+            losses = run_stages(self.runners, step, tokens, targets, hub=self.hub if self._own_hub else None)
+        except PipelineAborted:
+            err = self.hub.error if self.hub is not None else None
+            if err is None:
+                raise
+            raise StageFailure(err.stage, step, err.what, err.cause) from err
+        return jnp.mean(jnp.stack(losses)) if losses else None
 
     def _grad_sqnorms(self) -> list[float]:
-        sq = [st.grad_sqnorm() for st in self.stages]  # dispatched on every stage before any sync
-        return [float(x) for x in sq]
+        sq = {st.stage_idx: st.grad_sqnorm() for st in self.stages}  # dispatched on every stage first
+        return self.world.stage_values({s: float(local_value(x)) for s, x in sq.items()})
+
+    def finish_step(self) -> float:
+        """Clip by the global gradient norm over all stages and update every stage; returns the
+        norm. A non-finite norm updates nothing (the caller decides what that means)."""
+        grad_norm = math.sqrt(sum(self._grad_sqnorms()))
+        if math.isfinite(grad_norm):
+            self._apply(grad_norm)
+        return grad_norm
 
     def _apply(self, grad_norm: float) -> None:
-        if math.isfinite(grad_norm):
-            scale = clip_scale(grad_norm, self.cfg.optimizer.clip_norm)
-            for st in self.stages:
-                st.apply_update(scale)
-
-    def _drop_grads(self) -> None:
-        """Zero the accumulated gradients without an update (a skipped step)."""
+        scale = clip_scale(grad_norm, self.cfg.optimizer.clip_norm)
         for st in self.stages:
-            st.zero_grads()
+            st.apply_update(scale)
 
     def train_step(self) -> StepStats:
-        step = self.step
+        cfg, step = self.cfg, self.step
         t0 = time.perf_counter()
         loss_dev = self.forward_backward(step)
-        if step in self.cfg.train.inject_nonfinite_steps:
+        if step in cfg.train.inject_nonfinite_steps:
             for st in self.stages:
                 st.acc = poison(st.acc)
-            loss_dev = loss_dev * jnp.float32(jnp.nan)
-        loss = float(loss_dev)
+            if loss_dev is not None:
+                loss_dev = loss_dev * jnp.float32(jnp.nan)
+        local_loss = float(local_value(loss_dev)) if loss_dev is not None else None
         sq = self._grad_sqnorms()
         grad_norm = math.sqrt(sum(sq))
+        loss = float(self.world.from_stage(cfg.plan.num_stages - 1, local_loss))
         skipped = False
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self._apply(grad_norm)
-        elif self.cfg.train.nonfinite == "skip":
-            self._drop_grads()
+        elif cfg.train.nonfinite == "skip":
+            for st in self.stages:
+                st.zero_grads()
             self.skipped_steps += 1
             skipped = True
         else:
             raise nonfinite_error(step, loss, grad_norm, sq)
         dt = time.perf_counter() - t0
+        if self.fail_fast is not None:
+            self.fail_fast.last_completed_step = step
         self.step += 1
         return StepStats(
             step=step,
@@ -449,7 +401,21 @@ class Trainer:
             skipped=skipped,
         )
 
+    def _drain(self) -> None:
+        for r in self.runners:
+            r.drain()
+
+    def _step_events(self, step: int | None) -> list[Any] | None:
+        """This step's timeline events of every stage, on the writer (collective)."""
+        if self.timeline is None:
+            return None
+        self._drain()
+        got = self.world.gather(self.timeline.events(step) if step is not None else self.timeline.events())
+        return None if got is None else [e for evs in got for e in evs]
+
     def step_metrics(self, stats: StepStats) -> dict[str, Any]:
+        """The metrics of one step (collective: every process calls it at the same steps;
+        the writer's dict is the one that counts)."""
         devices_by_chip: dict[str, int] = {}
         for spec in self.cfg.plan.stages:
             devices_by_chip[spec.chip] = devices_by_chip.get(spec.chip, 0) + spec.num_devices
@@ -466,65 +432,126 @@ class Trainer:
         }
         for chip, ndev in devices_by_chip.items():
             m[f"tgs/{chip}"] = stats.tokens_per_s / ndev
-        if self.timeline is not None:
-            self.pipeline.drain_timeline()
+        events = self._step_events(stats.step)
+        if events is not None:
             m["bubble_fraction"] = bubble_fraction(
-                [e for e in self.timeline.events(stats.step) if e.kind in ("fwd", "bwd")], len(self.stages)
+                [e for e in events if e.kind in ("fwd", "bwd")], self.cfg.plan.num_stages
             )
         return m
 
     # -- the loop ------------------------------------------------------------------------------
-    def run(self, steps: int | None = None) -> list[StepStats]:
-        """Train up to ``steps`` (default ``train.steps``) from ``self.step``; checkpoint as
-        configured. Returns early, after saving, on SIGTERM/SIGINT (see ``preempted``)."""
-        cfg = self.cfg
-        steps = cfg.train.steps if steps is None else steps
+    def _local_stop(self) -> str | None:
+        if self.fail_fast is not None:
+            return self.fail_fast.stop_signal
+        return self._stop_signal
+
+    def _prepare_run_dir(self) -> None:
+        """On the writer: the run folder, its config and plan, and the metrics of an earlier
+        run that this one would restart over (moved aside, said loudly; never deleted)."""
+        cfg, w = self.cfg, self.world
+        ranks = w.allgather(
+            {
+                "rank": w.rank,
+                "stages": list(self.local),
+                "pid": os.getpid(),
+                "host": os.uname().nodename,
+                "backend": [self.backends[s] for s in self.local],
+                "group_rank": getattr(getattr(w, "group", None), "group_rank", 0),
+            }
+        )
+        if not w.is_writer:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
         cfg.plan.to_yaml(self.run_dir / "plan.yaml")
-        metrics_file = self.run_dir / METRICS_FILENAME
-        if self.step == 0 and metrics_file.exists():
-            metrics_file.unlink()  # a fresh run; a resumed run keeps appending
+        (self.run_dir / "ranks.json").write_text(json.dumps(ranks, indent=2))
+        metrics = self.run_dir / METRICS_FILENAME
+        if self.step == 0 and metrics.exists() and metrics.stat().st_size > 0:
+            rows = read_metrics(metrics)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            aside = self.run_dir / f"metrics.{stamp}.jsonl"
+            metrics.rename(aside)
+            self.console.print(
+                f"[bold yellow]h2jax: starting from step 0 in {self.run_dir}, which holds {len(rows)} metric rows "
+                f"of an earlier run (no checkpoint to resume from): they are kept in {aside.name}[/]"
+            )
+
+    def run(self, steps: int | None = None) -> list[StepStats]:
+        """Train up to ``steps`` (default ``train.steps``) from ``self.step``; checkpoint as
+        configured. Returns early, after saving, on a stop signal (see ``preempted``)."""
+        cfg, w = self.cfg, self.world
+        steps = cfg.train.steps if steps is None else steps
+        self._prepare_run_dir()
+        w.barrier()
         store = self.checkpoint_store() if cfg.checkpoint.enabled else None
         every = cfg.checkpoint.every_steps
+        if store is not None and self.fail_fast is not None:
+            from h2jax.launch import stop_grace_s
+
+            self.fail_fast.allow_graceful_stop(stop_grace_s())
         history: list[StepStats] = []
         t_start = time.perf_counter()
-        restore_signals = self._catch_signals()
-        try:
-            with MetricsLogger(
+        log = None
+        if w.is_writer and self.step < steps:
+            log = MetricsLogger(
                 self.run_dir,
                 total_steps=steps,
                 tensorboard=cfg.train.tensorboard,
                 progress=cfg.train.progress,
                 console=self.console,
-            ) as log:
-                while self.step < steps and self._stop_signal is None:
-                    stats = self.train_step()
-                    history.append(stats)
-                    if stats.step % cfg.train.log_every == 0 or self.step == steps or stats.skipped:
-                        log.log(stats.step, self.step_metrics(stats))
-                    if store is not None:
-                        store.poll()  # commit a finished background save
-                        if every > 0 and self.step % every == 0 and self.step < steps:
-                            self.save_checkpoint()
-            self.preempted = self._stop_signal
-            if store is not None and (self.step == steps or self.preempted):
-                if store.latest_committed() != self.step and self._saved_step != self.step:
-                    self.save_checkpoint()
-                store.wait()
+            )
+        restore_signals = self._catch_signals()
+        try:
+            while self.step < steps:
+                stats = self.train_step()
+                history.append(stats)
+                if stats.step % cfg.train.log_every == 0 or self.step == steps or stats.skipped:
+                    metrics = self.step_metrics(stats)
+                    if log is not None:
+                        log.log(stats.step, metrics)
+                if store is not None:
+                    store.poll()  # commit a finished background save
+                    if every > 0 and self.step % every == 0 and self.step < steps:
+                        self.save_checkpoint()
+                if self._boundary(store):
+                    break
+            if store is not None:
+                if self.fail_fast is not None:
+                    self.fail_fast.stopping()  # no more step boundaries: a stop signal now waits for the save
+                if (self.step == steps or self.preempted) and self._saved_step != self.step:
+                    if store.latest_committed() != self.step or w.multiprocess:
+                        self.save_checkpoint()
+                self.close_checkpoints()  # commits the last save
+                w.barrier()  # every part has committed it
+                store.apply_retention()  # judged once more, now that every part's last step counts
+        except BaseException:
+            self.close_checkpoints()  # the last committed checkpoint stays the restart point
+            raise
         finally:
             restore_signals()
-            self.close_checkpoints()
-            self.pipeline.drain_timeline()
-            self.pipeline.close()
-        wall = time.perf_counter() - t_start
-        self._write_outputs(history, wall)
+            if log is not None:
+                log.close()
+        self.summary = self._write_outputs(history, time.perf_counter() - t_start)
         return history
 
+    def _boundary(self, store: CheckpointStore | None) -> bool:
+        """The step boundary: every process learns whether any got a stop signal (then all stop
+        here) and the newest step every process has committed."""
+        mine = store.last_committed_here if store is not None else None
+        stop, all_committed = self.world.step_boundary(self._local_stop(), mine)
+        if all_committed != self._all_committed:
+            self._all_committed = all_committed
+            failpoint("committed_all", all_committed)
+        if stop:
+            self.preempted = stop
+            return True
+        return False
+
     def _catch_signals(self):
-        """SIGTERM/SIGINT ask run() to save at the next step boundary and stop; a second
-        SIGINT interrupts at once. Returns the function that restores the old handlers."""
-        if threading.current_thread() is not threading.main_thread():
+        """One process: SIGTERM/SIGINT ask run() to stop at the next step boundary (saving
+        first when checkpoints are on); a second SIGINT interrupts at once. Under a launcher,
+        h2jax.launch.FailFast catches them instead. Returns what restores the old handlers."""
+        if self.fail_fast is not None or threading.current_thread() is not threading.main_thread():
             return lambda: None
         old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -533,7 +560,8 @@ class Trainer:
             if self._stop_signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self._stop_signal = name
-            self.console.print(f"[yellow]h2jax: {name} received: saving at the end of step {self.step} and stopping[/]")
+            what = "saving and stopping" if self.cfg.checkpoint.enabled else "stopping (checkpoints are off)"
+            self.console.print(f"[yellow]h2jax: {name} received: {what} after the step in progress[/]")
 
         for sig in old:
             signal.signal(sig, handler)
@@ -544,52 +572,80 @@ class Trainer:
 
         return restore
 
-    def _write_outputs(self, history: list[StepStats], wall_s: float) -> None:
+    def _write_outputs(self, history: list[StepStats], wall_s: float) -> dict[str, Any]:
+        """The summary (and, when this call trained, trace.json, gantt.png and summary.json on
+        the writer). A call that trained nothing writes nothing: an earlier run's files stay."""
+        w, cfg = self.world, self.cfg
+        gstep = None
+        if history:
+            gstep = cfg.train.gantt_step if cfg.train.gantt_step >= 0 else history[-1].step
+        events = self._step_events(None)
+        mem = w.allgather({st.stage_idx: m.total / GIB for st, m in zip(self.stages, self.memory or [])})
+        memory = {s: g for d in mem for s, g in d.items()}
+        backends = {s: b for d in w.allgather(self.backends) for s, b in d.items()}
         summary: dict[str, Any] = {
             "steps": len(history),
             "wall_s": wall_s,
             "first_loss": history[0].loss if history else None,
             "last_loss": history[-1].loss if history else None,
+            "losses": [h.loss for h in history],
             # the first steps include compilation; the median excludes it
             "median_step_time_s": float(np.median([h.step_time_s for h in history[1:] or history]))
             if history
             else None,
             "tokens_per_step": self.tokens_per_step,
+            "processes": w.size,
+            "launcher": w.launcher,
+            "transport": cfg.train.transport,
             "stages": [
-                {"label": st.label, "backend": p.backend, "memory_gib": m.total / GIB if m else None}
-                for st, p, m in zip(self.stages, self.placements, self.memory or [None] * len(self.stages))
+                {"label": self.labels[s], "backend": backends.get(s), "memory_gib": memory.get(s)}
+                for s in range(cfg.plan.num_stages)
             ],
         }
-        if self.timeline is not None and history:
-            self.timeline.save(self.run_dir / "trace.json")
-            gstep = self.cfg.train.gantt_step if self.cfg.train.gantt_step >= 0 else history[-1].step
-            events = self.timeline.events(gstep)
-            plot_gantt(
-                events,
-                self.run_dir / "gantt.png",
-                stage_labels=[st.label for st in self.stages],
-                title=f"{self.cfg.name}: step {gstep}, {self.cfg.plan.schedule}, "
-                f"{self.cfg.plan.num_microbatches} microbatches",
-            )
-            summary["bubble_fraction_last_step"] = bubble_fraction(
-                [e for e in events if e.kind in ("fwd", "bwd")], len(self.stages)
-            )
+        if not w.is_writer or not history:
+            return summary
+        if events is not None:
+            merged = Timeline(stage_labels=self.labels, t0=self.timeline.t0)
+            merged.extend(events)
+            merged.save(self.run_dir / "trace.json")
+            ev = merged.events(gstep)
+            if ev:
+                plot_gantt(
+                    ev,
+                    self.run_dir / "gantt.png",
+                    stage_labels=self.labels,
+                    title=f"{cfg.name}: step {gstep}, {cfg.plan.schedule}, {cfg.plan.num_microbatches} "
+                    f"microbatches, {w.size} process{'es' if w.size > 1 else ''}, {cfg.train.transport}",
+                )
+                summary["gantt_step"] = gstep
+                summary["bubble_fraction_gantt_step"] = bubble_fraction(
+                    [e for e in ev if e.kind in ("fwd", "bwd")], cfg.plan.num_stages
+                )
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
 
     # -- checkpoints ---------------------------------------------------------------------------
-    _saved_step: int | None = None
-
     @property
     def checkpoint_dir(self) -> Path:
         d = self.cfg.checkpoint.dir
         return Path(d) if d is not None else self.run_dir / "checkpoints"
 
     def checkpoint_store(self) -> CheckpointStore:
+        """This process's writer: one part holding every stage in one process; under mpirun its
+        stage's part of every step (module docstring of h2jax.checkpoint._store)."""
         if self._store is None:
-            c = self.cfg.checkpoint
-            self._store = CheckpointStore(
-                self.checkpoint_dir, keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save
-            )
+            c, w = self.cfg.checkpoint, self.world
+            kw = dict(keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save)
+            if isinstance(w, MpiWorld):
+                n = self.cfg.plan.num_stages
+                group = getattr(w, "group", None)
+                kw.update(
+                    part=part_name(w.stage_idx),
+                    parts=[part_name(i) for i in range(n)],
+                    lead=w.rank == 0,
+                    shared=bool(group is not None and group.distributed),
+                )
+            self._store = CheckpointStore(self.checkpoint_dir, **kw)
         return self._store
 
     def close_checkpoints(self) -> None:
@@ -599,102 +655,185 @@ class Trainer:
             store.close()
 
     def state_by_layer(self) -> dict[str, jax.Array]:
-        """Parameters and optimizer state of every stage, keyed by model path (plan-independent)."""
-        return stage_state_by_layer(self.stages, self.cfg.plan)
-
-    def checkpoint_meta(self) -> dict[str, Any]:
-        return checkpoint_meta(self.cfg, self.step, self.skipped_steps)
+        """Parameters and optimizer state of this process's stages by model path (the
+        optimizer leaves every stage holds alike, from stage 0 only)."""
+        return stage_state_by_layer(self.stages, local_plan(self.cfg.plan, self.local), stage_wide=0 in self.local)
 
     def save_checkpoint(self) -> None:
-        """Start saving the current state as checkpoint ``self.step`` (async if configured)."""
+        """Start saving this process's part of checkpoint ``self.step`` (async if configured;
+        every process calls it at the same step)."""
         store = self.checkpoint_store()
-        if self._saved_step is None:
-            store.dir.mkdir(parents=True, exist_ok=True)
+        if self._saved_step is None and self.world.is_writer:
             try:
+                store.dir.mkdir(parents=True, exist_ok=True)
                 save_config(self.cfg, store.dir / "config.yaml")
             except OSError:
                 pass  # the save below reports an unwritable directory with the step
         store.clear(self.step)  # an older future of this run (--restore-step)
-        store.save(self.step, self.state_by_layer(), self.checkpoint_meta())
+        self.world.barrier()  # no process's new share of this step may commit beside another's old one
+        store.save(self.step, self.state_by_layer(), checkpoint_meta(self.cfg, self.step, self.skipped_steps))
         self._saved_step = self.step
-
-    def _opt_shardings(self, s: int) -> Any:
-        return opt_state_shardings(self.stages[s], self.cfg.plan.stages[s])
-
-    def load_state_by_layer(self, flat: dict[str, jax.Array], *, params_only: bool = False) -> None:
-        """Place a model-layout state (``state_by_layer``'s keys) onto this trainer's stages."""
-        load_state_by_layer(self.stages, self.cfg.plan, flat, params_only=params_only)
-
-    def _targets(self, *, params_only: bool) -> dict[str, jax.ShapeDtypeStruct]:
-        return restore_targets(self.stages, self.cfg.plan, params_only=params_only)
 
     def restore(self, directory: str | Path, step: int | None = None, *, params_only: bool = False) -> int:
         """Load checkpoint ``step`` (default: the latest committed) of ``directory`` onto this
-        trainer's plan. Full state: the run continues at that step; ``params_only``: the
+        process's stages. Full state: the run continues at that step; ``params_only``: the
         weights alone, for a new run from step 0. Returns the step read."""
-        store = CheckpointStore(directory)
-        if step is None:
-            step = store.latest_committed()
-            if step is None:
+        plan = self._lead_plan_read(directory, step, params_only=params_only)
+        self._read(plan)
+        return plan["step"]
+
+    def _model_keys(self) -> list[str]:
+        mine = sorted(restore_targets(self.stages, local_plan(self.cfg.plan, self.local), params_only=False))
+        return sorted(set().union(*self.world.allgather(mine)))
+
+    def _lead_plan_read(self, directory: str | Path, step: int | None, *, params_only: bool) -> dict[str, Any]:
+        model_keys = self._model_keys()
+
+        def decide() -> dict[str, Any]:
+            store = CheckpointStore(directory)
+            s = step if step is not None else store.latest_committed()
+            if s is None:
                 raise CheckpointError(f"{store.dir} holds no committed checkpoint")
-        targets = self._targets(params_only=params_only)
-        meta = check_checkpoint(store, step, self.cfg, targets, params_only=params_only)
-        self.load_state_by_layer(store.restore(step, targets), params_only=params_only)
-        if not params_only:
-            self.step, self.skipped_steps, warning = data_position(meta, self.cfg, f"{store.dir} step {step}")
-            if warning:
-                self.console.print(f"[yellow]h2jax: {warning}[/]")
-        return step
+            meta = check_checkpoint(store, s, self.cfg, model_keys, params_only=params_only)
+            out = {"dir": str(store.dir), "step": s, "params_only": params_only, "warning": None}
+            if not params_only:
+                out["next_step"], out["skipped_steps"], out["warning"] = data_position(
+                    meta, self.cfg, f"{store.dir} step {s}"
+                )
+            return out
+
+        return self.world.lead(decide, "checkpoint error")
+
+    def _read(self, plan: dict[str, Any]) -> None:
+        lp = local_plan(self.cfg.plan, self.local)
+
+        def read() -> None:
+            store = CheckpointStore(plan["dir"])
+            try:
+                targets = restore_targets(self.stages, lp, params_only=plan["params_only"])
+                load_state_by_layer(
+                    self.stages, lp, store.restore(plan["step"], targets), params_only=plan["params_only"]
+                )
+            finally:
+                store.close()
+
+        self.world.all(read, "checkpoint error")
+        if not plan["params_only"]:
+            self.step, self.skipped_steps = plan["next_step"], plan["skipped_steps"]
+            self._saved_step = self.step
+            if plan.get("warning") and self.world.is_writer:
+                self.console.print(f"[yellow]h2jax: {plan['warning']}[/]")
 
     def resume(self, *, restore_step: int | None = None, init_from: str | Path | None = None) -> str | None:
-        """What ``h2jax train`` does before training: continue from this run's checkpoints
-        (the latest committed step, or ``restore_step``), or start from the weights of
-        another run's checkpoint (``init_from``). Returns a line saying what happened."""
+        """What ``h2jax train`` does before training: continue from this run's checkpoints (the
+        latest committed step, or ``restore_step``), or start from the weights of another
+        run's checkpoint (``init_from``), which either mode may have written. The writer
+        decides; every process reads its own layers. Returns a line saying what happened
+        (the same on every process), or None."""
+        cfg, w = self.cfg, self.world
         if init_from is not None:
-            step = self.restore(init_from, restore_step, params_only=True)
-            msg = f"initialised the weights from {Path(init_from).absolute()} step {step}; training from step 0"
-            if self.cfg.checkpoint.enabled and self.checkpoint_store().latest_committed() is not None:
-                raise CheckpointError(
-                    f"{self.checkpoint_dir} already holds checkpoints of a run; --init-from "
-                    "starts a new one (use another name or checkpoint.dir)"
-                )
-            return msg
-        if not self.cfg.checkpoint.enabled:
+            plan = self._lead_plan_read(init_from, restore_step, params_only=True)
+            if cfg.checkpoint.enabled:
+                w.lead(self._refuse_init_over_checkpoints, "checkpoint error")
+            self._read(plan)
+            return (
+                f"initialised the weights from {Path(init_from).absolute()} step {plan['step']}; training from step 0"
+            )
+        if not cfg.checkpoint.enabled:
             if restore_step is not None:
-                raise CheckpointError("--restore-step needs checkpoint.enabled=true")
+                raise JobError("checkpoint error", "--restore-step needs checkpoint.enabled=true")
             return None
-        store = self.checkpoint_store()
-        removed = store.cleanup()
-        latest = store.latest_committed()
+        removed = sum(w.allgather(len(w.all(lambda: self.checkpoint_store().cleanup(), "checkpoint error"))))
+        latest = w.lead(lambda: self.checkpoint_store().latest_committed(), "checkpoint error")
+        store_dir = self.checkpoint_store().dir
         if latest is None:
             if restore_step is not None:
-                raise CheckpointError(f"--restore-step {restore_step}: {store.dir} holds no committed checkpoint")
-            return f"cleaned up {len(removed)} leftovers of an interrupted save" if removed else None
-        step = self.restore(store.dir, restore_step)
-        self._truncate_metrics(self.step)
-        msg = f"resumed from {store.dir} step {step}"
+                raise JobError(
+                    "checkpoint error", f"--restore-step {restore_step}: {store_dir} holds no committed checkpoint"
+                )
+            return f"cleaned up {removed} leftovers of an interrupted save" if removed else None
+        plan = self._lead_plan_read(store_dir, restore_step, params_only=False)
+        self._read(plan)
+        step = plan["step"]
+        msg = f"resumed from {store_dir} step {step}"
         if removed:
-            msg += f" (cleaned up {len(removed)} leftovers of an interrupted save)"
+            msg += f" (cleaned up {removed} leftovers of an interrupted save)"
         if step != latest:
             msg += f"; committed steps after {step} (up to {latest}) are replaced as this run reaches them"
+        if w.is_writer:
+            moved, aside = truncate_metrics(self.run_dir, self.step)
+            if moved:
+                msg += f"; {moved} metric rows of steps >= {self.step} moved to {aside.name}"
         return msg
 
-    def _truncate_metrics(self, step: int) -> None:
-        truncate_metrics(self.run_dir, step)
+    def _refuse_init_over_checkpoints(self) -> None:
+        if self.checkpoint_store().latest_committed() is not None:
+            raise CheckpointError(
+                f"{self.checkpoint_dir} already holds checkpoints of a run; --init-from starts a new one "
+                "(use another name or checkpoint.dir)"
+            )
 
-    # -- inspection (tests, tools) -------------------------------------------------------------
+    # -- what a user (and a test) reads back ------------------------------------------------------
     def params_by_layer(self) -> dict[str, Any]:
-        return model_layout([st.params for st in self.stages], self.cfg.plan)
+        """This process's parameters by model path (device arrays)."""
+        return model_layout([st.params for st in self.stages], local_plan(self.cfg.plan, self.local))
 
     def grads_by_layer(self) -> dict[str, Any]:
-        return model_layout([st.grads() for st in self.stages], self.cfg.plan)
+        return model_layout([st.grads() for st in self.stages], local_plan(self.cfg.plan, self.local))
+
+    def gathered_params(self) -> dict[str, np.ndarray]:
+        """Every parameter of the model by model path, as numpy, on every process (collective)."""
+        mine = fetch(self.params_by_layer())  # collective over a stage's processes
+        group = getattr(self.world, "group", None)
+        share = mine if group is None or group.is_leader else {}
+        out: dict[str, np.ndarray] = {}
+        for part in self.world.allgather(share):
+            out.update(part)
+        return out
+
+    def trained_model(self) -> nnx.Module:
+        """The model given (or built) with this run's current parameters in place (collective)."""
+        params = self.gathered_params()
+        state = nnx.state(self.model, nnx.Param)
+        flat = flatten(state)
+        missing = sorted(set(flat) - set(params))
+        if missing:
+            raise KeyError(f"parameters outside embed/blocks/head are not trained by h2jax: {missing[:3]}")
+        leaves = [jnp.asarray(params[k]) for k in flat]
+        nnx.update(self.model, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), leaves))
+        return self.model
+
+    def close(self) -> None:
+        """Stop the runners' helper threads (and the local hub this trainer owns)."""
+        for r in self.runners:
+            r.close()
+        if self.hub is not None and self._own_hub:
+            self.hub.close()
 
 
 def train(
-    cfg: ExperimentConfig, *, model: nnx.Module | None = None, run_dir: str | Path | None = None
-) -> list[StepStats]:
+    cfg: ExperimentConfig,
+    *,
+    model: nnx.Module | None = None,
+    run_dir: str | Path | None = None,
+    restore_step: int | None = None,
+    init_from: str | Path | None = None,
+    console: Console | None = None,
+) -> TrainResult:
     """Train ``model`` (default: the GPT of ``cfg.model``) as ``cfg`` says, continuing from the
-    run's latest checkpoint if there is one; returns the per-step stats of this call."""
-    trainer = Trainer(cfg, model=model, run_dir=run_dir)
-    trainer.resume()
-    return trainer.run()
+    run's latest checkpoint if there is one. Under mpirun/srun every process calls it (the
+    launcher is detected; each process runs its stage). Returns the model with the trained
+    parameters in place -- the same module object, on every process -- with the summary
+    and the per-step stats of this call."""
+    trainer = Trainer(cfg, model=model, run_dir=run_dir, console=console)
+    try:
+        trainer.resume(restore_step=restore_step, init_from=init_from)
+        history = trainer.run()
+        trained = trainer.trained_model()
+    finally:
+        trainer.close()
+    group = getattr(trainer.world, "group", None)
+    if group is not None:
+        trainer.world.barrier()
+        group.close()
+    return TrainResult(model=trained, summary=trainer.summary, history=history, run_dir=trainer.run_dir)

@@ -2,7 +2,7 @@
 
 usage: mp_worker.py SCENARIO OUT_DIR   — writes OUT_DIR/rank<r>.json: {"checks": {name: ok}, "errors": {...}}
 Rank 0 and rank 1 both build the same arrays from seeds; what one rank receives must equal,
-bit for bit, what ``LocalTransport`` makes of the array the other rank sent.
+bit for bit, what ``jax.device_put`` (the local channel) makes of the array the other rank sent.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def same(got, want) -> bool:
 
 
 def local(a: np.ndarray, dst) -> np.ndarray:
-    return np.asarray(hc.LocalTransport().transfer(jax.device_put(a, jax.devices()[0]), dst))
+    return np.asarray(jax.device_put(jax.device_put(a, jax.devices()[0]), dst))
 
 
 def check(name: str, fn) -> None:

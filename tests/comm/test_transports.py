@@ -1,4 +1,4 @@
-"""FFI and host transports between two processes (mpirun -np 2) against LocalTransport.
+"""FFI and host transports between two processes (mpirun -np 2) against jax.device_put (the local channel).
 
 Each scenario runs tests/comm/mp_worker.py on 2 ranks; the ranks record every check in a
 JSON file and the test asserts on those. A hang is a failure (subprocess timeout).

@@ -5,15 +5,21 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import h2jax
+from h2jax.config import ConfigError
+from h2jax.runtime import Trainer, flatten
+
+WIDTH = 48  # not the config's model.d_model (128): the model's own width is what counts
 
 
 class Embed(nnx.Module):
     def __init__(self, rngs):
-        self.table = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (256, 64)))
+        self.table = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (256, WIDTH)))
 
     def __call__(self, tokens):
         return self.table[...][tokens]
@@ -21,7 +27,7 @@ class Embed(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, rngs):
-        self.lin = nnx.Linear(64, 64, use_bias=False, rngs=rngs)
+        self.lin = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
 
     def __call__(self, h):
         return h + jnp.tanh(self.lin(h))
@@ -29,7 +35,7 @@ class Block(nnx.Module):
 
 class Head(nnx.Module):
     def __init__(self, rngs):
-        self.out = nnx.Linear(64, 256, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(WIDTH, 256, use_bias=False, rngs=rngs)
 
     def __call__(self, h, targets):
         logits = self.out(h).astype(jnp.float32)
@@ -42,31 +48,80 @@ class MyModel(nnx.Module):
         self.blocks = nnx.List([Block(rngs) for _ in range(4)])
 
 
-def test_readme_user_model_trains(tmp_path):
-    cfg = h2jax.load_config(
-        None,
-        [
-            "model.n_layers=4",
-            "model.d_model=64",
-            "model.seq_len=32",
-            "train.steps=20",
-            "train.progress=false",
-            "train.tensorboard=false",
-            "plan.stages.0.layers=[0,3]",
-            "plan.stages.1.layers=[3,4]",
-        ],
-    )
+class TiedHead(nnx.Module):
+    """GPT-2 style: the head reuses the embedding table."""
+
+    def __init__(self, embed):
+        self.embed = embed
+
+    def __call__(self, h, targets):
+        logits = (h @ self.embed.table[...].T).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+class TiedModel(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = Embed(rngs)
+        self.head = TiedHead(self.embed)
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+
+OVERRIDES = [
+    "model.n_layers=4",
+    "model.seq_len=32",
+    "train.steps=20",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "plan.stages.0.layers=[0,3]",
+    "plan.stages.1.layers=[3,4]",
+]
+
+
+def test_readme_user_model_trains_and_comes_back(tmp_path):
+    """The model's width is not repeated in model.* (its d_model stays 128); the trained parameters
+    come back in the module passed in."""
+    cfg = h2jax.load_config(None, OVERRIDES)
     h2jax.setup_backends(cfg.cluster)
-    history = h2jax.train(cfg, model=MyModel(nnx.Rngs(0)), run_dir=tmp_path)
+    model = MyModel(nnx.Rngs(0))
+    before = {k: np.asarray(v) for k, v in flatten(nnx.state(model, nnx.Param)).items()}
+    result = h2jax.train(cfg, model=model, run_dir=tmp_path)
+    history = result.history
     assert len(history) == 20
     assert all(math.isfinite(h.loss) for h in history)
     assert history[-1].loss < history[0].loss - 0.5, [h.loss for h in history]
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "gantt.png").is_file()
+    assert result.model is model and result.summary["last_loss"] == history[-1].loss
+    after = {k: np.asarray(v) for k, v in flatten(nnx.state(model, nnx.Param)).items()}
+    assert sorted(after) == sorted(before)
+    assert all(not np.array_equal(after[k], before[k]) for k in after), "every parameter was trained"
+    # the final checkpoint (what a resumed run continues from) holds exactly these parameters
+    other = Trainer(cfg, model=MyModel(nnx.Rngs(1)), run_dir=tmp_path)
+    assert "step 20" in other.resume()
+    final = {k: np.asarray(v) for k, v in other.gathered_params().items()}
+    other.close()
+    assert sorted(final) == sorted(after)
+    for k in after:
+        np.testing.assert_array_equal(after[k], final[k], err_msg=k)
+
+
+def test_a_parameter_two_stages_share_is_refused(tmp_path):
+    cfg = h2jax.load_config(
+        None, [*OVERRIDES, "model.n_layers=2", "plan.stages.0.layers=[0,1]", "plan.stages.1.layers=[1,2]"]
+    )
+    with pytest.raises(ConfigError) as e:
+        h2jax.train(cfg, model=TiedModel(nnx.Rngs(0)), run_dir=tmp_path)
+    msg = str(e.value)
+    assert e.value.key == "plan.stages" and "embed/table" in msg and "stages 0 and 1" in msg, msg
+
+
+def test_a_shared_parameter_trains_on_one_stage(tmp_path):
+    one = "[{chip: sim_a, data: 2, tensor: 1, layers: [0, 2]}]"
+    cfg = h2jax.load_config(None, [*OVERRIDES, "model.n_layers=2", f"plan.stages={one}", "train.steps=5"])
+    result = h2jax.train(cfg, model=TiedModel(nnx.Rngs(0)), run_dir=tmp_path)
+    assert len(result.history) == 5 and result.history[-1].loss < result.history[0].loss
 
 
 def test_non_stageable_model_is_refused(tmp_path):
-    import pytest
-
     class NoHead(nnx.Module):
         def __init__(self, rngs):
             self.embed = Embed(rngs)

@@ -131,7 +131,7 @@ def test_pipeline_equals_sequential(name, tmp_path):
     want = flatten(params)
     bad = {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
     assert not bad, f"parameters after 3 steps differ: {bad}"
-    trainer.pipeline.close()
+    trainer.close()
 
 
 def test_recorded_timeline_obeys_the_schedule(tmp_path):
@@ -162,5 +162,5 @@ def test_recorded_timeline_obeys_the_schedule(tmp_path):
             # a transfer starts after the program that produced it ended
             fwd_end = {(e[0], e[2]): e[4] for e in compute if e[1] == "F"}
             for e in sends:
-                if e.extra["direction"] == "fwd":
+                if e.extra["phase"] == "F":
                     assert e.start_us >= fwd_end[(e.stage, e.microbatch)]

@@ -52,7 +52,9 @@ def test_stages_of_one_device_are_both_layouts():
 
 
 def test_peer_table_per_device():
-    from h2jax.runtime._fused import Boundary, _lin, _peer_table
+    from h2jax.comm._routing import Boundary
+    from h2jax.comm._routing import lin as _lin
+    from h2jax.comm._routing import peer_table as _peer_table
 
     b = Boundary((4, 3, 8), (1, 1), (2, 2))  # one source device, four destination devices
     by_dev: list[list] = [[]]

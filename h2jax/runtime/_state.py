@@ -1,0 +1,261 @@
+"""What a checkpoint holds, and the optimizer: shared by every trainer of every world.
+
+Checkpoint step N is the state after N optimizer steps: parameters, optimizer state,
+the data position (the next step; a batch is a pure function of (seed, step,
+microbatch)), the seed, and the count of skipped steps -- all keyed by model path, never
+by stage, so a checkpoint of any plan restores under any other.
+
+The helpers take the stages this process runs and the plan they belong to
+(:func:`local_plan`: every stage in one process, one stage under mpirun), so every world
+writes and reads the same plan-independent layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from h2jax.checkpoint import CheckpointError, CheckpointStore
+from h2jax.config import ExperimentConfig, config_to_dict
+from h2jax.runtime._layout import model_layout, opt_state_layout, opt_state_names, opt_state_trees, stage_trees
+from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
+from h2jax.runtime._stage import StageProgram
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became NaN/inf (policy ``abort``)."""
+
+    def __init__(self, message: str, *, step: int, stages: list[int]):
+        super().__init__(message)
+        self.step, self.stages = step, stages
+
+
+def local_plan(plan: Any, stages: Any) -> Any:
+    """A stand-in plan of the given stage indices, for mapping their trees to model paths."""
+    return SimpleNamespace(stages=tuple(plan.stages[s] for s in stages))
+
+
+@jax.jit
+def poison(tree: Any) -> Any:
+    """``train.inject_nonfinite_steps``: the tree made NaN, as a diverging step would."""
+    return jax.tree.map(lambda a: a * jnp.float32(jnp.nan), tree)
+
+
+def make_optimizer(cfg: ExperimentConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (decay on matrices only) with linear warm-up and cosine decay."""
+    o = cfg.optimizer
+    steps = cfg.train.steps
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=o.warmup_steps,
+        decay_steps=max(steps, o.warmup_steps + 1),
+        end_value=o.lr * o.min_lr_ratio,
+    )
+    tx = optax.adamw(
+        schedule,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
+    return tx, schedule
+
+
+def clip_scale(grad_norm: float, clip_norm: float) -> float:
+    """optax.clip_by_global_norm's factor, computed from the norm over all stages."""
+    if clip_norm <= 0 or grad_norm < clip_norm:
+        return 1.0
+    return clip_norm / grad_norm
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    skipped: bool = False  # non-finite, policy "skip": nothing was updated
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+CHECKPOINT_FORMAT = 1
+
+
+def stage_state_by_layer(stages: list[StageProgram], plan: Any, *, stage_wide: bool = True) -> dict[str, jax.Array]:
+    """Parameters and optimizer state of ``stages`` (the stages of ``plan``, in order), keyed by
+    model path (plan-independent). ``stage_wide=False`` leaves out the optimizer leaves every
+    stage holds alike (step counts): in a multi-process run stage 0 alone saves them."""
+    params = [st.params for st in stages]
+    out = {f"params/{k}": v for k, v in model_layout(params, plan).items()}
+    opt = opt_state_layout([st.opt_state for st in stages], params, plan)
+    if not stage_wide:
+        wide = {
+            name
+            for st, spec in zip(stages, plan.stages)
+            for name, param in opt_state_names(st.opt_state, st.params, spec)
+            if param is None
+        }
+        opt = {k: v for k, v in opt.items() if k not in wide}
+    out.update({f"opt_state/{k}": v for k, v in opt.items()})
+    return out
+
+
+def opt_state_shardings(stage: StageProgram, spec: Any) -> Any:
+    """Where a stage's optimizer state belongs: per-parameter leaves (mu, nu) with their
+    parameter's sharding, stage-wide leaves (counts) replicated over the stage mesh."""
+    by_param = model_layout([stage.param_shardings], SimpleNamespace(stages=(spec,)))
+    leaves = [
+        by_param[p] if p is not None else stage.scalar_sharding
+        for _, p in opt_state_names(stage.opt_state, stage.params, spec)
+    ]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stage.opt_state), leaves)
+
+
+def restore_targets(stages: list[StageProgram], plan: Any, *, params_only: bool) -> dict[str, jax.ShapeDtypeStruct]:
+    """What a restore onto ``stages`` reads: every array with its shape, dtype and target
+    sharding (stage-wide optimizer leaves onto the first of ``stages``; load_state_by_layer
+    copies them to the others)."""
+    params = [st.params for st in stages]
+    sh = model_layout([st.param_shardings for st in stages], plan)
+    out = {
+        f"params/{k}": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
+        for k, v in model_layout(params, plan).items()
+    }
+    if not params_only:
+        opt_sh = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
+        sh = opt_state_layout(opt_sh, params, plan)
+        for k, v in opt_state_layout([st.opt_state for st in stages], params, plan).items():
+            out[f"opt_state/{k}"] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
+    return out
+
+
+def load_state_by_layer(
+    stages: list[StageProgram], plan: Any, flat: dict[str, jax.Array], *, params_only: bool = False
+) -> None:
+    """Place a model-layout state (``stage_state_by_layer``'s keys) onto ``stages``; the
+    accumulated gradients start from zero."""
+    params = {k[len("params/") :]: v for k, v in flat.items() if k.startswith("params/")}
+    new_params = stage_trees(params, [st.params for st in stages], plan)
+    if not params_only:
+        opt = {k[len("opt_state/") :]: v for k, v in flat.items() if k.startswith("opt_state/")}
+        new_opt = opt_state_trees(opt, [st.opt_state for st in stages], [st.params for st in stages], plan)
+        opt_shardings = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
+    for s, st in enumerate(stages):
+        st.params = jax.device_put(new_params[s], st.param_shardings)
+        if not params_only:
+            st.opt_state = jax.device_put(new_opt[s], opt_shardings[s])
+        st.acc = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=st.param_shardings)(st.acc)
+
+
+def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int) -> dict[str, Any]:
+    """What a checkpoint records besides the arrays (the same in every part)."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "skipped_steps": skipped_steps,
+        # a batch is a pure function of (seed, step, microbatch): the position is the next step
+        "data": {
+            "seed": cfg.seed,
+            "next_step": step,
+            "global_batch": cfg.plan.global_batch,
+            "num_microbatches": cfg.plan.num_microbatches,
+        },
+        # the model has no stochastic layers: the seed made the initial parameters and the data
+        "rng": {"seed": cfg.seed},
+        "model": config_to_dict(cfg)["model"],
+        "plan": cfg.plan.to_dict(),
+        "config": config_to_dict(cfg),
+    }
+
+
+def check_checkpoint(
+    store: CheckpointStore, step: int, cfg: ExperimentConfig, model_keys: Any, *, params_only: bool
+) -> dict[str, Any]:
+    """The meta of committed ``step`` after checking that it holds this run's model: the same
+    shapes, and no arrays ``model_keys`` (every restore target of the whole model) lacks."""
+    meta = store.read_meta(step)
+    have, want = meta.get("model"), config_to_dict(cfg)["model"]
+    shape_keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff")
+    if have is not None and any(have.get(k) != want.get(k) for k in shape_keys):
+        diff = ", ".join(f"{k} {have.get(k)} vs {want.get(k)}" for k in shape_keys if have.get(k) != want.get(k))
+        raise CheckpointError(f"{store.dir} step {step} holds another model (checkpoint vs this run: {diff})")
+    model_keys = set(model_keys)
+    extra = sorted(
+        n for n in store.shapes(step) if n not in model_keys and (n.startswith("params/") or not params_only)
+    )
+    if extra:
+        raise CheckpointError(f"{store.dir} step {step} holds {len(extra)} arrays this model lacks, e.g. {extra[:3]}")
+    return meta
+
+
+def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tuple[int, int, str | None]:
+    """(the step the run continues at, skipped steps so far, a warning or None) from a
+    checkpoint's meta; a data stream that cannot continue (another seed) is an error."""
+    step = int(meta["step"])
+    data = meta.get("data", {})
+    if data.get("seed", cfg.seed) != cfg.seed:
+        raise CheckpointError(
+            f"{where} was written with seed {data['seed']}, this run has "
+            f"seed {cfg.seed}: the data stream would not continue"
+        )
+    warning = None
+    batch = (data.get("global_batch"), data.get("num_microbatches"))
+    if batch != (cfg.plan.global_batch, cfg.plan.num_microbatches):
+        warning = (
+            f"the checkpoint's run used global batch {batch[0]} in {batch[1]} microbatches, this run "
+            f"{cfg.plan.global_batch} in {cfg.plan.num_microbatches}: the data stream continues from "
+            f"step {step} but its batches differ"
+        )
+    return step, int(meta.get("skipped_steps", 0)), warning
+
+
+def truncate_metrics(run_dir: Path, step: int) -> tuple[int, Path | None]:
+    """Rows of steps >= ``step`` (the future of an interrupted or rewound run) move from
+    ``metrics.jsonl`` to ``metrics.replaced.jsonl`` (appended, never lost). Returns (rows
+    moved, the file they went to)."""
+    path = run_dir / METRICS_FILENAME
+    if not path.exists():
+        return 0, None
+    rows = read_metrics(path)
+    keep = [r for r in rows if r["step"] < step]
+    gone = [r for r in rows if r["step"] >= step]
+    if not gone:
+        return 0, None
+    aside = run_dir / "metrics.replaced.jsonl"
+    with aside.open("a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in gone))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    tmp.replace(path)
+    return len(gone), aside
+
+
+def nonfinite_error(step: int, loss: float, grad_norm: float, sqnorms: list[float]) -> NonFiniteLossError:
+    """Policy ``abort``: the error naming the step and where the non-finite values are
+    (``sqnorms``: every stage's squared gradient norm, in stage order)."""
+    last = len(sqnorms) - 1
+    bad = [s for s, x in enumerate(sqnorms) if not math.isfinite(x)]
+    where = []
+    if not math.isfinite(loss):
+        where.append(f"the loss of the last stage, stage {last}")
+    if bad:
+        where.append(f"the gradients of stage{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}")
+    return NonFiniteLossError(
+        f"step {step}: {'non-finite' if not math.isfinite(loss) else 'finite'} loss={loss}, "
+        f"{'non-finite' if not math.isfinite(grad_norm) else 'finite'} grad_norm={grad_norm} ({'; '.join(where)}); "
+        "nothing was updated (train.nonfinite=skip would skip such steps)",
+        step=step,
+        stages=bad or [last],
+    )

@@ -1,0 +1,231 @@
+"""What one training step needs from the other stages: the :class:`World`.
+
+The trainer is the same in one process and under mpirun; what differs sits here:
+
+- which stages this process runs (``local_stages``) and on which meshes;
+- per-stage scalars in stage order on every process (:meth:`World.stage_values`: the
+  squared gradient norms, so the global norm is the single-process one to the bit);
+- one stage's value on every process (:meth:`World.from_stage`: the loss);
+- the step boundary (:meth:`World.step_boundary`: whether any process got a stop signal,
+  and the newest step every process has committed);
+- decisions taken once (:meth:`World.lead`: rank 0 reads the checkpoint directory and tells
+  the others) and actions that must succeed everywhere (:meth:`World.all`);
+- who writes the run folder (``is_writer``).
+
+:class:`LocalWorld` owns every stage (one process). :class:`MpiWorld` runs one stage per
+process group over an mpi4py-like communicator; its agreement logic uses only
+``allgather``, ``bcast``, ``gather`` and ``barrier``, so :class:`ThreadComm` (ranks as threads
+of one process) runs it without mpirun -- the tests check the stop agreement, the
+non-finite policy and the resume decisions that way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from h2jax.checkpoint import CheckpointError
+from h2jax.config import ConfigError
+
+
+class JobError(Exception):
+    """A failure every process of the job met at the same point (they agreed on it): the
+    writer reports it once and every process exits with ``code``."""
+
+    def __init__(self, what: str, message: str, code: int = 1):
+        super().__init__(message)
+        self.what, self.code = what, code
+
+
+_AGREED = (CheckpointError, ConfigError, OSError, KeyError, ValueError)
+
+
+class World:
+    """The interface (see the module docstring); both worlds implement all of it."""
+
+    rank: int = 0
+    size: int = 1
+    launcher: str | None = None
+    num_stages: int
+    local_stages: tuple[int, ...]
+    is_writer: bool = True
+
+    @property
+    def multiprocess(self) -> bool:
+        return self.size > 1
+
+    def stage_values(self, values: Mapping[int, float]) -> list[float]:
+        raise NotImplementedError
+
+    def from_stage(self, stage: int, value: Any) -> Any:
+        raise NotImplementedError
+
+    def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
+        raise NotImplementedError
+
+    def lead(self, fn: Callable[[], Any], what: str) -> Any:
+        raise NotImplementedError
+
+    def all(self, fn: Callable[[], Any], what: str) -> Any:
+        raise NotImplementedError
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        raise NotImplementedError
+
+    def allgather(self, obj: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+
+class LocalWorld(World):
+    """One process runs every stage."""
+
+    def __init__(self, num_stages: int):
+        self.num_stages = num_stages
+        self.local_stages = tuple(range(num_stages))
+
+    def stage_values(self, values: Mapping[int, float]) -> list[float]:
+        return [float(values[s]) for s in range(self.num_stages)]
+
+    def from_stage(self, stage: int, value: Any) -> Any:
+        return value
+
+    def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
+        return stop, -1 if committed is None else committed
+
+    def lead(self, fn: Callable[[], Any], what: str) -> Any:
+        return self.all(fn, what)
+
+    def all(self, fn: Callable[[], Any], what: str) -> Any:
+        try:
+            return fn()
+        except _AGREED as e:
+            raise JobError(what, str(e), 2 if isinstance(e, ConfigError) else 1) from e
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+
+class MpiWorld(World):
+    """One stage per process group; ``comm`` is mpi4py's COMM_WORLD (or a ThreadComm).
+
+    ``stage_of_rank[r]`` is the stage of world rank r; the first rank of a stage speaks for
+    it (``leader``). ``launcher`` names what started the job (for messages).
+    """
+
+    def __init__(self, comm: Any, stage_of_rank: Sequence[int], *, launcher: str | None = None):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.stage_of_rank = tuple(int(s) for s in stage_of_rank)
+        self.num_stages = max(self.stage_of_rank) + 1
+        self.stage_idx = self.stage_of_rank[self.rank]
+        self.local_stages = (self.stage_idx,)
+        self.leaders = tuple(self.stage_of_rank.index(s) for s in range(self.num_stages))
+        self.is_leader = self.leaders[self.stage_idx] == self.rank
+        self.is_writer = self.rank == 0
+        self.launcher = launcher
+
+    def stage_values(self, values: Mapping[int, float]) -> list[float]:
+        mine = float(values[self.stage_idx]) if self.is_leader else None
+        by_rank = self.comm.allgather(mine)
+        return [float(by_rank[self.leaders[s]]) for s in range(self.num_stages)]
+
+    def from_stage(self, stage: int, value: Any) -> Any:
+        return self.comm.bcast(value, root=self.leaders[stage])
+
+    def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
+        got = self.comm.allgather((stop, -1 if committed is None else committed))
+        stops = sorted({s for s, _ in got if s})
+        return (stops[0] if stops else None), min(c for _, c in got)
+
+    def lead(self, fn: Callable[[], Any], what: str) -> Any:
+        result = err = None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except _AGREED as e:
+                err = (str(e), 2 if isinstance(e, ConfigError) else 1)
+        result, err = self.comm.bcast((result, err), root=0)
+        if err is not None:
+            raise JobError(what, *err)
+        return result
+
+    def all(self, fn: Callable[[], Any], what: str) -> Any:
+        result = err = None
+        try:
+            result = fn()
+        except _AGREED as e:
+            # a ConfigError names its key already (the same line as in one process)
+            config = isinstance(e, ConfigError)
+            err = (str(e) if config or self.num_stages == 1 else f"stage {self.stage_idx}: {e}", 2 if config else 1)
+        errs = [e for e in self.comm.allgather(err) if e is not None]
+        if errs:
+            # the same message on every rank: stage order, one line each stage
+            msgs = list(dict.fromkeys(m for m, _ in errs))
+            raise JobError(what, "; ".join(msgs), max(c for _, c in errs))
+        return result
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return self.comm.gather(obj, root=0)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self.comm.allgather(obj)
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+
+class ThreadComm:
+    """An mpi4py-like communicator whose ranks are threads of this process (the object
+    collectives :class:`MpiWorld` uses: allgather, bcast, gather, barrier). Make one
+    :class:`ThreadGroup` and give each thread ``group.comm(rank)``."""
+
+    def __init__(self, group: ThreadGroup, rank: int):
+        self._g, self._rank = group, rank
+
+    def Get_rank(self) -> int:  # noqa: N802 -- mpi4py's names
+        return self._rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self._g.size
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self._g.exchange(self._rank, obj)
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return self._g.exchange(self._rank, obj)[root]
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        got = self._g.exchange(self._rank, obj)
+        return got if self._rank == root else None
+
+    def barrier(self) -> None:
+        self._g.exchange(self._rank, None)
+
+
+class ThreadGroup:
+    """The shared state of a :class:`ThreadComm` world of ``size`` ranks."""
+
+    def __init__(self, size: int, *, timeout_s: float = 120.0):
+        self.size, self.timeout_s = size, timeout_s
+        self._barrier = threading.Barrier(size, timeout=timeout_s)
+        self._slots: list[Any] = [None] * size
+        self._lock = threading.Lock()
+
+    def comm(self, rank: int) -> ThreadComm:
+        return ThreadComm(self, rank)
+
+    def exchange(self, rank: int, obj: Any) -> list[Any]:
+        self._barrier.wait()  # everyone has read the previous exchange
+        self._slots[rank] = obj
+        self._barrier.wait()  # everyone has written
+        return list(self._slots)
