@@ -1,0 +1,120 @@
+"""``h2jax convert`` and ``h2jax tokenize``: real models and real data in and out.
+
+- ``h2jax convert SRC OUT``: SRC a Hugging Face LLaMA directory (config.json +
+  *.safetensors) -> OUT an h2jax checkpoint directory at step 0 (``h2jax train ...
+  --init-from OUT``), with OUT/model.yaml holding the experiment's ``model:`` section; or SRC
+  an h2jax checkpoint directory -> OUT a Hugging Face directory (config.json +
+  model.safetensors). Unconvertible input exits 2 with one line naming the tensor or key.
+- ``h2jax tokenize FILES... --tokenizer tokenizer.json --out tokens.bin``: text or jsonl
+  files -> the flat token file ``data.token_file`` reads (nanoGPT layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+EXIT_CONFIG = 2
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``convert`` and ``tokenize`` on the ``h2jax`` parser."""
+    c = subparsers.add_parser(
+        "convert",
+        help="Hugging Face LLaMA directory <-> h2jax checkpoint directory (direction from what SRC holds)",
+    )
+    c.add_argument("src", help="a Hugging Face model directory (config.json + *.safetensors) or an h2jax checkpoint")
+    c.add_argument("out", help="directory to write: the h2jax checkpoint, or the Hugging Face directory")
+    c.add_argument("--seq-len", type=int, default=None, help="import: model.seq_len (default: the context, <= 4096)")
+    c.add_argument("--step", type=int, default=None, help="export: the checkpoint step (default: the latest)")
+    c.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="import: model.dtype (compute); export: the dtype of the written tensors (float32 is exact)",
+    )
+    c.set_defaults(func=cmd_convert)
+
+    t = subparsers.add_parser("tokenize", help="text / jsonl files -> a flat token file for data.token_file")
+    t.add_argument("inputs", nargs="+", help="text (.txt, ...) or JSON-lines (.jsonl) files, in this order")
+    t.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    t.add_argument("--out", required=True, help="token file to write (raw little-endian ids, no header)")
+    t.add_argument("--field", default="text", help="jsonl: the field holding the text (default: text)")
+    t.add_argument(
+        "--split",
+        default="paragraph",
+        choices=("paragraph", "line", "file"),
+        help="text files: what one document is (blank-line separated paragraphs, lines, or the whole file)",
+    )
+    t.add_argument("--dtype", default="auto", choices=("auto", "uint16", "uint32"), help="token dtype (auto: fits)")
+    t.add_argument(
+        "--eos",
+        default="auto",
+        help="token appended after every document: a token string, 'auto' (the tokenizer's end-of-text "
+        "token if it has one) or 'none'",
+    )
+    t.add_argument("--bos", default="none", help="token put before every document (a token string or 'none')")
+    t.add_argument("--batch-mb", type=float, default=8.0, help="text per parallel batch, MB")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    t.set_defaults(func=cmd_tokenize)
+
+
+def _fail(kind: str, message: str) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[bold red]h2jax: {kind} error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return EXIT_CONFIG
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from h2jax.convert import ConvertError, export_hf, import_hf
+
+    src = Path(args.src)
+    try:
+        if (src / "config.json").is_file():
+            cfg = import_hf(src, args.out, seq_len=args.seq_len, dtype=args.dtype)
+            print(
+                f"converted {src} -> {args.out} step 0: {cfg.n_layers} layers, d_model {cfg.d_model}, "
+                f"{cfg.n_heads}/{cfg.kv_heads} heads, vocab {cfg.vocab_size}, {cfg.num_params() / 1e6:.2f} M parameters"
+            )
+            print(
+                f"model section: {Path(args.out) / 'model.yaml'}; train with: h2jax train EXP.yaml --init-from {args.out}"
+            )
+        elif (src / "commits").is_dir():
+            cfg = export_hf(src, args.out, step=args.step, dtype=args.dtype)
+            print(f"exported {src} -> {args.out} (config.json, model.safetensors in {args.dtype})")
+        else:
+            raise ConvertError(
+                f"{src}: neither a Hugging Face model directory (config.json) nor an h2jax checkpoint (commits/)"
+            )
+    except ConvertError as e:
+        return _fail("convert", str(e))
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from h2jax._strict import ConfigError
+    from h2jax.data._tokenize import tokenize_files
+
+    try:
+        stats = tokenize_files(
+            args.inputs,
+            args.out,
+            tokenizer=args.tokenizer,
+            field=args.field,
+            split=args.split,
+            dtype=args.dtype,
+            eos=args.eos,
+            bos=args.bos,
+            batch_bytes=int(args.batch_mb * 1e6),
+            progress=not args.no_progress,
+        )
+    except (ConfigError, ValueError, OSError) as e:
+        return _fail("tokenize", str(e))
+    print(
+        f"wrote {stats.tokens:,} tokens ({stats.dtype}) of {stats.documents:,} documents to {args.out} "
+        f"in {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s); "
+        f"train with data.token_file={args.out} data.token_dtype={stats.dtype} data.tokenizer={args.tokenizer}"
+    )
+    return 0
