@@ -26,11 +26,13 @@ CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 def format_count(n: float) -> str:
-    """A count for people: 1.23 B, 45.6 M, 789 k or 512 (three significant digits)."""
-    for scale, unit in ((1e9, " B"), (1e6, " M"), (1e3, " k")):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.3g}"
+    """A count for people, three significant digits: 1.65 T, 101 B, 2.69 M, 52.9 k or 512."""
+    for scale, unit in ((1e12, " T"), (1e9, " B"), (1e6, " M"), (1e3, " k"), (1, "")):
+        if abs(n) >= scale * 0.9995 or scale == 1:
+            v = n / scale
+            digits = 0 if abs(v) >= 99.95 or scale == 1 else 1 if abs(v) >= 9.995 else 2
+            return f"{v:.{digits}f}{unit}"
+    raise AssertionError("unreachable")
 
 
 def format_bytes(n: float) -> str:

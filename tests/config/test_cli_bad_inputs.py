@@ -205,7 +205,7 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
     "no_room_for_a_checkpoint": (
         "check-config",
         ["model.d_model=262144", "train.out_dir=@runs"],
-        ["train.out_dir: one checkpoint needs about", "(12 bytes x 1", "B parameters", "free; expected room for it"],
+        ["train.out_dir: one checkpoint needs about", "(12 bytes x 1.65 T parameters", "free; expected room for it"],
     ),
     # -- config and chip profile files
     "config_not_utf8": (
