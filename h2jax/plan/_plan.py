@@ -191,7 +191,15 @@ class Plan:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], *, key_prefix: str = "plan") -> Plan:
-        return cls.from_dict(read_yaml(path, key=key_prefix), key_prefix=key_prefix)
+        """The plan of a YAML file; PlanError naming the file (and line and column) when it is
+        not UTF-8 or not YAML, else naming the dotted key (see :meth:`from_dict`)."""
+        try:
+            data = read_yaml(path, key=key_prefix)
+        except PlanError:
+            raise
+        except ConfigError as e:
+            raise PlanError(e.key, e.message) from None
+        return cls.from_dict(data, key_prefix=key_prefix)
 
 
 def _scalar(value: Any) -> str:

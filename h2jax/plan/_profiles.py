@@ -31,7 +31,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +55,16 @@ def local_cores() -> int:
 class ProfileError(ConfigError):
     """A chip profile, cluster or model file that cannot be used; names the key and value.
 
-    ``ProfileError("chips.x.count", "expected ...")``, or one ``"key: message"`` text.
+    ``ProfileError("chips.x.count", "expected ...")``, or one ``"key: message"`` text (the
+    key ``plan`` when the text names none: the planner's own inputs).
     """
 
     def __init__(self, key: str, message: str | None = None) -> None:
         if message is None:
-            key, _, message = key.partition(": ")
+            text = key
+            key, sep, message = text.partition(": ")
+            if not sep or " " in key:
+                key, message = "plan", text
         super().__init__(key, message)
 
 

@@ -338,3 +338,29 @@ def test_even_layers():
 def test_importing_plan_does_not_import_jax():
     code = "import sys, h2jax.plan; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_and_profile_errors_are_config_errors():
+    """Every command prints a ConfigError as one line of its own key: no 'plan: plan:' prefix."""
+    from h2jax._strict import ConfigError
+    from h2jax.plan import ProfileError
+
+    err = PlanError("plan.stages[0].chip", "chip 'x' is not in the cluster")
+    assert isinstance(err, ConfigError) and str(err) == "plan.stages[0].chip: chip 'x' is not in the cluster"
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)
+    assert (ProfileError("plan: no plan fits").key, ProfileError("plan: no plan fits").message) == (
+        "plan",
+        "no plan fits",
+    )
+    assert str(ProfileError("file 'c.yaml' not found")) == "plan: file 'c.yaml' not found"
+    assert str(pickle.loads(pickle.dumps(ProfileError("chips.a", "bad")))) == "chips.a: bad"
+
+
+def test_plan_file_that_is_not_yaml_names_file_line_and_column(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("global_batch: 8\nstages: [{chip: a, layers: [0, 1]}\n")
+    with pytest.raises(PlanError, match=r"plan: .*plan.yaml:3:1: not valid YAML"):
+        Plan.from_yaml(path)
+    path.write_bytes(b"global_batch: \xff\n")
+    with pytest.raises(PlanError, match=r"plan: .*plan.yaml is not UTF-8 text \(byte 14"):
+        Plan.from_yaml(path)
