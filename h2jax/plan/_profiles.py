@@ -209,11 +209,19 @@ def chip_from_dict(name: str, raw: Mapping[str, Any], *, where: str = "chip") ->
     return chip, chip.nodes
 
 
-def load_chip(name: str, inline: Mapping[str, Any] | None = None, *, key: str = "chips") -> tuple[ChipProfile, int]:
+def load_chip(
+    name: str, inline: Mapping[str, Any] | None = None, *, key: str = "chips", priced: bool = True
+) -> tuple[ChipProfile, int]:
     """(profile, nodes) of chip type `name`: ``configs/chips/<profile or name>.yaml`` (when it
     exists), then the cluster entry's `inline` keys on top. Errors name ``key.<name>.<field>``
     (``key`` is ``cluster.chips`` in an experiment config, ``chips`` in a cluster file), and
-    the profile file when the bad key is in it."""
+    the profile file when the bad key is in it.
+
+    `priced`: a chip type with no profile file must give memory_gib and peak_tflops inline --
+    what the planner prices it by, where the defaults would price a typo. An experiment config
+    passes False: training needs only the memory limit, and a real chip may be declared by
+    its platform and device count alone (the class's defaults fill the rest).
+    """
     where = f"{key}.{name}"
     inline = {} if inline is None else inline
     if not isinstance(inline, Mapping):
@@ -234,6 +242,12 @@ def load_chip(name: str, inline: Mapping[str, Any] | None = None, *, key: str = 
     elif profile is not None:
         raise ProfileError(
             f"{where}.profile", f"profile {profile!r} not found in {[str(d / 'chips') for d in config_dirs()]}"
+        )
+    elif priced and not {"memory_gib", "peak_tflops"} <= set(inline):
+        raise ProfileError(
+            where,
+            f"no profile configs/chips/{name}.yaml found in {[str(d) for d in config_dirs()]} and the entry does "
+            "not give memory_gib and peak_tflops, which the planner prices the chip by",
         )
     raw.update(inline)
     return chip_from_dict(name, raw, where=where)
@@ -285,8 +299,7 @@ class Cluster:
     @classmethod
     def from_dict(cls, raw: Any, *, name: str = "cluster") -> Cluster:
         """The cluster of a cluster file's data: ``chips:`` (chip type -> profile keys, with
-        ``nodes`` or ``count``). A chip type without a profile file must give the numbers the
-        planner prices it by (memory_gib, peak_tflops): defaults would price a typo."""
+        ``nodes`` or ``count``), each read by :func:`load_chip` (priced)."""
         if not isinstance(raw, Mapping) or not isinstance(raw.get("chips"), Mapping) or not raw["chips"]:
             raise ProfileError(
                 "chips",
@@ -296,17 +309,6 @@ class Cluster:
         for chip, inline in raw["chips"].items():
             if not isinstance(inline, Mapping):
                 raise ProfileError(f"chips.{chip}", f"got {inline!r}; expected a mapping like {{nodes: 2}}")
-            prof_name = inline.get("profile") or str(chip)
-            if (
-                isinstance(prof_name, str)
-                and find_config("chips", prof_name) is None
-                and not {"memory_gib", "peak_tflops"} <= set(inline)
-            ):
-                raise ProfileError(
-                    f"chips.{chip}",
-                    f"no profile configs/chips/{prof_name}.yaml found in {[str(d) for d in config_dirs()]} and the "
-                    "entry does not give memory_gib and peak_tflops, which the planner prices the chip by",
-                )
             chips.append(load_chip(str(chip), inline, key="chips"))
         return cls(tuple(chips), name=name)
 

@@ -113,8 +113,20 @@ def test_profile_file_that_is_not_yaml_names_file_line_and_column(tmp_path, monk
 
 
 def test_the_planner_refuses_an_unpriced_chip_type():
+    """The planner prices a chip by its numbers, so a typo'd name with no profile fails there;
+    training needs only memory, so a config may declare a real chip by platform and devices."""
     with pytest.raises(ProfileError, match=r"chips.h100: no profile configs/chips/h100.yaml found"):
         Cluster.from_dict({"chips": {"h100": {"count": 8}}})
+    with pytest.raises(ProfileError, match=r"chips.nope: no profile"):
+        load_chip("nope")  # as `h2jax profile --chip nope`
+    cfg = load_config(
+        None,
+        [
+            "cluster.chips={sim_a: {nodes: 1}, 'cpu:cpu': {emulated: false, platform: cpu, devices_per_node: 8}}",
+            "plan.stages.1.chip=cpu:cpu",
+        ],
+    )
+    assert (cfg.cluster.chips["cpu:cpu"].num_devices, cfg.cluster.chips["cpu:cpu"].host) == (8, None)
 
 
 def _h2jax(*args: str, cwd: Path) -> subprocess.CompletedProcess:
