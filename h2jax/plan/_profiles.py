@@ -292,9 +292,18 @@ class Cluster:
         """The same cluster with only chip type `chip` (a homogeneous baseline)."""
         return Cluster(tuple((p, n) for p, n in self.chips if p.name == chip), name=f"{self.name}[{chip}]")
 
-    def to_config_chips(self) -> dict[str, dict[str, int]]:
-        """``cluster.chips`` of an experiment config (profiles by name, node counts)."""
-        return {p.name: {"nodes": n} for p, n in self.chips}
+    def to_config_chips(self) -> dict[str, dict[str, Any]]:
+        """``cluster.chips`` of an experiment config: each chip's profile by name, its node
+        count, and whatever differs from the profile file (the cluster file's inline keys),
+        so that the experiment's chips equal these."""
+        out: dict[str, dict[str, Any]] = {}
+        for p, n in self.chips:
+            base, _ = load_chip(p.name, {"profile": p.profile} if p.profile else {}, priced=False)
+            entry: dict[str, Any] = {"profile": p.profile} if p.profile else {}
+            entry["nodes"] = n
+            entry.update({k: v for k, v in p.to_dict().items() if k != "nodes" and v != getattr(base, k)})
+            out[p.name] = entry
+        return out
 
     @classmethod
     def from_dict(cls, raw: Any, *, name: str = "cluster") -> Cluster:

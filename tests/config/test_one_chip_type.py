@@ -158,3 +158,18 @@ def test_cli_check_config_and_plan_agree(tmp_path):
         assert r[name].returncode == 2, (name, err)
         assert err.startswith(f"h2jax: config error: {key}: unknown key (in "), (name, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (name, err)
+
+
+def test_a_planned_cluster_becomes_the_same_config_chips(tmp_path, monkeypatch):
+    """`h2jax plan --out` writes the cluster into experiment.yaml: inline keys of the cluster
+    file (here host_cores and a memory override) survive, so the run sees the planned chips."""
+    _setup(tmp_path, PROFILE)
+    monkeypatch.setenv("H2JAX_CONFIG_DIR", str(tmp_path / "configs"))
+    cluster = Cluster.from_dict(
+        {"chips": {"sim_q": {"nodes": 2, "host_cores": 2}, "big": {"profile": "sim_b", "count": 8, "memory_gib": 9.0}}}
+    )
+    chips = cluster.to_config_chips()
+    assert chips == {"sim_q": {"nodes": 2, "host_cores": 2}, "big": {"profile": "sim_b", "nodes": 2, "memory_gib": 9.0}}
+    stages = "[{chip: sim_q, data: 4, layers: [0, 3]}, {chip: big, data: 4, layers: [3, 6]}]"
+    cfg = load_config(None, [f"cluster.chips={chips}", f"plan.stages={stages}"])
+    assert cfg.cluster.chips == cluster.profiles
