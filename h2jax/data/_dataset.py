@@ -84,22 +84,31 @@ def open_token_file(path: str | Path, *, dtype: str, key: str = "data.token_file
 def check_token_ids(
     tokens: np.ndarray, path: str | Path, *, vocab_size: int | None, key: str = "data.token_file"
 ) -> int:
-    """The largest id of ``tokens`` (scanned in chunks: a memmap is never read whole into
-    memory); ConfigError naming the first id >= ``vocab_size`` and its position."""
-    chunk = 1 << 24
-    max_id = 0
-    for start in range(0, len(tokens), chunk):
-        part = np.asarray(tokens[start : start + chunk])
-        m = int(part.max())
-        if vocab_size is not None and m >= vocab_size:
-            pos = start + int(np.argmax(part >= vocab_size))
-            raise ConfigError(
-                key,
-                f"{str(path)!r} holds token id {int(tokens[pos])} at position {pos}, but the tokenizer's "
-                f"vocab_size is {vocab_size}; expected ids below it (check data.tokenizer and data.token_dtype)",
-            )
-        max_id = max(max_id, m)
+    """The largest id of ``tokens`` (the ids of file ``path``); ConfigError naming the first id
+    >= ``vocab_size`` and its position. The file is scanned in chunks (a memmap is never read
+    whole into memory), once per file version: validation and the run share the scan."""
+    st = Path(path).stat()
+    version = (str(Path(path).resolve()), st.st_mtime_ns, st.st_size, tokens.dtype.str)
+    max_id = _MAX_IDS.get(version)
+    if max_id is None:
+        max_id = max(int(np.asarray(tokens[s : s + _CHUNK]).max()) for s in range(0, len(tokens), _CHUNK))
+        _MAX_IDS.clear()  # one file version kept: the one a run validates, then reads
+        _MAX_IDS[version] = max_id
+    if vocab_size is not None and max_id >= vocab_size:
+        for start in range(0, len(tokens), _CHUNK):
+            part = np.asarray(tokens[start : start + _CHUNK])
+            if int(part.max()) >= vocab_size:
+                pos = start + int(np.argmax(part >= vocab_size))
+                raise ConfigError(
+                    key,
+                    f"{str(path)!r} holds token id {int(tokens[pos])} at position {pos}, but the tokenizer's "
+                    f"vocab_size is {vocab_size}; expected ids below it (check data.tokenizer and data.token_dtype)",
+                )
     return max_id
+
+
+_CHUNK = 1 << 24  # ids per step of a scan: 32-64 MiB
+_MAX_IDS: dict[tuple[str, int, int, str], int] = {}  # file version -> its largest id
 
 
 def load_dataset(*, corpus: str, token_file: str | None, tokenizer: str, token_dtype: str) -> TokenDataset:
