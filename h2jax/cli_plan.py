@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 EXIT_CONFIG = 2
+DEFAULT_TIME_BUDGET_S = 3.0  # h2jax.plan._search.DEFAULT_TIME_BUDGET_S (not imported: keeps --help fast)
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -33,8 +34,17 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="also report the ratio when the heterogeneous run uses this global batch",
     )
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
-    p.add_argument("--group-size", type=int, default=None, help="handle chips of a type this many at a time")
-    p.add_argument("--beam", type=int, default=None, help="keep this many (stages, tensor) choices per chip type")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=DEFAULT_TIME_BUDGET_S,
+        help="seconds each search may take (default %(default)s; 0: no limit); past it the best plan so far "
+        "is printed, marked not exhaustive",
+    )
+    p.add_argument("--group-size", type=int, default=None, help="experts: handle chips of a type this many at a time")
+    p.add_argument(
+        "--beam", type=int, default=None, help="experts: keep only this many (stages, tensor) choices per chip type"
+    )
     p.add_argument("--max-orders", type=int, default=120, help="all stage orders up to this many, else a neighbourhood")
     p.add_argument("--profiles", nargs="*", default=(), help="JSON caches written by `h2jax profile`")
     p.add_argument("--grad-sync", default="step", choices=("step", "microbatch"))
@@ -136,15 +146,41 @@ def _fmt_s(x: float) -> str:
 
 def heteros_speedup(cluster, model, *, global_batch: int, hetero_tps: float, table, opts) -> tuple[float, dict]:
     """(ratio, per-chip baselines): hetero tokens/s over the sum of each chip type's best
-    homogeneous plan at `global_batch` (N * TGS = tokens/s, so the ratio is of tokens/s)."""
+    homogeneous plan at `global_batch` (N * TGS = tokens/s, so the ratio is of tokens/s).
+
+    Each baseline is searched with the search's own effort over its own space: the hand
+    settings that restrict a heterogeneous search (grouping, beam) would exclude the plans
+    a single chip type needs (few chips per group means few stages, which do not fit).
+    The ratio is over the chip types that have a plan (nan only when none has one)."""
+    import dataclasses
+
     from h2jax.plan import search
 
+    base_opts = dataclasses.replace(opts, group_size=None, max_options_per_chip=None, auto=True)
     base = {}
     for name in cluster.names:
-        r = search(cluster.only(name), model, global_batch=global_batch, table=table, opts=opts)
-        base[name] = r
+        base[name] = search(cluster.only(name), model, global_batch=global_batch, table=table, opts=base_opts)
     total = sum(r.cost.tokens_per_s for r in base.values() if r.plan is not None)
     return (hetero_tps / total if total else float("nan")), base
+
+
+def _ratio_line(ratio: float, base: dict, what: str) -> str:
+    fit = [n for n, r in base.items() if r.plan is not None]
+    if not fit:
+        return f"HeteroSpeedupRatio {what}: not defined, no chip type has a plan of its own"
+    over = "" if len(fit) == len(base) else f" over the chip types that fit alone ({', '.join(fit)})"
+    return f"HeteroSpeedupRatio {what}{over}: {100 * ratio:.1f} %"
+
+
+def _search_line(res) -> str:
+    how = (
+        "exhaustive: every plan of the space priced or excluded by a lower bound"
+        if res.exhaustive
+        else f"not exhaustive: {res.note}"
+    )
+    return (
+        f"search: {res.search_s:.3f} s ({res.configs_solved} configurations, {res.orders_solved} orders solved; {how})"
+    )
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -168,11 +204,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"`global_batch:`), got {gb!r}"
             )
         table = _table(args.profiles)
+        if args.time_budget < 0:
+            raise ProfileError(f"--time-budget: expected seconds >= 0 (0: no limit), got {args.time_budget}")
         opts = SearchOptions(
             schedule=args.schedule,
             group_size=args.group_size,
             max_options_per_chip=args.beam,
             max_orders=args.max_orders,
+            time_budget_s=args.time_budget or None,
             stage_in_node=_stage_in_node(cluster),
             cost=CostOptions(grad_sync=args.grad_sync),
         )
@@ -207,10 +246,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"bubble {100 * cost.bubble_fraction:.1f} %; lower bound {_fmt_s(res.lower_bound_s)} "
         f"(gap {100 * res.gap:.1f} %)"
     )
-    console.print(
-        f"search: {res.search_s:.3f} s ({res.configs_solved} configurations, {res.orders_solved} orders "
-        f"solved); stage order {'is' if res.memory_descending else 'is not'} memory-descending"
-    )
+    console.print(_search_line(res))
+    console.print(f"stage order {'is' if res.memory_descending else 'is not'} memory-descending")
     for chip in cluster.names:
         n = cluster.devices(chip)
         console.print(
@@ -224,25 +261,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for name, r in base.items():
             console.print(
                 f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: "
-                + (f"{r.cost.tokens_per_s:,.0f} tokens/s" if r.plan else "no plan fits")
+                + (f"{r.cost.tokens_per_s:,.0f} tokens/s" if r.plan else f"no plan: {r.note}")
             )
         console.print(
-            f"[bold]HeteroSpeedupRatio at the same global batch ({gb} hetero, {gb} homogeneous): {100 * ratio:.1f} %[/]"
+            f"[bold]{_ratio_line(ratio, base, f'at the same global batch ({gb} hetero, {gb} homogeneous)')}[/]"
         )
         if args.other_global_batch:
             ogb = args.other_global_batch
             other = search(cluster, model, global_batch=ogb, table=table, opts=opts)
-            total = sum(r.cost.tokens_per_s for r in base.values() if r.plan is not None)
-            if other.plan is not None and total > 0:
-                total = sum(r.cost.tokens_per_s for r in base.values() if r.plan is not None)
-                console.print(
-                    f"HeteroSpeedupRatio with hetero at global batch {ogb}, homogeneous at {gb} "
-                    f"(the mismatched ratio): {100 * other.cost.tokens_per_s / total:.1f} %"
-                )
-                ratio2, _ = heteros_speedup(
+            if other.plan is None:
+                console.print(f"heterogeneous at global batch {ogb}: no plan ({other.note})")
+            else:
+                fit = {n: r for n, r in base.items() if r.plan is not None}
+                total = sum(r.cost.tokens_per_s for r in fit.values())
+                if total > 0:
+                    console.print(
+                        _ratio_line(
+                            other.cost.tokens_per_s / total,
+                            base,
+                            f"with hetero at global batch {ogb}, homogeneous at {gb} (the mismatched ratio)",
+                        )
+                    )
+                ratio2, base2 = heteros_speedup(
                     cluster, model, global_batch=ogb, hetero_tps=other.cost.tokens_per_s, table=table, opts=opts
                 )
-                console.print(f"HeteroSpeedupRatio at the same global batch ({ogb} both): {100 * ratio2:.1f} %")
+                console.print(_ratio_line(ratio2, base2, f"at the same global batch ({ogb} both)"))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

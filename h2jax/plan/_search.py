@@ -55,6 +55,7 @@ from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 
 INF = math.inf
 DEFAULT_TIME_BUDGET_S = 3.0  # what `h2jax plan` allows the search without --time-budget
+PATIENCE = 0.25  # share of the budget after which two beam rounds without improvement end an auto search
 EXACT_DIRECT = 4000  # (microbatch, configuration, order) triples below which auto goes straight to exact
 
 
@@ -330,6 +331,14 @@ class _Held:
     def most(self, b: float) -> float:
         return float(self._per_stage(b).sum(axis=1).max())
 
+    def each_on(self, grid: np.ndarray) -> np.ndarray:
+        """[choice, grid point]: :meth:`each` at every point of `grid`."""
+        g = grid[None, None, :]
+        xn = np.floor(g / self.a[:, :, None] * (1 + 1e-9))
+        xr = np.floor(g / self.arc[:, :, None] * (1 + 1e-9))
+        per = np.maximum(np.minimum(self.ln[:, :, None], xn), np.minimum(self.lr[:, :, None], xr))
+        return np.cumsum(per, axis=1)[self.row, self.col]
+
 
 def slot_time_bound(helds: Sequence[_Held], L: int) -> float:
     """The smallest slot time b at which the chip types together can hold all L blocks
@@ -579,19 +588,25 @@ class _Solver:
 class _Bounds:
     """Lower bounds of one microbatch size: total work over total (memory-capped) capability.
 
-    On a geometric grid of slot times B, each choice's `layers_within(B)` is tabulated; a
-    set of choices needs B >= the first grid point where they hold all L layers, so the
-    grid point before it bounds max_s t_s from below (grid spacing < 0.5 %). The bound is
-    ``(m - 1) B_lb + L min_s a_s`` (sum_s t_s >= L times the fastest per-layer time).
+    On a geometric grid of slot times B (from the slot-time bound of all these choices up),
+    each choice's `layers_within(B)` is tabulated; a set of choices needs B >= the first
+    grid point where they hold all L layers, so the grid point before it bounds max_s t_s
+    from below. The bound is ``(m - 1) B_lb + L min_s a_s`` (sum_s t_s >= L times the
+    fastest per-layer time).
     """
+
+    POINTS = 1000
 
     def __init__(self, choices: dict[str, list[ChipChoice]], names: Sequence[str], m: int, mb: int, L: int):
         self.m, self.mb, self.L = m, mb, L
         self.lists = [choices[n] for n in names]
-        amin = min(c.layer_s for cs in self.lists for c in cs)
-        amax = max(c.layer_rc_s for cs in self.lists for c in cs)
-        self.grid = np.geomspace(amin * 1e-3, amax * L * 1.01, 4000)
-        self.grids = [[c.layers_within(self.grid) for c in cs] for cs in self.lists]
+        helds = [_Held(cs) for cs in self.lists]
+        self.floor = slot_time_bound(helds, L)
+        amax = max(c.layer_rc_s if math.isfinite(c.layer_rc_s) else c.layer_s for cs in self.lists for c in cs)
+        top = max(amax * L * 1.01, self.floor * 1.01) if math.isfinite(self.floor) else amax * L * 1.01
+        lo = self.floor if math.isfinite(self.floor) and self.floor > 0 else top * 1e-6
+        self.grid = np.geomspace(lo, top, self.POINTS)
+        self.grids = [h.each_on(self.grid) for h in helds]
         n = len(self.lists)
         self.suffix = [np.zeros_like(self.grid) for _ in range(n + 1)]
         self.suffix_amin = [INF] * (n + 1)
@@ -602,9 +617,9 @@ class _Bounds:
 
     def bound(self, held: np.ndarray, amin: float) -> float:
         idx = int(np.searchsorted(held, self.L - 1e-9, side="left"))  # held is non-decreasing in B
-        if idx >= len(self.grid):
+        if idx >= len(self.grid) or not math.isfinite(self.floor):
             return INF  # cannot hold the model at any slot time
-        b_lb = float(self.grid[idx - 1]) if idx > 0 else 0.0
+        b_lb = float(self.grid[idx - 1]) if idx > 0 else self.floor
         return (self.m - 1) * b_lb + self.L * amin
 
 
@@ -877,6 +892,31 @@ class _Run:
             self.best_config = (tuple(config), mb)
 
 
+def _why_none(run: _Run) -> str:
+    """Why no plan of a fully searched space fits, with the numbers."""
+    L = run.L
+    if not run.space:
+        poor = []
+        for chip, _ in run.cluster.chips:
+            if not any(
+                chip_choices(run.cluster.only(chip.name), run.model, mb, run.opts, run.table)[chip.name]
+                for mb in microbatch_sizes(run.gb, run.opts)
+            ):
+                poor.append(f"{chip.name} ({chip.memory_gib:g} GiB per device)")
+        return (
+            f"no stage of {', '.join(poor) or 'some chip type'} holds even one of the model's blocks in memory, "
+            "at any tensor degree and microbatch size"
+        )
+    held = max(sum(_Held(cs).most(INF) for cs in choices.values()) for choices in run.space.values())
+    mem = ", ".join(f"{n} x {p.name} ({p.memory_gib:g} GiB)" for p, n in run.cluster.chips)
+    if held < L:
+        return (
+            f"the chips' memory holds at most {held:.0f} of the model's {L} blocks at once "
+            f"(best case, every stage with recompute and the fewest microbatches in flight; {mem} nodes)"
+        )
+    return f"no split of the model's {L} blocks fits every stage's memory ({mem} nodes)"
+
+
 def _fields(opts: SearchOptions) -> dict:
     return {f: getattr(opts, f) for f in opts.__dataclass_fields__}
 
@@ -940,8 +980,9 @@ def search(
                 break
             if kind == "beam":
                 stale = stale + 1 if run.best >= before * (1 - 1e-6) else 0
-                if stale >= 2 and math.isfinite(run.best):
-                    stop = "two beam rounds without improvement"
+                patience = PATIENCE * (opts.time_budget_s if opts.time_budget_s is not None else INF)
+                if stale >= 2 and math.isfinite(run.best) and time.perf_counter() - t0 >= patience:
+                    stop = "converged: two beam rounds without improvement"
                     break
     except _OutOfTime:
         pass
@@ -951,7 +992,7 @@ def search(
     dp = run.solver.dp_solves if run is not None else 0
     if run is None or run.best_plan is None:
         if exhaustive_:
-            note = "no plan of the space fits the chips' memory"
+            note = _why_none(run)
         return SearchResult(
             None,
             None,

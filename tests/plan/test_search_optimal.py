@@ -86,6 +86,7 @@ def test_search_equals_exhaustive(seed):
         assert got.plan is None, f"search found {got.plan} where brute force found nothing"
         return
     assert got.plan is not None, f"search found nothing, brute force {want} s with {want_plan}"
+    assert got.exhaustive, got.note  # the defaults cover a space this small exactly
     # the search's time is the estimate of the plan it returns, and equals the brute-force optimum
     again = estimate(got.plan, model, cluster, opts=opts.cost)
     assert again.fits, again.reasons
