@@ -15,7 +15,7 @@ import pytest
 
 from h2jax.config import load_config
 from h2jax.launch import find_mpirun
-from h2jax.runtime import Trainer
+from h2jax.runtime import Trainer, read_metrics
 
 pytestmark = pytest.mark.multiproc
 
@@ -30,6 +30,7 @@ BASE = [
     "plan.global_batch=16",
     "plan.num_microbatches=4",
     "train.steps=3",
+    "train.gantt_step=2",
     "train.progress=false",
     "train.tensorboard=false",
     "optimizer.warmup_steps=1",
@@ -53,7 +54,6 @@ PLANS = {
     # processes, each stage its own jax.distributed cluster
     "2st-per-device": [
         "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
-        "checkpoint.enabled=false",
         "plan.stages=[{chip: sim_a, data: 1, tensor: 2, layers: [0, 2]}, "
         "{chip: sim_b, data: 2, tensor: 1, layers: [2, 4]}]",
     ],
@@ -87,12 +87,36 @@ def _mpirun(np_: int, args: list[str], cwd: Path, **kw) -> subprocess.Popen:
 _SINGLE: dict[str, tuple] = {}
 
 
+def load_step(ckpt_dir: Path, step: int | None = None) -> dict[str, np.ndarray]:
+    """Every array of a committed step (default: the latest), on the host, from whichever
+    parts hold it: what any plan in any mode would restore."""
+    import jax
+
+    from h2jax.checkpoint import CheckpointStore
+
+    store = CheckpointStore(ckpt_dir)
+    step = store.latest_committed() if step is None else step
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    targets = {
+        k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=cpu)
+        for k, (shape, dtype) in store.shapes(step).items()
+    }
+    got = {k: np.asarray(v) for k, v in store.restore(step, targets).items()}
+    store.close()
+    return got
+
+
+def final_params(run_dir: Path) -> dict[str, np.ndarray]:
+    """The parameters a run ended with: its last checkpoint (saved at the end of every run)."""
+    return {k[len("params/") :]: v for k, v in load_step(run_dir / "checkpoints").items() if k.startswith("params/")}
+
+
 def single_process_run(plan: str, tmp_path: Path):
     if plan not in _SINGLE:
         cfg = load_config(None, BASE + PLANS[plan])
         trainer = Trainer(cfg, run_dir=tmp_path / "single")
         history = trainer.run()
-        trainer.pipeline.close()
+        trainer.close()
         _SINGLE[plan] = ([h.loss for h in history], {k: np.asarray(v) for k, v in trainer.params_by_layer().items()})
     return _SINGLE[plan]
 
@@ -100,9 +124,18 @@ def single_process_run(plan: str, tmp_path: Path):
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
 @pytest.mark.parametrize(
     "plan,transport",
-    [("2st", "host"), ("2st", "ffi"), ("3st", "ffi"), ("2st-per-device", "ffi"), ("2st-per-device", "host")],
+    [
+        ("2st", "host"),
+        ("2st", "ffi"),
+        ("2st", "ffi-call"),
+        ("3st", "ffi"),
+        ("2st-per-device", "ffi"),
+        ("2st-per-device", "host"),
+    ],
 )
 def test_multiprocess_equals_single_process(plan, transport, tmp_path):
+    """The same config in one process and under mpirun: the same losses (<= 1e-6), final
+    parameters, metrics keys, summary keys and Gantt chart."""
     want_losses, want_params = single_process_run(plan, tmp_path)
     nproc = NPROC[plan]
     proc = _mpirun(
@@ -110,23 +143,29 @@ def test_multiprocess_equals_single_process(plan, transport, tmp_path):
     )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    run, single = tmp_path / "run", tmp_path / "single"
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["processes"] == nproc and summary["transport"] == transport
     np.testing.assert_allclose(summary["losses"], want_losses, atol=1e-6, rtol=0)
-    got = {}
-    for s in range(load_config(None, BASE + PLANS[plan]).plan.num_stages):
-        got.update(dict(np.load(tmp_path / "run" / f"params_stage{s}.npz")))
-    ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
-    assert [r["stage"] for r in ranks] == ([0, 0, 1, 1] if plan == "2st-per-device" else list(range(nproc)))
+    assert sorted(summary) == sorted(json.loads((single / "summary.json").read_text()))
+    rows, single_rows = read_metrics(run), read_metrics(single)
+    assert [sorted(r) for r in rows] == [sorted(r) for r in single_rows]
+    assert {"tgs/sim_a", "tgs/sim_b", "bubble_fraction"} <= set(rows[0])
+    assert (run / "gantt.png").is_file() and summary["gantt_step"] == 2
+    got = final_params(run)
+    ranks = json.loads((run / "ranks.json").read_text())
+    assert [r["stages"] for r in ranks] == (
+        [[0], [0], [1], [1]] if plan == "2st-per-device" else [[s] for s in range(nproc)]
+    )
     if plan == "2st-per-device":  # each stage one jax.distributed cluster on the default cpu backend
         assert [r["group_rank"] for r in ranks] == [0, 1, 0, 1]
-        assert {r["backend"] for r in ranks} == {"cpu"}
+        assert {b for r in ranks for b in r["backend"]} == {"cpu"}
     assert sorted(got) == sorted(want_params)
     for k, v in want_params.items():
         np.testing.assert_allclose(got[k], v, atol=1e-6, rtol=0, err_msg=k)
-    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    trace = json.loads((run / "trace.json").read_text())
     kinds = {e["args"]["kind"] for e in trace["traceEvents"] if e["ph"] == "X"}
-    # ffi: the transfers run inside the stage programs; host: as events of their own
+    # ffi: the transfers run inside the stage programs; host and ffi-call: as events of their own
     assert kinds == ({"fwd", "bwd"} if transport == "ffi" else {"fwd", "bwd", "send", "recv"})
 
 

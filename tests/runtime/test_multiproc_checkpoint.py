@@ -13,14 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 from h2jax.checkpoint import CheckpointStore
 from h2jax.config import load_config
 from h2jax.runtime import Trainer, read_metrics
-from tests.runtime.test_multiproc import BASE, MPIRUN, PLANS, _env
+from tests.runtime.test_multiproc import BASE, MPIRUN, PLANS, _env, final_params, load_step
 
 pytestmark = pytest.mark.multiproc
 needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
@@ -78,16 +77,7 @@ def _job(args: list[str], cwd: Path, env: dict[str, str], np_: int = 2) -> tuple
 
 
 def _load(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
-    """Every array of a committed step, on the host (from whichever parts hold it)."""
-    store = CheckpointStore(ckpt_dir)
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    targets = {
-        k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=cpu)
-        for k, (shape, dtype) in store.shapes(step).items()
-    }
-    got = {k: np.asarray(v) for k, v in store.restore(step, targets).items()}
-    store.close()
-    return got
+    return load_step(ckpt_dir, step)
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -95,10 +85,7 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 
 def _params(run_dir: Path) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for s in range(2):
-        out.update(dict(np.load(run_dir / f"params_stage{s}.npz")))
-    return out
+    return final_params(run_dir)
 
 
 def _same_end_state(straight: Path, run: Path, step: int) -> tuple[dict, dict]:
@@ -174,7 +161,7 @@ def test_a_multiprocess_checkpoint_restores_in_one_process_under_another_plan(st
     assert trainer.restore(straight / "checkpoints", 4) == 4
     assert trainer.step == 4 and trainer.skipped_steps == 1
     history = trainer.run()
-    trainer.pipeline.close()
+    trainer.close()
     want = _rows(straight)
     assert [h.step for h in history] == [4, 5, 6, 7]
     for h in history:

@@ -1,0 +1,128 @@
+"""The MPI world's agreement logic without mpirun: ranks as threads of this process.
+
+Each thread runs one stage's Trainer over an MpiWorld whose communicator is a ThreadComm
+(the object collectives mpi4py offers); the stages exchange tensors through one LocalHub.
+What mpirun adds on top (processes, launchers, MPI transports) is tested in test_multiproc.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from h2jax.comm import LocalHub
+from h2jax.config import load_config
+from h2jax.runtime import MpiWorld, ThreadGroup, Trainer
+
+BASE = [
+    "model.vocab_size=256",
+    "model.seq_len=16",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.d_ff=64",
+    "model.n_layers=4",
+    "plan.global_batch=8",
+    "plan.num_microbatches=4",
+    "optimizer.warmup_steps=1",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
+    "plan.stages=[{chip: sim_a, data: 2, tensor: 1, layers: [0, 2]}, {chip: sim_b, data: 1, tensor: 2, layers: [2, 4]}]",
+]
+
+
+def run_ranks(cfg, run_dir, *, before=None, steps_fn=None):
+    """Both ranks on threads: build, resume, run; returns [(trainer, resumed message, history)]."""
+    group = ThreadGroup(2)
+    hub = LocalHub(2)
+    out: list = [None, None]
+    errors: list = []
+
+    def rank(r: int) -> None:
+        try:
+            world = MpiWorld(group.comm(r), [0, 1], launcher="threads")
+            tr = Trainer(cfg, run_dir=run_dir, world=world, hub=hub)
+            if before is not None:
+                before(r, tr)
+            msg = tr.resume()
+            history = tr.run()
+            tr.close()
+            out[r] = (tr, msg, history)
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    hub.close()
+    assert not errors, errors
+    return out
+
+
+def local_run(cfg, run_dir):
+    tr = Trainer(cfg, run_dir=run_dir)
+    tr.resume()
+    history = tr.run()
+    params = {k: np.asarray(v) for k, v in tr.gathered_params().items()}
+    tr.close()
+    return history, params
+
+
+@pytest.mark.slow
+def test_thread_ranks_equal_one_process(tmp_path):
+    cfg = load_config(None, [*BASE, "train.steps=3", "checkpoint.enabled=false"])
+    want_hist, want_params = local_run(cfg, tmp_path / "local")
+    out = run_ranks(cfg, tmp_path / "ranks")
+    for _tr, _, history in out:  # every rank knows the loss and the global norm
+        assert [h.loss for h in history] == pytest.approx([h.loss for h in want_hist], abs=1e-6)
+        assert [h.grad_norm for h in history] == pytest.approx([h.grad_norm for h in want_hist], abs=1e-6)
+    got = {}
+    for tr, _, _ in out:
+        got.update({k: np.asarray(v) for k, v in tr.params_by_layer().items()})
+    assert sorted(got) == sorted(want_params)
+    for k in got:
+        np.testing.assert_allclose(got[k], want_params[k], atol=1e-6, rtol=0, err_msg=k)
+    # the writer (rank 0) wrote the run folder with every stage's events
+    assert (tmp_path / "ranks" / "summary.json").is_file() and (tmp_path / "ranks" / "gantt.png").is_file()
+
+
+def test_nonfinite_skip_is_decided_alike_on_every_rank(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "train.steps=3",
+            "checkpoint.enabled=false",
+            "train.nonfinite=skip",
+            "train.inject_nonfinite_steps=[1]",
+        ],
+    )
+    out = run_ranks(cfg, tmp_path)
+    for tr, _, history in out:
+        assert [h.skipped for h in history] == [False, True, False]
+        assert tr.skipped_steps == 1
+
+
+@pytest.mark.slow
+def test_a_stop_on_one_rank_stops_every_rank_at_the_same_boundary_and_resumes(tmp_path):
+    cfg = load_config(None, [*BASE, "train.steps=6", "checkpoint.every_steps=0"])
+
+    def stop_rank1_after_step_2(r, tr):
+        if r == 1:
+            tr._local_stop = lambda: "SIGTERM" if tr.step >= 2 else None
+
+    out = run_ranks(cfg, tmp_path, before=stop_rank1_after_step_2)
+    for tr, _, history in out:
+        assert tr.preempted == "SIGTERM" and tr.step == 2 and len(history) == 2
+    # both ranks saved their part of step 2; a new job resumes from it on both
+    out = run_ranks(cfg, tmp_path)
+    for _tr, msg, history in out:
+        assert msg.startswith("resumed from") and "step 2" in msg, msg
+        assert [h.step for h in history] == [2, 3, 4, 5]
+    # and the resumed run ends where a straight run does
+    straight_hist, straight_params = local_run(cfg, tmp_path / "straight")
+    assert [h.loss for h in out[0][2]] == pytest.approx([h.loss for h in straight_hist[2:]], abs=1e-6)
