@@ -1,60 +1,106 @@
-"""HeteroAuto search time at scale: a 100B-class GPT on 1,024, 2,432 and 10,000 chips.
+"""HeteroAuto as users run it: `h2jax plan`'s defaults on 512 to 10,000 chips, and how far its
+plans are from the optimum.
 
     python benchmarks/planner_scale.py
 
-Prints one row per cluster (search time, estimated iteration time, lower bound and gap,
-stages, whether the order is memory-descending) and, last, ``RESULT {json}``.
-Exact search (every per-chip choice, every order) is proven on small instances by
-tests/plan/test_search_optimal.py; at these sizes the search runs with chip grouping
-(`group_size`), a beam of per-chip choices and an order neighbourhood, and the gap to
-the (memory-aware) lower bound says how much could at most be left on the table.
+No per-cluster option: every search runs with exactly the options `h2jax plan CLUSTER` uses
+(``h2jax.cli_plan.search_options`` with its defaults: the search sets its own effort within
+the default time budget). Per cluster one row: search time (wall and CPU: the machine may be
+shared), estimated iteration time, the lower bound and the gap to it, stages, whether the
+search was exhaustive, and the HeteroSpeedupRatio at the same global batch (each chip type's
+baseline searched the same way).
+
+Then the enumeration study: on mid-size instances (64-256 chips; the generator of
+tests/plan/test_search_effort.py) the exact search covers the whole space, so the defaults'
+plan is compared with the true optimum, and the optimum's own distance from the lower bound
+says how much of the gap at scale is the bound's looseness rather than the search's.
+
+Last line: ``RESULT {json}`` with search_s, cpu_s, iteration_s, lower_bound_s, gap,
+ratio_same_batch (per cluster, by chip count), ratio_same_batch_512, and the study's
+max_default_over_optimum and optimum_gap_to_bound (min, median, max).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "plan"))
 
+from h2jax.cli_plan import heteros_speedup, search_options  # noqa: E402
 from h2jax.plan import Cluster, ModelShape, SearchOptions, search  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-# cluster file, search options. Re-chosen when the roofline's activation count doubled
-# (session 3; docs/LOG.md): the old ones (groups 128/128/256, beams 4/3/2) then took 0.15 /
-# 1.2 / 27 s and found plans as fast as or slower than these.
-RUNS = [
-    ("hetero_1024", SearchOptions(group_size=64, max_options_per_chip=3, max_orders=6)),
-    ("hetero_2432", SearchOptions(group_size=128, max_options_per_chip=2, max_orders=6)),
-    ("hetero_10000", SearchOptions(group_size=512, max_options_per_chip=1, max_orders=6)),
-]
+CLUSTERS = ["mixed_gaudi2_h100", "hetero_1024", "hetero_2432", "hetero_10000"]
 
 
 def main() -> None:
-    result: dict = {"search_s": {}, "iteration_s": {}, "lower_bound_s": {}, "gap": {}}
+    result: dict = {k: {} for k in ("search_s", "cpu_s", "iteration_s", "lower_bound_s", "gap", "ratio_same_batch")}
+    print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(
-        f"{'cluster':<14} {'chips':>6} {'types':>5} {'tokens/step':>12} {'search s':>9} {'iter s':>8} "
-        f"{'bound s':>8} {'gap':>7} {'stages':>6} {'mem-desc':>8}"
+        f"{'cluster':<18} {'chips':>6} {'types':>5} {'search s':>8} {'cpu s':>6} {'iter s':>8} {'bound s':>8} "
+        f"{'gap':>6} {'stages':>6} {'exhaustive':>10} {'ratio':>7}"
     )
-    for name, opts in RUNS:
-        raw = yaml.safe_load((ROOT / "configs" / "clusters" / f"{name}.yaml").read_text())
-        cluster = Cluster.load(ROOT / "configs" / "clusters" / f"{name}.yaml")
+    for name in CLUSTERS:
+        path = ROOT / "configs" / "clusters" / f"{name}.yaml"
+        raw = yaml.safe_load(path.read_text())
+        cluster = Cluster.load(path)
         model = ModelShape.from_config(raw["model"])
+        opts = search_options(cluster)  # the CLI's defaults, nothing per cluster
+        c0 = time.process_time()
         r = search(cluster, model, global_batch=raw["global_batch"], opts=opts)
+        cpu = time.process_time() - c0
+        ratio = float("nan")
+        if r.plan is not None:
+            ratio, _ = heteros_speedup(
+                cluster, model, global_batch=raw["global_batch"], hetero_tps=r.cost.tokens_per_s, table=None, opts=opts
+            )
         n = str(cluster.num_devices)
         result["search_s"][n] = round(r.search_s, 3)
+        result["cpu_s"][n] = round(cpu, 3)
         result["iteration_s"][n] = round(r.iteration_s, 3)
         result["lower_bound_s"][n] = round(r.lower_bound_s, 3)
         result["gap"][n] = round(r.gap, 3)
+        result["ratio_same_batch"][n] = round(ratio, 4)
         print(
-            f"{name:<14} {n:>6} {len(cluster.names):>5} {raw['global_batch'] * model.seq_len:>12,} "
-            f"{r.search_s:>9.2f} {r.iteration_s:>8.2f} {r.lower_bound_s:>8.2f} {100 * r.gap:>6.1f}% "
-            f"{r.plan.num_stages if r.plan else 0:>6} {str(r.memory_descending):>8}",
+            f"{name:<18} {n:>6} {len(cluster.names):>5} {r.search_s:>8.2f} {cpu:>6.2f} {r.iteration_s:>8.3f} "
+            f"{r.lower_bound_s:>8.3f} {100 * r.gap:>5.1f}% {r.plan.num_stages if r.plan else 0:>6} "
+            f"{str(r.exhaustive):>10} {100 * ratio:>6.1f}%",
             flush=True,
         )
+        print(f"  {r.note}")
+    result["ratio_same_batch_512"] = result["ratio_same_batch"]["512"]
+
+    from test_search_effort import MID_SIZE_SEEDS, mid_size_instance
+
+    print("\nenumeration study (defaults vs the exact optimum; 64-256 chips)")
+    print(f"{'seed':>4} {'chips':>5} {'exact s':>7} {'default s':>9} {'default/opt':>11} {'opt gap to bound':>16}")
+    over, opt_gap = [], []
+    for seed in MID_SIZE_SEEDS:
+        cluster, model, gb = mid_size_instance(seed)
+        exact = search(cluster, model, global_batch=gb, opts=SearchOptions(auto=False, time_budget_s=None))
+        got = search(cluster, model, global_batch=gb, opts=search_options(cluster))
+        over.append(got.iteration_s / exact.iteration_s - 1)
+        opt_gap.append(exact.gap)
+        print(
+            f"{seed:>4} {cluster.num_devices:>5} {exact.search_s:>7.2f} {got.search_s:>9.2f} "
+            f"{100 * over[-1]:>+10.2f}% {100 * exact.gap:>15.1f}%",
+            flush=True,
+        )
+    result["max_default_over_optimum"] = round(max(over), 4)
+    result["optimum_gap_to_bound"] = {
+        "min": round(min(opt_gap), 3),
+        "median": round(statistics.median(opt_gap), 3),
+        "max": round(max(opt_gap), 3),
+    }
+    print(f"load average after: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print("RESULT " + json.dumps(result))
 
 

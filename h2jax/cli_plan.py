@@ -144,6 +144,31 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
 
 
+def search_options(
+    cluster,
+    *,
+    schedule: str = "1f1b",
+    group_size: int | None = None,
+    beam: int | None = None,
+    max_orders: int = 120,
+    time_budget: float = DEFAULT_TIME_BUDGET_S,
+    grad_sync: str = "step",
+):
+    """The SearchOptions `h2jax plan` searches with (its defaults are the CLI's defaults;
+    benchmarks/planner_scale.py runs exactly these)."""
+    from h2jax.plan import CostOptions, SearchOptions
+
+    return SearchOptions(
+        schedule=schedule,
+        group_size=group_size,
+        max_options_per_chip=beam,
+        max_orders=max_orders,
+        time_budget_s=time_budget or None,
+        stage_in_node=_stage_in_node(cluster),
+        cost=CostOptions(grad_sync=grad_sync),
+    )
+
+
 def heteros_speedup(cluster, model, *, global_batch: int, hetero_tps: float, table, opts) -> tuple[float, dict]:
     """(ratio, per-chip baselines): hetero tokens/s over the sum of each chip type's best
     homogeneous plan at `global_batch` (N * TGS = tokens/s, so the ratio is of tokens/s).
@@ -190,7 +215,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from h2jax.plan import Cluster, CostOptions, PlanError, SearchOptions, search
+    from h2jax.plan import Cluster, PlanError, search
     from h2jax.plan._profiles import GIB, ProfileError
 
     try:
@@ -206,14 +231,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         table = _table(args.profiles)
         if args.time_budget < 0:
             raise ProfileError(f"--time-budget: expected seconds >= 0 (0: no limit), got {args.time_budget}")
-        opts = SearchOptions(
+        opts = search_options(
+            cluster,
             schedule=args.schedule,
             group_size=args.group_size,
-            max_options_per_chip=args.beam,
+            beam=args.beam,
             max_orders=args.max_orders,
-            time_budget_s=args.time_budget or None,
-            stage_in_node=_stage_in_node(cluster),
-            cost=CostOptions(grad_sync=args.grad_sync),
+            time_budget=args.time_budget,
+            grad_sync=args.grad_sync,
         )
     except (ProfileError, PlanError, ValueError) as e:
         raise _fail(e) from None

@@ -744,9 +744,10 @@ class _Run:
             lower = min(lower, root_bound(choices, m=self.gb // mb, L=self.L, fixed_s=fixed))
         return lower
 
-    def round(self, width: int | None, orders: Sequence[tuple[str, ...]]) -> None:
-        """Every configuration of the beam `width` (None: all) in every order of `orders`,
-        pruned by the bounds against the best plan so far."""
+    def round(self, width: int | None, orders: Sequence[tuple[str, ...]], *, quick: bool = False) -> None:
+        """Every configuration of the beam `width` (None: all) in every order of `orders`
+        (`quick`: in the best plan's order and the first of `orders` only), pruned by the
+        bounds against the best plan so far."""
         per_mb = []
         for mb, choices in self.space.items():
             if width is not None:
@@ -757,7 +758,7 @@ class _Run:
         for bd in per_mb:
             if bd.root >= self.best:
                 break
-            self._dfs(bd, list(orders))
+            self._dfs(bd, list(orders), quick)
 
     def _keyed(self, mb: int) -> dict[str, dict[tuple[int, int], ChipChoice]]:
         """Per chip type, its choices at microbatch `mb` by (stages, tensor)."""
@@ -795,10 +796,43 @@ class _Run:
                 self.stats["configs"] += 1
                 self.evaluate(config, mb, self.gb // mb, list(orders))
 
+    def best_order(self) -> tuple[str, ...] | None:
+        if self.best_plan is None:
+            return None
+        return tuple(dict.fromkeys(c.chip for c in self.best_plan[0]))
+
+    def quick_orders(self, orders: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
+        """The orders a configuration is first tried in: the best plan's and the first of
+        `orders` (memory-descending); all of `orders` before any plan is known."""
+        best = self.best_order()
+        return list(orders) if best is None else list(dict.fromkeys([best, orders[0]]))
+
+    def reorder(self, orders: Sequence[tuple[str, ...]]) -> None:
+        """The best configuration in every order of `orders` and every adjacent swap of the
+        best plan's order, until no order helps."""
+        tried: set = set()
+        while self.best_config is not None:
+            config, mb = self.best_config
+            best = self.best_order()
+            swaps = []
+            for i in range(len(best) - 1):
+                o = list(best)
+                o[i], o[i + 1] = o[i + 1], o[i]
+                swaps.append(tuple(o))
+            fresh = [o for o in dict.fromkeys([*orders, *swaps]) if (config, mb, o) not in tried]
+            if not fresh:
+                return
+            tried.update((config, mb, o) for o in fresh)
+            before = self.best
+            self.evaluate(config, mb, self.gb // mb, fresh)
+            if self.best >= before:
+                return
+
     def local(self, orders: Sequence[tuple[str, ...]]) -> None:
         """Coordinate descent from the best configuration: change one chip type's stage count
         (by 1, 2, half or double) or tensor degree, or the microbatch size (halved or
         doubled, every type keeping its stages and tensor degree), while that helps."""
+        self.reorder(orders)
         tried: set = set()
         while self.best_config is not None:
             config, mb = self.best_config
@@ -821,11 +855,13 @@ class _Run:
                     continue
                 tried.add(move)
                 self.stats["configs"] += 1
-                self.evaluate(move[0], move[1], self.gb // move[1], list(orders))
+                self.evaluate(move[0], move[1], self.gb // move[1], self.quick_orders(orders))
             if self.best >= before:
-                return
+                break
+            self.reorder(orders)
+        self.reorder(orders)
 
-    def _dfs(self, bd: _Bounds, orders: list[tuple[str, ...]]) -> None:
+    def _dfs(self, bd: _Bounds, orders: list[tuple[str, ...]], quick: bool) -> None:
         names, L = self.names, self.L
         chosen: list[ChipChoice] = []
 
@@ -839,7 +875,7 @@ class _Run:
                 return
             if i == len(names):
                 self.stats["configs"] += 1
-                self.evaluate(chosen, bd.mb, bd.m, orders)
+                self.evaluate(chosen, bd.mb, bd.m, self.quick_orders(orders) if quick else orders)
                 return
             for c, grid in zip(bd.lists[i], bd.grids[i]):
                 chosen.append(c)
@@ -968,7 +1004,7 @@ def search(
             elif kind == "local":
                 run.local(orders)
             else:
-                run.round(width, orders)
+                run.round(width, orders, quick=kind == "beam")
             label = kind + (f" {width}" if width else "") + f", {len(orders)} orders"
             done.append(f"{label} ({time.perf_counter() - t_round:.2f} s)")
             if kind == "exact":
