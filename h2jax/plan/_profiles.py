@@ -30,7 +30,8 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -588,6 +589,18 @@ def roofline_costs(
     return {"embed": embed, "block": block, "head": head}
 
 
+_MODEL_KEY_FIELDS = (("d", "d_model"), ("h", "n_heads"), ("f", "d_ff"), ("v", "vocab_size"), ("s", "seq_len"))
+
+
+def describe_model_key(key: str) -> str:
+    """A ``ModelShape.key()`` in words: "d_model 32, n_heads 4, d_ff 128, vocab_size 256, seq_len 32"."""
+    m = re.fullmatch(r"d(\d+)h(\d+)f(\d+)v(\d+)s(\d+)a(\d+)-\w+", key)
+    if not m:
+        return repr(key)
+    words = [f"{name} {value}" for (_, name), value in zip(_MODEL_KEY_FIELDS, m.groups())]
+    return ", ".join(words) + f", {m.group(6)}-byte activations"
+
+
 @dataclass
 class ProfileTable:
     """Per-part costs keyed by (chip, model shape key, tensor degree, microbatch).
@@ -631,6 +644,28 @@ class ProfileTable:
 
     def measured(self, chip: str) -> bool:
         return any(k[0] == chip and not v["block"].estimated for k, v in self.entries.items())
+
+    def model_keys(self) -> set[str]:
+        """The model shapes (``ModelShape.key()``) the entries were made for."""
+        return {k[1] for k in self.entries}
+
+    def check_model(self, model: ModelShape, *, source: str = "--profiles") -> None:
+        """Refuse a table that holds profiles, none of them for `model`'s shape: every lookup
+        would silently fall back to the roofline, and a per-layer cost of another shape
+        says nothing about this one (both shapes are named)."""
+        keys = self.model_keys()
+        if keys and model.key() not in keys:
+            made = "; ".join(describe_model_key(k) for k in sorted(keys))
+            raise ProfileError(
+                f"{source}: the profiles were made for the model shape {made}, not the model being planned "
+                f"({describe_model_key(model.key())}); profile this model (`h2jax profile --model ...`) or "
+                f"leave {source} out"
+            )
+
+    def unprofiled(self, model: ModelShape, chips: Sequence[str]) -> list[str]:
+        """Chip types of `chips` with no entry for `model`'s shape (priced by the roofline)."""
+        have = {k[0] for k in self.entries if k[1] == model.key()}
+        return [c for c in chips if c not in have]
 
     # -- JSON cache (the profiler writes, the planner reads) --------------------------------------
     def to_json(self) -> dict[str, Any]:
