@@ -229,6 +229,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"`global_batch:`), got {gb!r}"
             )
         table = _table(args.profiles)
+        table.check_model(model)
         if args.time_budget < 0:
             raise ProfileError(f"--time-budget: expected seconds >= 0 (0: no limit), got {args.time_budget}")
         opts = search_options(
@@ -265,7 +266,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{c.memory.total / GIB:.1f} / {c.memory_limit / GIB:.0f} GiB",
         )
     console.print(tbl)
-    est = " (roofline estimates)" if any(c.estimated for c in cost.stages) else ""
+    missing = table.unprofiled(model, cluster.names) if table.entries else []
+    if missing:
+        console.print(
+            f"[yellow]note:[/] --profiles has no entry of this model shape for {', '.join(missing)}: "
+            "priced by the roofline"
+        )
+    rough = sorted({s.chip for s, c in zip(res.plan.stages, cost.stages) if c.estimated})
+    if not rough:
+        est = " (from measured profiles)"
+    elif table.entries:
+        est = (
+            f" (roofline estimates for {', '.join(rough)}: --profiles has no entry for their model shape, "
+            "tensor degree and microbatch)"
+        )
+    else:
+        est = " (roofline estimates: not a measurement)"
     console.print(
         f"estimated iteration {_fmt_s(cost.iteration_s)}{est}, {cost.tokens_per_s:,.0f} tokens/s, "
         f"bubble {100 * cost.bubble_fraction:.1f} %; lower bound {_fmt_s(res.lower_bound_s)} "
@@ -353,9 +369,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 raise PlanError(
                     f"plan.stages[{i}].chip", f"chip {s.chip!r} is not in the cluster ({', '.join(cluster.names)})"
                 )
-        sim, cost = simulate_plan(
-            plan, model, cluster, table=_table(args.profiles), opts=CostOptions(grad_sync=args.grad_sync)
-        )
+        table = _table(args.profiles)
+        table.check_model(model)
+        sim, cost = simulate_plan(plan, model, cluster, table=table, opts=CostOptions(grad_sync=args.grad_sync))
     except (ProfileError, PlanError, ValueError, KeyError) as e:
         raise _fail(e) from None
     console = Console()
