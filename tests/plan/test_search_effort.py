@@ -131,3 +131,10 @@ def test_a_baseline_that_does_not_fit_says_why_and_the_ratio_is_over_the_types_t
     assert "nan" not in out
     assert re.search(r"homogeneous a100_80gb \(8 chips\) at global batch 512: no plan: the chips' memory holds", out)
     assert re.search(r"over the chip types that fit alone \(h100_sxm\): [\d.]+ %", out), out
+
+
+def test_the_cli_default_budget_is_the_search_default():
+    from h2jax import cli_plan
+    from h2jax.plan import _search
+
+    assert cli_plan.DEFAULT_TIME_BUDGET_S == _search.DEFAULT_TIME_BUDGET_S == SearchOptions().time_budget_s
