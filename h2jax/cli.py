@@ -64,11 +64,14 @@ def _plan_table(cfg) -> Table:
 
 def _load(args: argparse.Namespace):
     """The validated config of ``args.config``; a config error prints one line to stderr and exits 2."""
-    from h2jax.config import ConfigError, load_config
+    from h2jax.config import ConfigError, check_inputs, load_config
 
     try:
         path, overrides = _split_args(args.config)
-        return load_config(path, overrides)
+        run_dir = getattr(args, "run_dir", None)
+        if run_dir is None:
+            return load_config(path, overrides)
+        return check_inputs(load_config(path, overrides, check_files=False), run_dir=run_dir)
     except ConfigError as e:
         # escape: keys and values come from the user, and rich would read "[red]" as markup
         Console(stderr=True).print(
@@ -80,14 +83,14 @@ def _load(args: argparse.Namespace):
 def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load(args)
     console = Console()
-    from h2jax.config import config_to_dict
+    from h2jax.config import config_to_dict, format_count
 
     if args.print:
         console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
     console.print(_plan_table(cfg))
     console.print(
         f"[green]config ok[/]: {cfg.name}, model {cfg.model.n_layers} layers x d_model "
-        f"{cfg.model.d_model} ({cfg.model.num_params() / 1e6:.2f} M parameters)"
+        f"{cfg.model.d_model} ({format_count(cfg.model.num_params())} parameters)"
     )
     from h2jax._hostmem import host_memory_line
 

@@ -156,19 +156,23 @@ class FailFast:
 
     def __init__(self, launch: LaunchInfo, *, stage: int | None = None):
         self.launch = launch
-        self.stage = launch.rank if stage is None else stage
+        self.stage = stage  # None until the plan has placed this rank
         self.last_completed_step = -1
         self.stop_signal: str | None = None  # the first stop signal, once graceful stop is allowed
         self._grace_s: float | None = None  # None: a signal ends the process at once
         self._deadline: float | None = None  # time.monotonic() by which the process must be done
         self._finished = False
+        # every process of the job: (rank, stage, pid, host), to name a peer that died
+        self.peers: list[tuple[int, int, int, str]] = []
 
     def line(self, why: str) -> str:
         lc = self.launch
-        return (
-            f"h2jax: stage {self.stage} (rank {lc.rank}/{lc.size}, {lc.launcher}) {why}; "
-            f"last completed step {self.last_completed_step}"
+        who = f"rank {lc.rank}/{lc.size}, {lc.launcher}"
+        who = f"stage {self.stage} ({who})" if self.stage is not None else who
+        done = (
+            f"last completed step {self.last_completed_step}" if self.last_completed_step >= 0 else "no step completed"
         )
+        return f"h2jax: {who} {why}; {done}"
 
     @staticmethod
     def signals() -> set:
@@ -197,6 +201,23 @@ class FailFast:
                 import time
 
                 self._deadline = time.monotonic() + within_s
+
+    def dead_peers(self) -> list[tuple[int, int, int, str]]:
+        """The peers on this host whose process is gone (other hosts cannot be seen from here)."""
+        import socket
+
+        host = socket.gethostname()
+        out = []
+        for rank, stage, pid, where in self.peers:
+            if where != host or rank == self.launch.rank:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                out.append((rank, stage, pid, where))
+            except PermissionError:
+                pass  # alive, another user's
+        return out
 
     def finish(self) -> None:
         """This process is about to exit on its own: a late signal ends it without a line."""
@@ -232,6 +253,13 @@ class FailFast:
             name = signal.Signals(signum).name
             if self._finished:
                 os._exit(1)
+            dead = self.dead_peers()
+            if dead:  # no step boundary can come: say who, and end now
+                who = ", ".join(f"rank {r} (stage {st}, pid {pid})" for r, st, pid, _ in dead)
+                self._exit(
+                    f"stopped by {name}: {who} of this host ended (killed or crashed), so the job cannot "
+                    "continue; nothing more is saved"
+                )
             if self._grace_s is None or self.stop_signal is not None:
                 self._exit(f"stopped by {name} (another process of the job failed, or the job was cancelled)")
             self.stop_signal = name
@@ -240,8 +268,9 @@ class FailFast:
 
             sys.stderr.write(
                 self.line(
-                    f"{name} received: saving a checkpoint at the next step boundary, then "
-                    f"exiting 0 (exit 1 if the job reaches none within {self._grace_s:g} s)"
+                    f"{name} received: asking every process to stop at the next step boundary and save a "
+                    f"checkpoint there; exit 0 once that save is committed, else exit 1 with a line like this "
+                    f"one within {self._grace_s:g} s"
                 )
                 + "\n"
             )

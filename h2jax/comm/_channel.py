@@ -43,9 +43,9 @@ import jax
 import numpy as np
 
 from h2jax.comm._routing import BWD, FWD, Boundary, RoutingUnsupported, lin, tag, tag_base
+from h2jax.config._load import MULTIPROCESS_TRANSPORTS as PROCESS_TRANSPORTS  # one definition, in config
+from h2jax.config._load import TRANSPORTS
 
-TRANSPORTS = ("local", "host", "ffi", "ffi-call")
-PROCESS_TRANSPORTS = ("host", "ffi", "ffi-call")  # need one process per stage (or device): a launcher
 _POLL_S = 0.05
 
 Record = Callable[..., None]

@@ -22,8 +22,9 @@ from h2jax.models import GPTConfig, tensor_divisible_dims
 from h2jax.plan import PlanError, check_plan
 from h2jax.plan._profiles import config_dirs
 
-TRANSPORTS = ("local", "host", "ffi")  # local: one process; host, ffi: one process per stage (mpirun)
-MULTIPROCESS_TRANSPORTS = ("host", "ffi")  # these need a launcher (mpirun, srun) and more than one process
+# local: one process; host, ffi, ffi-call: between processes (mpirun, srun), see h2jax/comm/_channel.py
+TRANSPORTS = ("local", "host", "ffi", "ffi-call")
+MULTIPROCESS_TRANSPORTS = ("host", "ffi", "ffi-call")  # these need a launcher (mpirun, srun) and more than one process
 TOKEN_DTYPES = ("uint16", "uint32")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("abort", "skip")

@@ -37,7 +37,7 @@ from h2jax.checkpoint import CheckpointError, CheckpointStore
 from h2jax.checkpoint._faults import failpoint
 from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher
 from h2jax.comm._channel import stage_links
-from h2jax.config import ConfigError, ExperimentConfig, save_config, validate
+from h2jax.config import ConfigError, ExperimentConfig, check_inputs, save_config, validate
 from h2jax.data import get_global_batch, load_dataset
 from h2jax.models import StageModule, build_model, check_stageable
 from h2jax.plan import get_schedule, stage_tasks
@@ -95,6 +95,9 @@ def make_world(cfg: ExperimentConfig, *, fail_fast: Any = None) -> World:
     fail_fast.stage = group.stage_idx
     world = MpiWorld(comm, [group.layout.stage_of(r) for r in range(comm.Get_size())], launcher=launch.launcher)
     world.group, world.fail_fast = group, fail_fast
+    import socket
+
+    fail_fast.peers = world.allgather((world.rank, group.stage_idx, os.getpid(), socket.gethostname()))
     return world
 
 
@@ -151,7 +154,7 @@ class Trainer:
         hub: LocalHub | None = None,
         fail_fast: Any = None,
     ):
-        cfg = validate(cfg)
+        cfg = check_inputs(validate(cfg), run_dir=run_dir)  # what the run reads and writes, before devices
         if model is not None:
             check_stageable(model)
             if len(model.blocks) != cfg.model.n_layers:  # the plan was checked against model.n_layers

@@ -117,7 +117,12 @@ def single_process_run(plan: str, tmp_path: Path):
         trainer = Trainer(cfg, run_dir=tmp_path / "single")
         history = trainer.run()
         trainer.close()
-        _SINGLE[plan] = ([h.loss for h in history], {k: np.asarray(v) for k, v in trainer.params_by_layer().items()})
+        _SINGLE[plan] = (
+            [h.loss for h in history],
+            {k: np.asarray(v) for k, v in trainer.params_by_layer().items()},
+            sorted(json.loads((tmp_path / "single" / "summary.json").read_text())),
+            [sorted(r) for r in read_metrics(tmp_path / "single")],
+        )
     return _SINGLE[plan]
 
 
@@ -136,20 +141,20 @@ def single_process_run(plan: str, tmp_path: Path):
 def test_multiprocess_equals_single_process(plan, transport, tmp_path):
     """The same config in one process and under mpirun: the same losses (<= 1e-6), final
     parameters, metrics keys, summary keys and Gantt chart."""
-    want_losses, want_params = single_process_run(plan, tmp_path)
+    want_losses, want_params, summary_keys, metric_keys = single_process_run(plan, tmp_path)
     nproc = NPROC[plan]
     proc = _mpirun(
         nproc, [*BASE, *PLANS[plan], f"train.transport={transport}", "--run-dir", str(tmp_path / "run")], tmp_path
     )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
-    run, single = tmp_path / "run", tmp_path / "single"
+    run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["processes"] == nproc and summary["transport"] == transport
     np.testing.assert_allclose(summary["losses"], want_losses, atol=1e-6, rtol=0)
-    assert sorted(summary) == sorted(json.loads((single / "summary.json").read_text()))
-    rows, single_rows = read_metrics(run), read_metrics(single)
-    assert [sorted(r) for r in rows] == [sorted(r) for r in single_rows]
+    assert sorted(summary) == summary_keys
+    rows = read_metrics(run)
+    assert [sorted(r) for r in rows] == metric_keys
     assert {"tgs/sim_a", "tgs/sim_b", "bubble_fraction"} <= set(rows[0])
     assert (run / "gantt.png").is_file() and summary["gantt_step"] == 2
     got = final_params(run)
@@ -192,9 +197,12 @@ def test_killed_rank_ends_the_job_promptly(tmp_path):
     assert elapsed < 60, elapsed
     lines = [ln for ln in err.splitlines() if ln.startswith("h2jax: stage 0 (rank 0/2")]
     assert lines, (out[-3000:], err[-3000:])
-    assert "last completed step" in lines[0]
-    step = int(lines[0].rsplit("last completed step", 1)[1].strip())
+    assert "last completed step" in lines[-1]
+    step = int(lines[-1].rsplit("last completed step", 1)[1].strip())
     assert step >= 1
+    # the survivor names the peer that died, and promises no save it cannot make
+    assert any(f"rank 1 (stage 1, pid {victim['pid']})" in ln and "ended" in ln for ln in lines), lines
+    assert "exiting 0" not in err
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
@@ -205,3 +213,6 @@ def test_process_counts_the_plan_cannot_use_fail_with_the_key(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "the job has 3 processes" in err and "(-np 2)" in err and "(-np 4)" in err, err[-3000:]
+    # before the plan placed the ranks there is no stage to name, and no step was completed
+    assert "stage 2" not in err and "last completed step -1" not in err and "no step completed" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
