@@ -51,9 +51,10 @@ prints the same study beside the large clusters.
 
 The lower bound reported with the result (:func:`root_bound`) holds for the whole space:
 per microbatch size, the slot-time bound with every chip type at its best choice, plus the
-pipeline's fill and drain -- ``sum_s t_s`` at least the cheapest fill of the L blocks into
-the chip types' memory-capped capacities within that slot time, fastest per-block time
-first -- plus the cheapest embedding and head. On the mid-size instances the optimum itself
+pipeline's fill and drain -- ``sum_s t_s`` at least the cheapest split of the L blocks over
+the chip types (each at least one) within their memory-capped capacities at that slot time
+-- plus the cheapest embedding and head. A microbatch size whose bound cannot beat the best
+plan so far is skipped by every round. On the mid-size instances the optimum itself
 sits some 20-80 % above it (the bound ignores transfers, tails and that the stages of all chip
 types share one sequence of in-flight counts), so a gap of that size at scale is the
 bound's, not necessarily the search's.
@@ -664,42 +665,60 @@ def root_bound(choices: dict[str, list[ChipChoice]], *, m: int, L: int, fixed_s:
 
     ``T >= (m - 1) B + sum_s t_s`` with B = max_s t_s. B is at least the slot time at which
     the chip types, each with its best choice, hold all L whole blocks within their memory
-    (:func:`slot_time_bound`); and for any B, the blocks cost at least a fill of the types'
-    capacities within B from the fastest per-block time up (a fractional knapsack: the
-    pipeline's fill and drain priced with the memory limits kept). T(B) is minimised over a
-    grid above the slot-time bound, each interval [B_i, B_i+1] counted at its cheapest:
-    ``(m - 1) B_i + F(B_i+1)``. `fixed_s`: seconds every plan pays beyond the blocks (the
-    cheapest embedding and head).
+    (:func:`slot_time_bound`). For any B, the blocks cost at least F(B): the cheapest way to
+    give each chip type x_c >= 1 blocks (every chip type of the space has a stage), sum x_c =
+    L, where x blocks on type c cost at least x times the per-block time of the fastest of
+    its choices that can hold x blocks within slot time B and memory (a min-plus dynamic
+    program over the types: the pipeline's fill and drain priced with the memory limits
+    kept). T(B) is minimised over a grid above the slot-time bound, each interval
+    [B_i, B_i+1] counted at its cheapest: ``(m - 1) B_i + F(B_i+1)``. `fixed_s`: seconds
+    every plan pays beyond the blocks (the cheapest embedding and head).
     """
     if any(not cs for cs in choices.values()):
         return INF
-    helds = sorted((_Held(cs) for cs in choices.values()), key=lambda h: h.amin)
+    helds = [_Held(cs) for cs in choices.values()]
     b_lb = slot_time_bound(helds, L)
     if not math.isfinite(b_lb):
         return INF
-    amin = helds[0].amin
+    amin = min(h.amin for h in helds)
+    counts = np.arange(L + 1, dtype=np.float64)
+    prev = counts[:, None] - counts[None, :]
+    idx = np.where(prev >= 0, prev, L + 1).astype(np.intp)
+    per_choice_a = [h.a[h.row, 0] for h in helds]
 
     def fill(b: float) -> float:
-        left, cost = float(L), 0.0
-        for h in helds:
-            take = min(h.most(b), left)
-            cost += take * h.amin
-            left -= take
-        return cost if left <= 1e-9 else INF
+        v = None
+        for h, a in zip(helds, per_choice_a):
+            held = np.clip(h.each(b), 0, L).astype(np.intp)
+            best_a = np.full(L + 1, INF)
+            np.minimum.at(best_a, held, a)
+            best_a = np.minimum.accumulate(best_a[::-1])[::-1]  # a choice holding h blocks holds fewer too
+            cost = counts * best_a
+            cost[0] = INF  # every chip type holds at least one block
+            if v is None:
+                v = cost
+            else:
+                ext = np.append(v, INF)
+                v = (ext[idx] + cost[None, :]).min(axis=1)
+        return float(v[L])
 
     if m == 1:
         return max(b_lb, L * amin) + fixed_s
     # above b_top no slot time can pay for itself: (m - 1) b_top + L amin is what the
     # slowest feasible slot already costs
     b_feasible = b_lb * (1 + 1e-7) + 1e-15
-    while not math.isfinite(fill(b_feasible)):
+    f_feasible = fill(b_feasible)
+    while not math.isfinite(f_feasible):
         b_feasible *= 1.01
-    b_top = b_lb + max(0.0, (m - 1) * (b_feasible - b_lb) + fill(b_feasible) - L * amin) / (m - 1)
-    grid = np.linspace(b_lb, b_top, 33)
-    fills = [fill(float(b)) for b in grid]
+        f_feasible = fill(b_feasible)
+    b_top = b_feasible + max(0.0, f_feasible - L * amin) / (m - 1)
+    grid = np.linspace(b_lb, b_top, 17)
     best = (m - 1) * float(grid[-1]) + L * amin
+    f_last = fill(float(grid[-1]))
     for i in range(len(grid) - 1):
-        best = min(best, (m - 1) * float(grid[i]) + fills[i + 1])
+        if (m - 1) * float(grid[i]) + f_last >= best:
+            break  # F only falls with B: no later interval can do better
+        best = min(best, (m - 1) * float(grid[i]) + fill(float(grid[i + 1])))
     return max(best, (m - 1) * b_lb + L * amin) + fixed_s
 
 
@@ -748,6 +767,7 @@ class _Run:
         self.stats = {"configs": 0, "solved": 0, "orders": 0}
         self.ticks = 0
         self._keyed_cache: dict[int, dict] = {}
+        self.mb_bound: dict[int, float] = {}
         self._ranked_cache: dict[int, dict] = {}
         space_opts = SearchOptions(**{**_fields(opts), "max_options_per_chip": None})
         self.space: dict[int, dict[str, list[ChipChoice]]] = {}
@@ -770,11 +790,16 @@ class _Run:
         return total * n_orders
 
     def lower_bound(self) -> float:
-        lower = INF
+        """:func:`root_bound` over every microbatch size (each kept: a size whose bound
+        cannot beat the best plan so far is skipped by every round)."""
         for mb, choices in self.space.items():
             fixed = _fixed_parts_s(self.cluster, self.model, choices, mb, self.table)
-            lower = min(lower, root_bound(choices, m=self.gb // mb, L=self.L, fixed_s=fixed))
-        return lower
+            self.mb_bound[mb] = root_bound(choices, m=self.gb // mb, L=self.L, fixed_s=fixed)
+            self.tick()
+        return min(self.mb_bound.values(), default=INF)
+
+    def hopeless(self, mb: int) -> bool:
+        return self.mb_bound.get(mb, 0.0) >= self.best
 
     def round(self, width: int | None, orders: Sequence[tuple[str, ...]], *, quick: bool = False) -> None:
         """Every configuration of the beam `width` (None: all) in every order of `orders`
@@ -782,6 +807,8 @@ class _Run:
         bounds against the best plan so far."""
         per_mb = []
         for mb, choices in self.space.items():
+            if self.hopeless(mb):
+                continue
             if width is not None:
                 choices = beam(choices, self.L, width)
             per_mb.append(_Bounds(choices, self.names, self.gb // mb, mb, self.L))
@@ -813,7 +840,9 @@ class _Run:
         every chip type with the same stage count K (its best-ranked choice with K stages)
         for K = 1, 2, 3, 4, 6, 8, ...: the stage count is the dimension the ranking judges
         worst (more stages hold more blocks, but the first ones hold more microbatches)."""
-        for mb in sorted(self.space, key=lambda b: -b):
+        for mb in sorted(self.space, key=lambda b: self.mb_bound.get(b, 0.0)):
+            if self.hopeless(mb):
+                continue
             ranked = self._ranked(mb)
             configs = [tuple(cs[0] for cs in ranked.values())]
             top = max(c.stages for cs in ranked.values() for c in cs)
@@ -883,7 +912,7 @@ class _Run:
                     if all(a is not None for a in alt):
                         moves.append((alt, mb2))
             for move in moves:
-                if move in tried:
+                if move in tried or self.hopeless(move[1]):
                     continue
                 tried.add(move)
                 self.stats["configs"] += 1
