@@ -247,8 +247,8 @@ def read_hf_params(hf_dir: str | Path, cfg: GPTConfig) -> dict[str, np.ndarray]:
                 raise ConvertError(f"{hf_dir}: tensor {hf_name} is missing (h2jax {path}, shape {shapes[path]})")
             f = where[hf_name]
             if f not in handles:
-                handles[f] = safe_open(f, framework="numpy").__enter__()
-            array = _to_f32(handles[f].get_tensor(hf_name), hf_name)
+                handles[f] = safe_open(f, framework="flax").__enter__()
+            array = _to_f32(_get(handles[f], hf_name), hf_name)
             want = shapes[path][::-1] if transposed else shapes[path]
             if array.shape != want:
                 raise ConvertError(
@@ -258,8 +258,8 @@ def read_hf_params(hf_dir: str | Path, cfg: GPTConfig) -> dict[str, np.ndarray]:
         if cfg.tie_embeddings and "lm_head.weight" in where:
             f = where["lm_head.weight"]
             if f not in handles:
-                handles[f] = safe_open(f, framework="numpy").__enter__()
-            head = _to_f32(handles[f].get_tensor("lm_head.weight"), "lm_head.weight")
+                handles[f] = safe_open(f, framework="flax").__enter__()
+            head = _to_f32(_get(handles[f], "lm_head.weight"), "lm_head.weight")
             if head.shape != out["embed/embedding"].shape or not np.array_equal(head, out["embed/embedding"]):
                 raise ConvertError(
                     f"{hf_dir}: tie_word_embeddings=true but lm_head.weight {list(head.shape)} differs from "
@@ -269,6 +269,16 @@ def read_hf_params(hf_dir: str | Path, cfg: GPTConfig) -> dict[str, np.ndarray]:
         for h in handles.values():
             h.__exit__(None, None, None)
     return out
+
+
+def _get(handle, name: str) -> np.ndarray:
+    """One tensor as a numpy array (bfloat16 as ml_dtypes'). Read through safetensors' JAX
+    loader, which knows bfloat16 (its numpy loader does not), onto the host CPU so that a
+    large checkpoint never lands in accelerator memory."""
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(handle.get_tensor(name))
 
 
 def _to_f32(array: np.ndarray, name: str) -> np.ndarray:

@@ -116,13 +116,13 @@ def test_export_reimport_is_bit_identical(tmp_path):
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=24, n_kv_heads=2)
 
 
-def _hand_made(tmp: Path, cfg: GPTConfig = CFG, *, edit=None, config_edit=None) -> Path:
+def _hand_made(tmp: Path, cfg: GPTConfig = CFG, *, edit=None, config_edit=None, dtype=np.float32) -> Path:
     rng = np.random.default_rng(0)
     shapes = param_shapes(cfg)
     tensors = {}
     for path, (name, transposed) in hf_tensor_names(cfg).items():
         shape = shapes[path][::-1] if transposed else shapes[path]
-        tensors[name] = rng.normal(size=shape).astype(np.float32)
+        tensors[name] = rng.normal(size=shape).astype(dtype)
     if edit:
         edit(tensors)
     out = tmp / "hf"
@@ -145,6 +145,28 @@ def test_hand_made_checkpoint_converts(tmp_path):
     np.testing.assert_array_equal(np.asarray(model.blocks[1].attn.wq[...]), wq.T)
     assert (tmp_path / "ckpt" / "tokenizer.json").is_file()
     assert "tokenizer" in (tmp_path / "ckpt" / "model.yaml").read_text()
+
+
+def test_bfloat16_checkpoints_in_and_out(tmp_path):
+    """Published checkpoints are mostly bfloat16: widened exactly on import; export can round back."""
+    import ml_dtypes
+
+    src = _hand_made(tmp_path, dtype=ml_dtypes.bfloat16)
+    assert _run("convert", str(src), str(tmp_path / "ckpt")) == 0
+    _, model = load_model(tmp_path / "ckpt")
+    assert _run("convert", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "bfloat16") == 0
+    import safetensors.flax  # numpy's loader cannot read bfloat16
+
+    orig = {k: np.asarray(v) for k, v in safetensors.flax.load_file(str(src / "model.safetensors")).items()}
+    back = {
+        k: np.asarray(v) for k, v in safetensors.flax.load_file(str(tmp_path / "back" / "model.safetensors")).items()
+    }
+    assert orig.keys() == back.keys()
+    for k in orig:
+        assert back[k].dtype == ml_dtypes.bfloat16 and orig[k].tobytes() == back[k].tobytes(), k
+    wq = orig["model.layers.0.self_attn.q_proj.weight"].astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(model.blocks[0].attn.wq[...]), wq.T)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize(
