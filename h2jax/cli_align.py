@@ -42,6 +42,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--layer-gate", type=float, default=2e-3, help="layer level: max rel L2 of outputs and gradients")
     a.add_argument("--mre-gate", type=float, default=0.015, help="run level: max loss mean relative error")
     a.add_argument("--op-microbatches", type=int, default=1, help="microbatches of step 0 the op level traces")
+    a.add_argument(
+        "--all-ops",
+        action="store_true",
+        help="op level: also compare ops that only move elements (reshape, gather, ...)",
+    )
     a.add_argument("--no-plan", action="store_true", help="run level: skip the heterogeneous plan's run")
     a.add_argument("--out", default=None, help="report folder (default: <train.out_dir>/<name>/align)")
     a.add_argument("--top", type=int, default=12, help="ops shown in the terminal table")
@@ -108,6 +113,7 @@ def cmd_align(args: argparse.Namespace) -> int:
             plan=not args.no_plan,
             out_dir=out,
             faults=faults,
+            all_ops=args.all_ops,
         )
     except (ConfigError, AlignInputError, NumericsError, PolicyError, ValueError) as e:
         return _fail_input(str(e))

@@ -66,6 +66,8 @@ class PolicyError(RuntimeError):
 
 # -- module paths in the name stack ------------------------------------------------------------
 _scope_lock = threading.Lock()
+_known_paths: set[str] = set()  # every module path module_scopes has pushed, so that other scopes
+# in the name stack (jax.checkpoint's "rematted_computation", einsum specs) are not taken for modules
 
 
 @contextlib.contextmanager
@@ -84,6 +86,7 @@ def module_scopes(root: Any) -> Iterator[list[str]]:
             paths[id(node)] = ".".join(str(p) for p in path)
     classes = {type(m) for _, m in nnx.iter_graph(root) if isinstance(m, nnx.Module)}
     with _scope_lock:
+        _known_paths.update(paths.values())
         saved = {cls: cls.__dict__.get("__call__") for cls in classes}
         for cls in classes:
             call = cls.__call__
@@ -117,7 +120,7 @@ def module_of(name_stack: str) -> str:
     found = ""
     for component in name_stack.split("/"):
         component = _strip_transforms(component)
-        if _PATH.match(component):
+        if component in _known_paths or (not _known_paths and _PATH.match(component)):
             found = component
     return found
 

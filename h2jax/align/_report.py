@@ -100,25 +100,20 @@ class AlignReport:
         t = Table(title="chip types under test (reference: host CPU, float64)")
         for col in ("chip", "policy", *[f"{k} level" for k in self.gates()]):
             t.add_column(col)
-        for chip, desc in self.chips.items():
+        names = dict(self.chips)
+        if (self.layer is not None and "plan" in self.layer.chips) or (self.run is not None and "plan" in self.run.mre):
+            names["plan"] = self.run.describe.get("plan", "the plan's stages") if self.run is not None else "per stage"
+        for chip, desc in names.items():
             cells = []
             if self.op is not None:
-                cells.append(_op_cell(self.op, chip))
+                cells.append(_op_cell(self.op, chip) if chip in self.op.chips else "")
             if self.layer is not None:
-                cells.append(_layer_cell(self.layer, chip))
+                cells.append(_layer_cell(self.layer, chip) if chip in self.layer.chips else "")
             if self.run is not None:
                 cells.append(
                     f"MRE {self.run.mre[chip]:.3%} {_st(self.run.status(chip))}" if chip in self.run.mre else ""
                 )
             t.add_row(chip, desc, *cells)
-        if self.run is not None and "plan" in self.run.mre:
-            plan_cells = ["", ""] if self.op is not None and self.layer is not None else [""] * (len(self.gates()) - 1)
-            t.add_row(
-                "plan",
-                self.run.describe["plan"],
-                *plan_cells,
-                f"MRE {self.run.mre['plan']:.3%} {_st(self.run.status('plan'))}",
-            )
         console.print(t)
         if self.op is not None:
             console.print(op_table(self.op, top=top))

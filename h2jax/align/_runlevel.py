@@ -1,7 +1,7 @@
 """Run level: N training steps from the same init and data, loss curves against the reference.
 
-Each run is the trainer's step written as one jitted program: the step loss (mean of the
-microbatch losses) and its gradient under a numerics policy, clipping to the global norm
+Each run is the trainer's step written as one jitted program: the step loss (the global
+batch as one batch: the same mean as over equal microbatches) and its gradient under a numerics policy, clipping to the global norm
 (``optimizer.clip_norm``, as the trainer does over all stages), and the experiment's AdamW
 (``h2jax.runtime.make_optimizer``). Runs:
 
@@ -95,7 +95,7 @@ def train_losses(
     tx = _optimizer(exp.cfg, steps)
     clip = float(exp.cfg.optimizer.clip_norm)
     if policy is None:
-        ref = reference(fn, exp.params, exp.tokens, exp.targets)  # traced in the model's dtypes
+        ref = reference(fn, exp.params, *exp.whole_batch())  # traced in the model's dtypes
         with jax.enable_x64(True):
             params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), exp.params), device)
             step = _train_step(ref, tx, clip)
@@ -108,7 +108,7 @@ def _loop(exp: Experiment, step: Any, params: Any, tx: Any, device: Any, steps: 
     opt_state = jax.device_put(tx.init(params), device)
     losses = []
     for t in range(steps):
-        tokens, targets = exp.batch(t)
+        tokens, targets = exp.whole_batch(t)
         params, opt_state, loss = step(
             params, opt_state, jax.device_put(tokens, device), jax.device_put(targets, device)
         )

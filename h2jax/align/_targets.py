@@ -65,6 +65,15 @@ class Experiment:
             seq_len=self.cfg.model.seq_len,
         )
 
+    def whole_batch(self, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The global batch of ``step`` as one microbatch: [1, global_batch, seq_len]."""
+        tokens, targets = self.batch(step) if step else (self.tokens, self.targets)
+        return _whole(tokens), _whole(targets)
+
+
+def _whole(tokens: np.ndarray) -> np.ndarray:
+    return tokens.reshape(1, -1, tokens.shape[-1])
+
 
 def load_experiment(cfg: Any) -> Experiment:
     """Build the GPT of ``cfg.model`` (seed ``cfg.seed``) and load its data."""

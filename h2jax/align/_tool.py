@@ -36,12 +36,15 @@ def align(
     plan: bool = True,
     out_dir: str | Path | None = None,
     faults: Mapping[str, Fault] | None = None,
+    all_ops: bool = False,
 ) -> AlignReport:
     """Compare ``chips`` (default: the cluster's chip types) against the float64 host reference.
 
     ``numerics`` are ``CHIP.KEY=VALUE`` policy overrides; ``faults`` (test only) perturb one
     primitive on a chip type. The report is written to ``out_dir`` when given.
     """
+    import jax
+
     bad = [lv for lv in levels if lv not in LEVELS]
     if bad or not levels:
         raise AlignInputError(f"--levels {' '.join(levels)}: expected some of {' '.join(LEVELS)}")
@@ -58,12 +61,19 @@ def align(
     if "op" in levels:
         dump = Path(out_dir) if out_dir is not None else None
         report.op = op_level(
-            exp, targets, microbatches=microbatches, tolerances=tolerances, dump_dir=dump, config_yaml=config_yaml
+            exp,
+            targets,
+            microbatches=microbatches,
+            tolerances=tolerances,
+            dump_dir=dump,
+            config_yaml=config_yaml,
+            all_ops=all_ops,
         )
+    scoped = plan_policy(cfg, targets) if plan else None
     if "layer" in levels:
-        report.layer = layer_level(exp, targets, gate=layer_gate)
+        extra = [ChipTarget("plan", jax.devices(HOST)[0], scoped)] if scoped is not None else []
+        report.layer = layer_level(exp, [*targets, *extra], gate=layer_gate)
     if "run" in levels:
-        scoped = plan_policy(cfg, targets) if plan else None
         report.run = run_level(exp, targets, steps=steps, plan=scoped, gate=mre_gate)
     if out_dir is not None:
         report.write(out_dir)
@@ -89,6 +99,8 @@ def replay(
     float64 reference outputs, and with the host's own result (the ratio rule's baseline).
     Returns the op, the metrics of its worst output and its status.
     """
+    import jax
+
     from h2jax.config import load_config
 
     try:
@@ -109,7 +121,6 @@ def replay(
             f"--replay {path}: op #{meta['index']} ({meta['primitive']}) is not in this program any more "
             "(the model's code changed since the dump)"
         )
-    import jax
     import jax.numpy as jnp
 
     op = prog.ops[meta["index"]]
