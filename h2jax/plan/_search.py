@@ -43,7 +43,7 @@ type's stage count or tensor degree, or the microbatch size, while that helps; t
 order, by the neighbourhood and adjacent swaps); beams of the best 2, 3, 4, 8, ... choices
 per chip type by the same ranking, each followed by coordinate descent; last the exact
 round. The search stops at the exact round's end (exhaustive), at the time budget, or when
-two beam rounds in a row found nothing better after a quarter of the budget (converged, not
+two beam rounds in a row found nothing better after 15 % of the budget (converged, not
 exhaustive). How near that is to the optimum is measured, not proven: on 8 instances of
 64-256 chips (tests/plan/test_search_effort.py) the defaults' plan is within 2 % of the
 enumerated optimum, and ``benchmarks/planner_scale.py``
@@ -88,7 +88,7 @@ from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 
 INF = math.inf
 DEFAULT_TIME_BUDGET_S = 3.0  # what `h2jax plan` allows the search without --time-budget
-PATIENCE = 0.25  # share of the budget after which two beam rounds without improvement end an auto search
+PATIENCE = 0.15  # share of the budget after which two beam rounds without improvement end an auto search
 EXACT_DIRECT = 4000  # (microbatch, configuration, order) triples below which auto goes straight to exact
 
 
