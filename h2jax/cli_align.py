@@ -47,6 +47,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="op level: also compare ops that only move elements (reshape, gather, ...)",
     )
+    a.add_argument(
+        "--trainer",
+        action="store_true",
+        help="run level: also train the plan with the real pipeline trainer (fp32 for now)",
+    )
     a.add_argument("--no-plan", action="store_true", help="run level: skip the heterogeneous plan's run")
     a.add_argument("--out", default=None, help="report folder (default: <train.out_dir>/<name>/align)")
     a.add_argument("--top", type=int, default=12, help="ops shown in the terminal table")
@@ -114,6 +119,7 @@ def cmd_align(args: argparse.Namespace) -> int:
             out_dir=out,
             faults=faults,
             all_ops=args.all_ops,
+            trainer=args.trainer,
         )
     except (ConfigError, AlignInputError, NumericsError, PolicyError, ValueError) as e:
         return _fail_input(str(e))

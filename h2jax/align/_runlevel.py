@@ -13,6 +13,11 @@ batch as one batch: the same mean as over equal microbatches) and its gradient u
   sequential program is what the pipeline-equivalence tests prove; what differs between
   chip types is the numerics, and those are applied here per layer.
 
+- ``trainer`` (asked for with ``trainer_dir``): the plan through the real pipeline trainer,
+  ``h2jax.runtime.train``, its losses read back from ``metrics.jsonl``. The runtime applies
+  no chip policy yet, so this run is the plan in the host's fp32: it shows that the loop
+  above computes what the trainer computes.
+
 Gate: the loss's mean relative error against the reference over the N steps
 (``MRE = mean_t |loss_t - ref_t| / |ref_t|``), 1.5 % by default (H2's bar).
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -70,7 +76,7 @@ def _train_step(loss_and_grad: Any, tx: Any, clip_norm: float):
 
     def step(params, opt_state, tokens, targets):
         loss, grads = loss_and_grad(params, tokens, targets)
-        norm = optax.global_norm(grads)
+        norm = optax.tree.norm(grads)
         # the trainer's clip_scale: clip when the norm reaches clip_norm; no clipping when clip_norm <= 0
         scale = jnp.where((clip_norm > 0) & (norm >= clip_norm), clip_norm / norm, 1.0)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -116,6 +122,23 @@ def _loop(exp: Experiment, step: Any, params: Any, tx: Any, device: Any, steps: 
     return [float(x) for x in jax.device_get(losses)]
 
 
+def trainer_losses(cfg: Any, steps: int, run_dir: str | Path) -> list[float]:
+    """Loss per step of ``steps`` steps of the experiment through ``h2jax.runtime.train``
+    (no checkpoints, timeline, TensorBoard or progress bar; a fresh run folder)."""
+    import dataclasses
+    import shutil
+
+    from h2jax.runtime import read_metrics, train
+
+    run_dir = Path(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    quiet = dataclasses.replace(cfg.train, steps=steps, log_every=1, timeline=False, tensorboard=False, progress=False)
+    cfg = dataclasses.replace(cfg, train=quiet, checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False))
+    train(cfg, run_dir=run_dir)
+    rows = sorted((r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r), key=lambda r: r["step"])
+    return [float(r["loss"]) for r in rows][:steps]
+
+
 def run_level(
     exp: Experiment,
     chips: Sequence[ChipTarget],
@@ -123,6 +146,7 @@ def run_level(
     steps: int,
     plan: PolicyLike | None = None,
     gate: float = DEFAULT_MRE_GATE,
+    trainer_dir: str | Path | None = None,
 ) -> RunLevel:
     """Reference, each chip type alone, and the plan (if given): ``steps`` steps each; see the module doc."""
     host = jax.devices(HOST)[0]
@@ -144,6 +168,9 @@ def run_level(
         timed("plan", lambda: train_losses(exp, plan, host, steps))
         stages = ", ".join(f"{s.chip} {s.layers[0]}-{s.layers[1] - 1}" for s in exp.cfg.plan.stages)
         describe["plan"] = f"stages {stages}; each layer under its chip's policy, sequential on the host"
+    if trainer_dir is not None:
+        timed("trainer", lambda: trainer_losses(exp.cfg, steps, trainer_dir))
+        describe["trainer"] = "the plan through h2jax.runtime.train (fp32: the runtime applies no chip policy yet)"
     ref = np.asarray(losses["reference"])
     mre = {
         name: float(np.mean(np.abs(np.asarray(v) - ref) / np.abs(ref)))

@@ -37,11 +37,13 @@ def align(
     out_dir: str | Path | None = None,
     faults: Mapping[str, Fault] | None = None,
     all_ops: bool = False,
+    trainer: bool = False,
 ) -> AlignReport:
     """Compare ``chips`` (default: the cluster's chip types) against the float64 host reference.
 
     ``numerics`` are ``CHIP.KEY=VALUE`` policy overrides; ``faults`` (test only) perturb one
-    primitive on a chip type. The report is written to ``out_dir`` when given.
+    primitive on a chip type; ``trainer`` adds the plan's run through the real trainer to the
+    run level. The report is written to ``out_dir`` when given.
     """
     import jax
 
@@ -74,7 +76,10 @@ def align(
         extra = [ChipTarget("plan", jax.devices(HOST)[0], scoped)] if scoped is not None else []
         report.layer = layer_level(exp, [*targets, *extra], gate=layer_gate)
     if "run" in levels:
-        report.run = run_level(exp, targets, steps=steps, plan=scoped, gate=mre_gate)
+        if trainer and out_dir is None:
+            raise AlignInputError("--trainer needs a report folder (--out) for the trainer's run folder")
+        trainer_dir = Path(out_dir) / "trainer_run" if trainer and out_dir is not None else None
+        report.run = run_level(exp, targets, steps=steps, plan=scoped, gate=mre_gate, trainer_dir=trainer_dir)
     if out_dir is not None:
         report.write(out_dir)
     return report
