@@ -173,7 +173,7 @@ def op_level(
             row.pair = (status, r)
         rows.append(row)
 
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), jax.default_device(host):  # the reference is the host, even where a GPU is the default
         evaluate(prog, [widen_value(x) for x in leaves], run_op_reference, visit=visit, const=widen_value)
     return OpLevel(rows, [c.name for c in chips], len(prog.ops), first_fail, dumps, time.perf_counter() - start)
 
@@ -269,7 +269,7 @@ def layer_level(exp: Experiment, chips: Sequence[ChipTarget], *, gate: float = D
         return jax.value_and_grad(step_hiddens(graphdef), has_aux=True)
 
     ref_fn = jax.jit(reference(step_fn(exp.graphdef), *args))  # traced in the model's own dtypes
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), jax.default_device(jax.devices(HOST)[0]):
         (ref_loss, ref_h), ref_g = jax.device_get(ref_fn(*jax.device_put(args, jax.devices(HOST)[0])))
     ref_grads = _flat_grads(ref_g)
 

@@ -102,7 +102,7 @@ def train_losses(
     clip = float(exp.cfg.optimizer.clip_norm)
     if policy is None:
         ref = reference(fn, exp.params, *exp.whole_batch())  # traced in the model's dtypes
-        with jax.enable_x64(True):
+        with jax.enable_x64(True), jax.default_device(device):
             params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), exp.params), device)
             step = _train_step(ref, tx, clip)
             return _loop(exp, step, params, tx, device, steps)
