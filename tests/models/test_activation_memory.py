@@ -53,3 +53,24 @@ def test_block_activation_bytes_match_the_estimate(dtype, n_kv_heads, tensor):
         measured = kept_bytes(cfg, tensor)
         estimate = roofline_costs(ModelShape.from_config(cfg), CPU, tensor=tensor, microbatch=BATCH)["block"].act_bytes
         assert abs(measured - estimate) <= 0.25 * measured, (seq_len, measured, estimate)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_head_activation_bytes_match_the_estimate(dtype, tie):
+    """The head's count (norm, fp32 cross-entropy, the cast weight; its input is the last block's
+    output, which the block's count holds) for an own lm_head and a tied embedding alike."""
+    cfg = GPTConfig(vocab_size=512, seq_len=128, d_model=256, n_heads=8, n_kv_heads=2, n_layers=1, d_ff=704,
+                    dtype=dtype, tie_embeddings=tie)  # fmt: skip
+    head = build_model(cfg, seed=0).head
+    graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+    x = jnp.zeros((BATCH, cfg.seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
+    targets = jnp.zeros((BATCH, cfg.seq_len), jnp.int32)
+
+    def fwd(params, x):
+        return jax.vjp(lambda p, x_: nnx.merge(graphdef, p, rest)(x_, targets), params, x)
+
+    measured = jax.jit(fwd).lower(params, x).compile().memory_analysis().output_size_in_bytes
+    hidden = x.size * x.dtype.itemsize
+    estimate = roofline_costs(ModelShape.from_config(cfg), CPU, tensor=1, microbatch=BATCH)["head"].act_bytes + hidden
+    assert abs(measured - estimate) <= 0.01 * measured, (measured, estimate)
