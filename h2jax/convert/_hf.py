@@ -38,7 +38,9 @@ import numpy as np
 
 from h2jax.models._config import GPTConfig, RopeScaling
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+"""Hugging Face classes whose tensors and maths are h2jax's LLaMA (Mistral: without a sliding
+window shorter than the training context)."""
 SAFETENSORS_HINT = "the safetensors package is needed: pip install 'h2jax[hf]'"
 
 
@@ -83,7 +85,7 @@ def config_from_hf(hf: Mapping[str, Any], *, seq_len: int | None = None, dtype: 
     `seq_len`: the training context (default: max_position_embeddings, at most 4096); the
     weights do not depend on it."""
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
-    if not any(a in ARCHITECTURES for a in archs) and hf.get("model_type") != "llama":
+    if not any(a in ARCHITECTURES for a in archs) and hf.get("model_type") not in ("llama", "mistral"):
         raise ConvertError(f"config.json: architectures={archs}; h2jax converts {', '.join(ARCHITECTURES)}")
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, ok) != ok:
@@ -98,9 +100,16 @@ def config_from_hf(hf: Mapping[str, Any], *, seq_len: int | None = None, dtype: 
                 "h2jax's LLaMA has head_dim = hidden_size / num_attention_heads"
             )
         max_pos = int(hf.get("max_position_embeddings", 4096))
+        window = hf.get("sliding_window")
+        context = int(seq_len if seq_len is not None else min(max_pos, 4096))
+        if window is not None and int(window) < context:
+            raise ConvertError(
+                f"config.json: sliding_window={window} is shorter than the training context {context} "
+                "(--seq-len): h2jax's attention is full causal, so only --seq-len <= sliding_window is exact"
+            )
         return GPTConfig(
             vocab_size=int(hf["vocab_size"]),
-            seq_len=int(seq_len if seq_len is not None else min(max_pos, 4096)),
+            seq_len=context,
             d_model=d,
             n_heads=heads,
             n_layers=int(hf["num_hidden_layers"]),

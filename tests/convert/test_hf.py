@@ -182,6 +182,11 @@ def test_bfloat16_checkpoints_in_and_out(tmp_path):
         (None, lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "architectures"),
         (None, lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type='yarn'"),
         (None, lambda c: c.update(num_key_value_heads=3), "n_kv_heads=3"),
+        (
+            None,
+            lambda c: c.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4),
+            "sliding_window=4 is shorter than the training context 8",
+        ),
     ],
 )
 def test_broken_checkpoints_exit_2_naming_the_tensor(tmp_path, capsys, edit, config_edit, message):
@@ -190,6 +195,14 @@ def test_broken_checkpoints_exit_2_naming_the_tensor(tmp_path, capsys, edit, con
     err = capsys.readouterr().err
     assert message in err.replace("\n", " "), err
     assert not (tmp_path / "ckpt" / "commits").exists()
+
+
+def test_mistral_without_a_short_window_converts(tmp_path):
+    src = _hand_made(
+        tmp_path, config_edit=lambda c: c.update(architectures=["MistralForCausalLM"], sliding_window=None)
+    )
+    assert _run("convert", str(src), str(tmp_path / "ckpt"), "--seq-len", "8") == 0
+    assert load_model(tmp_path / "ckpt")[0] == CFG
 
 
 def test_neither_kind_of_directory_exits_2(tmp_path, capsys):
