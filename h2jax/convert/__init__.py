@@ -1,7 +1,8 @@
 """Hugging Face interop: LLaMA-family checkpoints in and out of h2jax's checkpoint layout.
 
 `import_hf(hf_dir, out_dir)` reads a local Hugging Face model directory (``config.json`` and
-``*.safetensors``; ``LlamaForCausalLM``, or ``MistralForCausalLM`` without a short sliding window) and writes step 0 of an h2jax checkpoint directory
+``*.safetensors``; ``LlamaForCausalLM``, or ``MistralForCausalLM`` without a short sliding
+window) and writes step 0 of an h2jax checkpoint directory
 (:class:`h2jax.checkpoint.CheckpointStore`, keys by model path such as
 ``params/blocks/3/attn/wq``) that ``h2jax train --init-from`` reads under any plan, plus
 ``model.yaml`` (the model section of an experiment) and the directory's ``tokenizer.json``.
