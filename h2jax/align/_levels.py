@@ -195,6 +195,7 @@ def dump_op(
         "source": op.source,
         "microbatches": microbatches,
         "metrics": row.chips[chip.name].to_dict(),
+        "policy": chip.policy.to_dict() if isinstance(chip.policy, NumericsPolicy) else None,
         "num_inputs": len(ins),
         "num_outputs": len(refs),
     }

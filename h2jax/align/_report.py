@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class AlignReport:
     layer: LayerLevel | None = None
     run: RunLevel | None = None
     out_dir: Path | None = None
+    notes: list[str] = field(default_factory=list)  # what a level did not cover, said plainly
 
     def gates(self) -> dict[str, bool]:
         out = {}
@@ -49,7 +50,7 @@ class AlignReport:
         return all(self.gates().values())
 
     def to_dict(self, *, all_ops: bool = False) -> dict[str, Any]:
-        d: dict[str, Any] = {"chips": self.chips, "gates": self.gates(), "passed": self.passed()}
+        d: dict[str, Any] = {"chips": self.chips, "gates": self.gates(), "passed": self.passed(), "notes": self.notes}
         if self.op is not None:
             op = self.op
             rows = op.rows if all_ops else [r for r in op.rows if any(s != "pass" for s in r.status.values())]
@@ -119,6 +120,8 @@ class AlignReport:
             console.print(op_table(self.op, top=top))
         if self.layer is not None:
             console.print(layer_table(self.layer))
+        for note in self.notes:
+            console.print(f"note: {note}", highlight=False)
         verdict = "[green]every gate passes[/]" if self.passed() else "[bold red]some gate fails[/]"
         where = f"; report in {self.out_dir}" if self.out_dir else ""
         console.print(f"align: {verdict}{where}")

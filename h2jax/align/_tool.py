@@ -61,6 +61,13 @@ def align(
     report = AlignReport({c.name: c.describe() for c in targets})
     config_yaml = _config_yaml(cfg)
     if "op" in levels:
+        for c in targets:
+            dtype = getattr(c.policy, "compute_dtype", None)
+            if dtype not in (None, cfg.model.dtype):
+                report.notes.append(
+                    f"{c.name}: compute_dtype={dtype} is not applied at the op level (it traces the model in "
+                    f"model.dtype={cfg.model.dtype}); the layer and run levels compute in {dtype}"
+                )
         dump = Path(out_dir) if out_dir is not None else None
         report.op = op_level(
             exp,
@@ -97,7 +104,9 @@ def _config_yaml(cfg: Any) -> str:
 def replay(
     path: str | Path, chip: str, *, numerics: Sequence[str] = (), tolerances: Mapping[str, float] | None = None
 ) -> dict[str, Any]:
-    """Re-run the op dumped in ``path`` (by ``h2jax align``) on chip type ``chip`` with its policy.
+    """Re-run the op dumped in ``path`` (by ``h2jax align``) on chip type ``chip`` with its policy
+    (on the chip it was dumped from: the policy it had then; ``numerics`` on top). A test-only
+    fault is not replayed: the op runs as the chip computes it.
 
     The op is found again by tracing the dumped experiment's step (its index and primitive
     must match); its dumped inputs are fed to it and its outputs compared with the dumped
@@ -118,7 +127,9 @@ def replay(
         cfg_path = Path(tmp) / "experiment.yaml"
         cfg_path.write_text(config)
         cfg = load_config(cfg_path)
-    (target,) = resolve_chips(cfg, [chip], numerics=numerics)
+    dumped = meta.get("policy") if chip == meta["chip"] else None  # the dumped chip's policy, unless overridden
+    remembered = [f"{chip}.{k}={'null' if v is None else v}" for k, v in (dumped or {}).items()]
+    (target,) = resolve_chips(cfg, [chip], numerics=[*remembered, *numerics])
     exp = load_experiment(cfg)
     prog, _ = op_program(exp, meta["microbatches"])
     if meta["index"] >= len(prog.ops) or prog.ops[meta["index"]].name != meta["primitive"]:
