@@ -8,6 +8,7 @@ layout (``h2jax.runtime._layout``).
 """
 
 from h2jax.checkpoint._store import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointSaveError,
     CheckpointStore,
@@ -16,4 +17,4 @@ from h2jax.checkpoint._store import (
     unnest,
 )
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "CheckpointStore", "nest", "retained", "unnest"]
+__all__ = ["CheckpointCorruptError", "CheckpointSaveError", "CheckpointStore", "nest", "retained", "unnest"]

@@ -46,6 +46,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -57,12 +59,24 @@ import orbax.checkpoint as ocp
 from h2jax.checkpoint._faults import failpoint
 
 PARTS_DIR = "parts"
+ASIDE_DIR = "aside"  # uncommitted steps newer than every committed one, moved here by cleanup()
 COMMITS_DIR = "commits"
 DEFAULT_PART = "main"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be read, or does not fit the model."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A committed step whose files cannot be read (truncated or damaged)."""
+
+    def __init__(self, directory: Path, step: int, cause: BaseException):
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(
+            f"{directory} step {step} is damaged: its files cannot be read ({type(cause).__name__}: {first[:300]})"
+        )
+        self.dir, self.step = directory, step
 
 
 class CheckpointSaveError(CheckpointError):
@@ -116,6 +130,52 @@ def _alone() -> ocp.options.MultiprocessingOptions:
     return ocp.options.MultiprocessingOptions(
         primary_host=me, active_processes={me} if jax.process_count() > 1 else None
     )
+
+
+class _DropClosedLoopTracebacks:
+    """A stderr that drops the tracebacks of "RuntimeError: Event loop is closed": after one
+    read of a damaged step fails, orbax stops waiting and closes its event loop while
+    TensorStore's other reads are still landing, and each prints that traceback from its own
+    thread. The failure itself is reported once, as a CheckpointCorruptError."""
+
+    def __init__(self, stream: Any):
+        self.stream, self._lock = stream, threading.Lock()
+        self._local = threading.local()  # each thread's lines apart: several print at once
+
+    def write(self, text: str) -> int:
+        me = self._local
+        buf = getattr(me, "buf", "") + text
+        pending: list[str] = getattr(me, "pending", [])
+        out: list[str] = []
+        while buf:
+            if not pending and not "Traceback (most recent call last):".startswith(buf[:34]):
+                # not (the start of) a traceback: through at once, partial lines too
+                cut = buf.find("\nTraceback (most recent call last):")
+                head, buf = (buf, "") if cut < 0 else (buf[: cut + 1], buf[cut + 1 :])
+                out.append(head)
+                continue
+            if "\n" not in buf:
+                break
+            line, buf = buf.split("\n", 1)
+            pending.append(line)
+            if len(pending) > 1 and not line.startswith(" "):  # the exception line ends the block
+                block, pending = pending, []
+                if line != "RuntimeError: Event loop is closed":
+                    out.append("\n".join(block) + "\n")
+        me.buf, me.pending = buf, pending
+        if out:
+            with self._lock:
+                self.stream.write("".join(out))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    @classmethod
+    def install(cls) -> None:
+        """For the rest of the process (the reads land whenever they land)."""
+        if not isinstance(sys.stderr, cls):
+            sys.stderr = cls(sys.stderr)
 
 
 def _rmdir_if_empty(d: Path) -> None:
@@ -181,6 +241,7 @@ class CheckpointStore:
         self._commits = 0
         self._readers: dict[str, ocp.CheckpointManager] = {}
         self.last_commit_s = 0.0  # time the last commit waited for the background write
+        self.kept_aside: list[str] = []  # what cleanup() moved to <dir>/aside, one line each
 
     # -- paths ------------------------------------------------------------------------------
     def part_dir(self, part: str | None = None) -> Path:
@@ -279,6 +340,7 @@ class CheckpointStore:
             self._mgr = None
             return removed
         committed = set(self.committed_steps())
+        newest = max(committed, default=-1)
         tidy = [self.part, *(self._foreign_parts() if self.lead else ())]
         for part in tidy:
             part_dir = self.part_dir(part)
@@ -287,7 +349,16 @@ class CheckpointStore:
             for p in sorted(part_dir.iterdir()):
                 if not p.is_dir():
                     continue
-                # orbax's "<step>.orbax-checkpoint-tmp-<n>", or a step that never committed
+                if p.name.isdigit() and int(p.name) not in committed and int(p.name) > newest:
+                    # a finished save whose commit never came, newer than anything committed: it may
+                    # be all that is left of the run's work -- kept aside, never deleted
+                    aside = self.dir / ASIDE_DIR / f"{part}-step{p.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+                    aside.parent.mkdir(parents=True, exist_ok=True)
+                    p.rename(aside)
+                    self.kept_aside.append(f"step {p.name} of part {part} (no commit marker) -> {aside}")
+                    continue
+                # orbax's "<step>.orbax-checkpoint-tmp-<n>" (a write cut short), or an uncommitted step
+                # older than a committed one
                 if not p.name.isdigit() or int(p.name) not in committed:
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(str(p))
@@ -451,6 +522,7 @@ class CheckpointStore:
 
     # -- restoring --------------------------------------------------------------------------
     def _reader(self, part: str) -> ocp.CheckpointManager:
+        _DropClosedLoopTracebacks.install()  # a damaged step's reads may land after orbax gave up on them
         if part == self.part and self._mgr is not None and not self.shared:
             return self._mgr
         if part not in self._readers:
@@ -471,16 +543,26 @@ class CheckpointStore:
 
     def read_meta(self, step: int) -> dict[str, Any]:
         part = self._committed_parts(step)[0]
-        return dict(self._reader(part).restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        try:
+            got = self._reader(part).restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 -- a damaged step is named, with its directory
+            raise CheckpointCorruptError(self.dir, step, e) from e
+        return dict(got)
 
     def shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """Model path -> (shape, dtype) of every array of committed ``step``, over all parts."""
         out = {}
         for part in self._committed_parts(step):
-            meta = self._reader(part).item_metadata(step)["state"]
-            for name, m in unnest(dict(meta.tree) if hasattr(meta, "tree") else dict(meta)).items():
+            for name, m in self._array_metadata(part, step).items():
                 out[name] = (tuple(m.shape), str(m.dtype))
         return out
+
+    def _array_metadata(self, part: str, step: int) -> dict[str, Any]:
+        try:
+            meta = self._reader(part).item_metadata(step)["state"]
+            return unnest(dict(meta.tree) if hasattr(meta, "tree") else dict(meta))
+        except Exception as e:  # noqa: BLE001 -- a damaged step is named, with its directory
+            raise CheckpointCorruptError(self.dir, step, e) from e
 
     def restore(self, step: int, targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
         """The arrays ``targets`` names, each placed on its target's sharding.
@@ -489,8 +571,7 @@ class CheckpointStore:
         shapes = {}
         owner: dict[str, str] = {}
         for part in self._committed_parts(step):
-            meta = self._reader(part).item_metadata(step)["state"]
-            for name, m in unnest(dict(meta.tree) if hasattr(meta, "tree") else dict(meta)).items():
+            for name, m in self._array_metadata(part, step).items():
                 shapes[name] = tuple(m.shape)
                 owner[name] = part
         missing = sorted(set(targets) - set(shapes))
@@ -512,11 +593,14 @@ class CheckpointStore:
             restore_args = jax.tree.map(
                 lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype), item
             )
-            got = self._reader(part).restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-                ),
-            )
+            try:
+                got = self._reader(part).restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+                    ),
+                )
+            except Exception as e:  # noqa: BLE001 -- a damaged step is named, with its directory
+                raise CheckpointCorruptError(self.dir, step, e) from e
             out.update(unnest(dict(got["state"])))
         return out

@@ -694,10 +694,13 @@ class Trainer:
 
         def decide() -> dict[str, Any]:
             store = CheckpointStore(directory)
-            s = step if step is not None else store.latest_committed()
-            if s is None:
-                raise CheckpointError(f"{store.dir} holds no committed checkpoint")
-            meta = check_checkpoint(store, s, self.cfg, model_keys, params_only=params_only)
+            try:
+                s = step if step is not None else store.latest_committed()
+                if s is None:
+                    raise CheckpointError(f"{store.dir} holds no committed checkpoint")
+                meta = check_checkpoint(store, s, self.cfg, model_keys, params_only=params_only)
+            finally:
+                store.close()
             out = {"dir": str(store.dir), "step": s, "params_only": params_only, "warning": None}
             if not params_only:
                 out["next_step"], out["skipped_steps"], out["warning"] = data_position(
@@ -714,9 +717,8 @@ class Trainer:
             store = CheckpointStore(plan["dir"])
             try:
                 targets = restore_targets(self.stages, lp, params_only=plan["params_only"])
-                load_state_by_layer(
-                    self.stages, lp, store.restore(plan["step"], targets), params_only=plan["params_only"]
-                )
+                state = store.restore(plan["step"], targets)
+                load_state_by_layer(self.stages, lp, state, params_only=plan["params_only"])
             finally:
                 store.close()
 
@@ -747,26 +749,53 @@ class Trainer:
                 raise JobError("checkpoint error", "--restore-step needs checkpoint.enabled=true")
             return None
         removed = sum(w.allgather(len(w.all(lambda: self.checkpoint_store().cleanup(), "checkpoint error"))))
-        latest = w.lead(lambda: self.checkpoint_store().latest_committed(), "checkpoint error")
+        aside = [a for part in w.allgather(self.checkpoint_store().kept_aside) for a in part]
+        if aside and w.is_writer:
+            for a in aside:
+                self.console.print(f"[bold yellow]h2jax: kept aside {a}[/]", highlight=False, soft_wrap=True)
+        committed = w.lead(lambda: self.checkpoint_store().committed_steps(), "checkpoint error")
         store_dir = self.checkpoint_store().dir
-        if latest is None:
+        if not committed:
             if restore_step is not None:
                 raise JobError(
                     "checkpoint error", f"--restore-step {restore_step}: {store_dir} holds no committed checkpoint"
                 )
             return f"cleaned up {removed} leftovers of an interrupted save" if removed else None
-        plan = self._lead_plan_read(store_dir, restore_step, params_only=False)
-        self._read(plan)
+        latest = committed[-1]
+        # the newest intact committed step: a damaged one is named and the one before it tried
+        candidates = [restore_step] if restore_step is not None else committed[::-1]
+        damaged: list[str] = []
+        for step in candidates:
+            try:
+                plan = self._lead_plan_read(store_dir, step, params_only=False)
+                self._read(plan)
+                break
+            except JobError as e:
+                if not e.corrupt or restore_step is not None:
+                    raise
+                damaged.append(str(e))
+                if w.is_writer:
+                    self.console.print(
+                        f"[bold yellow]h2jax: {e}; trying the committed step before it[/]",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+        else:
+            raise JobError("checkpoint error", f"every committed step of {store_dir} is damaged: {'; '.join(damaged)}")
         step = plan["step"]
         msg = f"resumed from {store_dir} step {step}"
+        if damaged:
+            msg += " (the newest intact step; the damaged newer step(s) are replaced as this run reaches them)"
         if removed:
             msg += f" (cleaned up {removed} leftovers of an interrupted save)"
-        if step != latest:
+        if aside:
+            msg += f" ({len(aside)} uncommitted step(s) kept aside in {store_dir / 'aside'})"
+        if step != latest and not damaged:
             msg += f"; committed steps after {step} (up to {latest}) are replaced as this run reaches them"
         if w.is_writer:
-            moved, aside = truncate_metrics(self.run_dir, self.step)
+            moved, aside_file = truncate_metrics(self.run_dir, self.step)
             if moved:
-                msg += f"; {moved} metric rows of steps >= {self.step} moved to {aside.name}"
+                msg += f"; {moved} metric rows of steps >= {self.step} moved to {aside_file.name}"
         return msg
 
     def _refuse_init_over_checkpoints(self) -> None:

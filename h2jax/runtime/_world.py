@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from h2jax.checkpoint import CheckpointError
+from h2jax.checkpoint import CheckpointCorruptError, CheckpointError
 from h2jax.config import ConfigError
 
 
@@ -33,9 +33,10 @@ class JobError(Exception):
     """A failure every process of the job met at the same point (they agreed on it): the
     writer reports it once and every process exits with ``code``."""
 
-    def __init__(self, what: str, message: str, code: int = 1):
+    def __init__(self, what: str, message: str, code: int = 1, *, corrupt: bool = False):
         super().__init__(message)
         self.what, self.code = what, code
+        self.corrupt = corrupt  # a checkpoint's files could not be read (CheckpointCorruptError)
 
 
 _AGREED = (CheckpointError, ConfigError, OSError, KeyError, ValueError)
@@ -103,7 +104,9 @@ class LocalWorld(World):
         try:
             return fn()
         except _AGREED as e:
-            raise JobError(what, str(e), 2 if isinstance(e, ConfigError) else 1) from e
+            raise JobError(
+                what, str(e), 2 if isinstance(e, ConfigError) else 1, corrupt=isinstance(e, CheckpointCorruptError)
+            ) from e
 
     def gather(self, obj: Any) -> list[Any]:
         return [obj]
@@ -153,10 +156,10 @@ class MpiWorld(World):
             try:
                 result = fn()
             except _AGREED as e:
-                err = (str(e), 2 if isinstance(e, ConfigError) else 1)
+                err = (str(e), 2 if isinstance(e, ConfigError) else 1, isinstance(e, CheckpointCorruptError))
         result, err = self.comm.bcast((result, err), root=0)
         if err is not None:
-            raise JobError(what, *err)
+            raise JobError(what, err[0], err[1], corrupt=err[2])
         return result
 
     def all(self, fn: Callable[[], Any], what: str) -> Any:
@@ -166,12 +169,16 @@ class MpiWorld(World):
         except _AGREED as e:
             # a ConfigError names its key already (the same line as in one process)
             config = isinstance(e, ConfigError)
-            err = (str(e) if config or self.num_stages == 1 else f"stage {self.stage_idx}: {e}", 2 if config else 1)
+            err = (
+                str(e) if config or self.num_stages == 1 else f"stage {self.stage_idx}: {e}",
+                2 if config else 1,
+                isinstance(e, CheckpointCorruptError),
+            )
         errs = [e for e in self.comm.allgather(err) if e is not None]
         if errs:
             # the same message on every rank: stage order, one line each stage
-            msgs = list(dict.fromkeys(m for m, _ in errs))
-            raise JobError(what, "; ".join(msgs), max(c for _, c in errs))
+            msgs = list(dict.fromkeys(m for m, _, _ in errs))
+            raise JobError(what, "; ".join(msgs), max(c for _, c, _ in errs), corrupt=any(c for _, _, c in errs))
         return result
 
     def gather(self, obj: Any) -> list[Any] | None:
