@@ -891,8 +891,9 @@ class _Run:
 
     def local(self, orders: Sequence[tuple[str, ...]]) -> None:
         """Coordinate descent from the best configuration: change one chip type's stage count
-        (by 1, 2, half or double) or tensor degree, or the microbatch size (halved or
-        doubled, every type keeping its stages and tensor degree), while that helps."""
+        (by 1, 2, half or double) and tensor degree (any) together, or the microbatch size
+        (halved or doubled, every type keeping its stages and tensor degree), while that
+        helps."""
         self.reorder(orders)
         tried: set = set()
         while self.best_config is not None:
@@ -901,9 +902,9 @@ class _Run:
             moves: list[tuple[tuple[ChipChoice, ...], int]] = []
             keyed = self._keyed(mb)
             for i, c in enumerate(config):
-                near = {c.stages + d for d in (-2, -1, 1, 2)} | {c.stages // 2, c.stages * 2}
-                for (k, t), alt in keyed[c.chip].items():
-                    if alt != c and ((k in near and t == c.tensor) or (k == c.stages and t != c.tensor)):
+                near = {c.stages + d for d in (-2, -1, 0, 1, 2)} | {c.stages // 2, c.stages * 2}
+                for (k, _), alt in keyed[c.chip].items():
+                    if alt != c and k in near:
                         moves.append((config[:i] + (alt,) + config[i + 1 :], mb))
             for mb2 in (mb // 2, mb * 2):
                 if mb2 in self.space:
