@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from h2jax._strict import VALUE_CHECKS, ConfigError, build_dataclass, read_yaml
+from h2jax.plan._numerics import NumericsPolicy
 
 GIB = 2**30
 GB = 1e9
@@ -110,6 +111,9 @@ class ChipProfile:
     profile: str | None = None
     """Chip profile to start from: a name in configs/chips/ or a YAML path. None: the chip's
     own name if such a profile exists."""
+    numerics: NumericsPolicy = field(default_factory=NumericsPolicy)
+    """How the chip computes (matmul precision, matmul input rounding): applied by the runtime to
+    this chip type's stage programs and measured by ``h2jax align``; see h2jax/plan/_numerics.py."""
 
     def __post_init__(self) -> None:
         check_chip_values({f.name: getattr(self, f.name) for f in fields(self)}, f"chip {self.name}")
@@ -127,7 +131,9 @@ class ChipProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML fields of a cluster entry (all but ``name``, which is the entry's key)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name"}
+        out["numerics"] = self.numerics.to_dict()
+        return out
 
 
 def check_chip_values(values: Mapping[str, Any], key: str) -> None:
@@ -302,7 +308,7 @@ class Cluster:
             base, _ = load_chip(p.name, {"profile": p.profile} if p.profile else {}, priced=False)
             entry: dict[str, Any] = {"profile": p.profile} if p.profile else {}
             entry["nodes"] = n
-            entry.update({k: v for k, v in p.to_dict().items() if k != "nodes" and v != getattr(base, k)})
+            entry.update({k: v for k, v in p.to_dict().items() if k != "nodes" and v != base.to_dict()[k]})
             out[p.name] = entry
         return out
 

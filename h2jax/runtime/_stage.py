@@ -90,8 +90,11 @@ class StageProgram:
         first: bool,
         last: bool,
         label: str,
+        numerics: Any = None,
     ):
         self.stage_idx = stage_idx
+        # the chip type's numerics policy (h2jax.plan.NumericsPolicy): None or exact = as the host computes
+        self.numerics = None if numerics is None or numerics.is_exact else numerics
         self.spec = spec
         self.mesh = mesh
         self.first, self.last = first, last
@@ -120,10 +123,17 @@ class StageProgram:
 
     # -- the stage's maths, defined once --------------------------------------------------------
     def _apply(self, params: Any, x: jax.Array, targets: jax.Array | None) -> jax.Array:
-        module = nnx.merge(self._graphdef, params)
+        def run(p: Any, x_: jax.Array, t: jax.Array | None) -> jax.Array:
+            module = nnx.merge(self._graphdef, p)
+            return module(x_, t) if self.last else module(x_)
+
+        if self.numerics is not None:  # every op re-emitted as this chip type computes it
+            from h2jax.align import apply_policy
+
+            run = apply_policy(run, self.numerics)
+        y = run(params, x, targets)
         if self.last:
-            return module(x, targets)
-        y = module(x)
+            return y
         return jax.lax.with_sharding_constraint(y, self.act_sharding)
 
     def _vjp(self, params: Any, x: jax.Array, targets: jax.Array | None):

@@ -230,12 +230,30 @@ class Trainer:
             }
             self.backends = {s: placements[s].backend for s in self.local}
             ranks = None
+        for name, chip in cfg.cluster.chips.items():
+            dtype = chip.numerics.compute_dtype
+            if dtype is not None and dtype != cfg.model.dtype:
+                raise ConfigError(
+                    f"cluster.chips.{name}.numerics.compute_dtype",
+                    f"compute_dtype={dtype!r} differs from model.dtype={cfg.model.dtype!r}; the runtime computes every "
+                    "stage in model.dtype (a per-chip compute dtype is measured by h2jax align only)",
+                )
         self.stages: list[StageProgram] = []
         for s in self.local:
             spec = plan.stages[s]
             module = StageModule(model, layers=spec.layers, first=s == 0, last=s == n - 1)
             self.stages.append(
-                StageProgram(s, spec, meshes[s], module, self.tx, first=s == 0, last=s == n - 1, label=self.labels[s])
+                StageProgram(
+                    s,
+                    spec,
+                    meshes[s],
+                    module,
+                    self.tx,
+                    first=s == 0,
+                    last=s == n - 1,
+                    label=self.labels[s],
+                    numerics=cfg.cluster.chips[spec.chip].numerics,
+                )
             )
         self.schedule = get_schedule(plan.schedule, n, plan.num_microbatches)
         grid = self.schedule.tasks()
