@@ -324,7 +324,7 @@ def import_hf(
     if store.latest_committed() is not None:
         raise ConvertError(f"{out_dir} already holds a checkpoint; convert into a new directory")
     cpu = jax.devices("cpu")[0]
-    state = {f"params/{k}": jax.device_put(v, cpu) for k, v in params.items()}
+    state = {f"params/{k}": jax.device_put(params.pop(k), cpu) for k in list(params)}  # one copy at a time
     model = _model_dict(cfg, config_to_dict)
     store.save(0, state, {"step": 0, "model": model, "source": {"huggingface": str(hf_dir.absolute())}})
     store.close()
