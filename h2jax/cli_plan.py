@@ -302,7 +302,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for name, r in base.items():
             console.print(
                 f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: "
-                + (f"{r.cost.tokens_per_s:,.0f} tokens/s" if r.plan else f"no plan: {r.note}")
+                + (
+                    f"{r.cost.tokens_per_s:,.0f} tokens/s ({'exact' if r.exhaustive else 'not exhaustive: ' + r.note})"
+                    if r.plan
+                    else f"no plan: {r.note}"
+                )
             )
         console.print(
             f"[bold]{_ratio_line(ratio, base, f'at the same global batch ({gb} hetero, {gb} homogeneous)')}[/]"
