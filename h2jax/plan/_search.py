@@ -9,7 +9,8 @@ The space (the exhaustive enumerator in this module walks exactly the same one):
   vocab; at most a node); the data degree follows from the device count: the largest
   d <= devices_c / (k_c t_c) that divides mb (and, with ``stage_in_node``, lets k_c stages
   of d x t_c devices pack into the chip's nodes). With ``group_size`` g the chips of a type
-  are handled g at a time: k_c <= ceil(devices_c / g), which keeps 10,000-chip clusters small;
+  are handled g at a time: k_c <= ceil(devices_c / g) (a restriction for experts: the
+  defaults search without it);
 - per stage: its number of layers (>= 1, summing to the model's) and its recompute flag.
 
 Objective: the cost model's iteration time (:mod:`h2jax.plan._cost`); constraint: every
