@@ -202,6 +202,42 @@ class FailFast:
 
                 self._deadline = time.monotonic() + within_s
 
+    def watch(self, timeout_s: float) -> None:
+        """Arm the progress watchdog: if no :meth:`heartbeat` comes for ``timeout_s`` seconds (a
+        peer stopped or hangs, and a collective or a transfer waits for it forever), the process
+        ends with its one line. The trainer beats at every step boundary and around saves."""
+        import threading
+        import time
+
+        self._watch_s = float(timeout_s)
+        self._beat = time.monotonic()
+        if getattr(self, "_watchdog", None) is None:
+            self._watchdog = threading.Thread(target=self._watch, name="h2jax-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def unwatch(self) -> None:
+        """The step loop is over (final save, outputs): the watchdog rests."""
+        self._watch_s = float("inf")
+
+    def heartbeat(self) -> None:
+        import time
+
+        self._beat = time.monotonic()
+
+    def _watch(self) -> None:
+        import time
+
+        while not self._finished:
+            time.sleep(0.5)
+            if self._finished or self._deadline is not None:  # a stop is under way: the grace period rules
+                continue
+            idle = time.monotonic() - self._beat
+            if idle > self._watch_s:
+                self._exit(
+                    f"made no progress for {idle:.0f} s (train.transfer_timeout_s and the slowest step so far): "
+                    "another process of the job is stopped or hangs"
+                )
+
     def dead_peers(self) -> list[tuple[int, int, int, str]]:
         """The peers on this host whose process is gone (other hosts cannot be seen from here)."""
         import socket

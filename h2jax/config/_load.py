@@ -186,6 +186,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("train.steps", f"steps={t.steps}; expected >= 1")
     if t.log_every < 1:
         raise ConfigError("train.log_every", f"log_every={t.log_every}; expected >= 1")
+    if not t.transfer_timeout_s > 0:
+        raise ConfigError("train.transfer_timeout_s", f"transfer_timeout_s={t.transfer_timeout_s}; expected > 0")
     if t.transport not in TRANSPORTS:
         raise ConfigError("train.transport", f"transport={t.transport!r}; expected one of {list(TRANSPORTS)}")
     if t.transport in MULTIPROCESS_TRANSPORTS:

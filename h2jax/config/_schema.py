@@ -99,7 +99,12 @@ class TrainConfig:
     """Parent folder of the run folder runs/<name>/ (relative to the current directory)."""
     transport: str = "local"
     """How boundary tensors cross stages: "local" (jax.device_put; one process), or between processes
-    (mpirun, one process per stage): "ffi" (XLA FFI send/recv over MPI) or "host" (numpy + mpi4py)."""
+    (mpirun/srun): "ffi" (XLA FFI send/recv inside the stage programs), "ffi-call" (the same handlers,
+    one small program per transfer) or "host" (numpy + mpi4py: the CPU-mediated baseline)."""
+    transfer_timeout_s: float = 60.0
+    """Seconds a process waits for one boundary tensor from another before it fails naming the peer
+    (between processes only). Longer than the slowest stage's step part; a peer that hangs (or is
+    stopped) ends the job after this long."""
     timeline: bool = True
     """Record a Chrome/Perfetto trace of every fwd/bwd/transfer, and a Gantt PNG."""
     gantt_step: int = -1

@@ -401,12 +401,17 @@ def profile_chip(
     _stat([0.0], statistic)  # a bad statistic fails before anything is built
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: expected at least 1")
+    from h2jax._progress import Progress
+
     out: dict[tuple[int, int], dict[str, LayerCost]] = {}
-    for t in tensor_degrees:
-        for b in microbatches:
+    rows = [(t, b) for t in tensor_degrees for b in microbatches]
+    with Progress(f"profile {chip_name}", total=len(rows) * (repeats + 1)) as progress:
+        for t, b in rows:
             prof = ChipProfiler(chip_name, chip, model, tensor_degrees=[t], microbatches=[b], seed=seed)
-            for _ in range(repeats):
+            progress.advance(note=f"tensor {t}, microbatch {b}: programs built")
+            for r in range(repeats):
                 prof.round()
+                progress.advance(note=f"tensor {t}, microbatch {b}: round {r + 1}/{repeats}")
             out |= prof.rows(statistic)
             del prof
     return out

@@ -301,7 +301,9 @@ class Trainer:
         from h2jax.comm import RoutingUnsupported
 
         try:
-            return make_channel(transport, link, comm=comm, hub=self.hub, chip=chip)
+            return make_channel(
+                transport, link, comm=comm, hub=self.hub, chip=chip, timeout_s=self.cfg.train.transfer_timeout_s
+            )
         except RoutingUnsupported as e:
             raise ConfigError("train.transport", f"{transport!r} cannot carry this plan's boundaries: {e}") from e
 
@@ -411,6 +413,11 @@ class Trainer:
         dt = time.perf_counter() - t0
         if self.fail_fast is not None:
             self.fail_fast.last_completed_step = step
+            # from the second step on (the first compiles), a job that stops making progress ends
+            self._slowest = max(getattr(self, "_slowest", 0.0), dt) if step > self._first_step else 0.0
+            if step > self._first_step:
+                self.fail_fast.watch(cfg.train.transfer_timeout_s + 5 * self._slowest)
+            self.fail_fast.heartbeat()
         self.step += 1
         return StepStats(
             step=step,
@@ -511,6 +518,7 @@ class Trainer:
 
             self.fail_fast.allow_graceful_stop(stop_grace_s())
         history: list[StepStats] = []
+        self._first_step = self.step
         t_start = time.perf_counter()
         log = None
         if w.is_writer and self.step < steps:
@@ -536,6 +544,8 @@ class Trainer:
                         self.save_checkpoint()
                 if self._boundary(store):
                     break
+            if self.fail_fast is not None:
+                self.fail_fast.unwatch()
             if store is not None:
                 if self.fail_fast is not None:
                     self.fail_fast.stopping()  # no more step boundaries: a stop signal now waits for the save
@@ -694,6 +704,8 @@ class Trainer:
         self.world.barrier()  # no process's new share of this step may commit beside another's old one
         store.save(self.step, self.state_by_layer(), checkpoint_meta(self.cfg, self.step, self.skipped_steps))
         self._saved_step = self.step
+        if self.fail_fast is not None:
+            self.fail_fast.heartbeat()  # a synchronous save may take long; it is progress
 
     def restore(self, directory: str | Path, step: int | None = None, *, params_only: bool = False) -> int:
         """Load checkpoint ``step`` (default: the latest committed) of ``directory`` onto this

@@ -206,6 +206,40 @@ def test_killed_rank_ends_the_job_promptly(tmp_path):
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
+def test_a_stopped_rank_ends_the_job_after_the_transfer_timeout(tmp_path):
+    """A rank frozen by SIGSTOP (a hang, as the survivor sees it): the survivor ends the job
+    within the transfer timeout (a receive) or the progress watchdog (a collective), naming
+    itself and its last completed step; nothing hangs."""
+    run = tmp_path / "run"
+    args = [*OVERRIDES, "train.steps=1000", "train.transport=host", "train.transfer_timeout_s=5", "--run-dir", str(run)]
+    proc = _mpirun(2, args, tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"job ended early: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    victim = next(r for r in json.loads((run / "ranks.json").read_text()) if r["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGSTOP)
+    t_stop = time.time()
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0
+    assert time.time() - t_stop < 90
+    lines = [ln for ln in err.splitlines() if ln.startswith("h2jax: stage 0 (rank 0/2")]
+    assert lines, err[-3000:]
+    assert ("timed out after 5 s" in lines[0] and "peer 1" in lines[0]) or "made no progress" in lines[0], lines
+    assert "last completed step" in lines[0]
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
 def test_process_counts_the_plan_cannot_use_fail_with_the_key(tmp_path):
     per_device = [o for o in PLANS["2st-per-device"] if not o.startswith("checkpoint.")]
     # 3 processes for 2 stages of 2 devices each: neither one per stage nor one per device

@@ -1,0 +1,79 @@
+"""Progress of long work, for people: a bar on a terminal, a periodic line in a log file.
+
+``h2jax profile --measure``, ``h2jax plan`` at scale, ``h2jax align`` and ``h2jax tokenize`` run
+for minutes. On a terminal (stderr is a TTY) they show a rich progress bar; when stderr goes
+to a file they print one line every ``every_s`` seconds (and at the end), so a log shows
+they are alive and how far they got::
+
+    with Progress("profile sim_a", total=12) as p:
+        for row in rows:
+            ...
+            p.advance(note=f"tensor {t}, microbatch {b}")
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+
+
+class Progress:
+    def __init__(self, label: str, *, total: int | None = None, every_s: float = 10.0, console: Console | None = None):
+        self.label, self.total, self.every_s = label, total, every_s
+        self.console = console or Console(stderr=True)
+        self.done = 0
+        self.note = ""
+        self._bar: Any = None
+        self._t0 = self._last = time.monotonic()
+
+    @property
+    def tty(self) -> bool:
+        return sys.stderr.isatty()
+
+    def __enter__(self) -> Progress:
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as Bar
+
+            self._bar = Bar(
+                TextColumn(f"[bold]{self.label}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[note]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._task = self._bar.add_task(self.label, total=self.total, note="")
+            self._bar.start()
+        return self
+
+    def advance(self, n: int = 1, *, note: str = "") -> None:
+        self.done += n
+        self.note = note or self.note
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, note=self.note)
+            return
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            self._line()
+
+    def _line(self, end: bool = False) -> None:
+        of = f"/{self.total}" if self.total is not None else ""
+        note = f" ({self.note})" if self.note else ""
+        state = "done" if end else "at"
+        print(
+            f"h2jax: {self.label}: {state} {self.done}{of}{note}, {time.monotonic() - self._t0:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        elif exc[0] is None:
+            self._line(end=True)
