@@ -23,11 +23,14 @@ from h2jax.plan._schedule import (
     OneFOneB,
     Schedule,
     Task,
+    ZeroBubbleH1,
     bubble_fraction,
     check_execution,
     get_schedule,
     grid_events,
+    idle_fraction,
     stage_tasks,
+    timed_events,
 )
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "StageSpec",
     "Task",
     "Transfer",
+    "ZeroBubbleH1",
     "assign_devices",
     "bubble_fraction",
     "bytes_crossing",
@@ -50,8 +54,10 @@ __all__ = [
     "even_layers",
     "get_schedule",
     "grid_events",
+    "idle_fraction",
     "reshard_pattern",
     "stage_tasks",
+    "timed_events",
 ]
 
 # -- HeteroAuto: profiles, cost model, search, simulator (pure as the rest) --------------------

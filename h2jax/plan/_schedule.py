@@ -3,8 +3,14 @@
 A schedule is a frozen dataclass whose `tasks()` returns a Grid: one row per stage,
 one column per unit time slot, `None` for a bubble. Each stage's ordered list of
 operations is written out explicitly (warm-up, steady state, cool-down); the grid places
-them as early as the dependencies allow under unit durations. No JAX here, so every
-schedule is tested exhaustively in milliseconds.
+them as early as the dependencies allow under unit durations (`timed_events` does the
+same with any F / B / W durations). No JAX here, so every schedule is tested
+exhaustively in milliseconds.
+
+Task kinds: "F" forward; "B" backward; "W" weight gradient. Schedules with
+``split_backward = False`` (gpipe, 1f1b) run the whole backward as one "B" task (input
+and weight gradient together); split schedules (zb-h1) run "B" as the input gradient only
+and a separate "W" task computes the weight gradient later, filling bubbles.
 
 `check_execution` verifies the pipeline invariants on a list of timed events. It is
 used both on the idealised grids below and on timelines recorded from real runs, so it
@@ -15,14 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 FORWARD = "F"
 BACKWARD = "B"
+WEIGHT = "W"
+KINDS = (FORWARD, BACKWARD, WEIGHT)
 
 
 @dataclass(frozen=True)
 class Task:
-    """One unit of pipeline work on a stage: the forward ("F") or backward ("B") of a microbatch."""
+    """One unit of pipeline work on a stage: the forward ("F"), backward ("B": input gradient,
+    and in unsplit schedules the weight gradient too) or weight gradient ("W") of a microbatch."""
 
     kind: str
     microbatch: int
@@ -43,52 +53,68 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"num_stages={num_stages}, num_microbatches={num_microbatches}; expected both >= 1")
 
 
-def _place(ops: Sequence[Sequence[Task]]) -> Grid:
-    """Place each stage's ordered ops into unit slots as early as dependencies allow.
+def _deps(task: Task, stage_idx: int, num_stages: int) -> list[tuple[int, str, int]]:
+    """What a task waits for: F(s, m) for F(s-1, m); B(s, m) for F(s, m) and B(s+1, m);
+    W(s, m) for B(s, m) (it consumes the cotangents B kept)."""
+    s, m = stage_idx, task.microbatch
+    if task.kind == FORWARD:
+        return [(s - 1, FORWARD, m)] if s > 0 else []
+    if task.kind == BACKWARD:
+        return [(s, FORWARD, m)] + ([(s + 1, BACKWARD, m)] if s < num_stages - 1 else [])
+    return [(s, BACKWARD, m)]
 
-    F(s, m) waits for F(s-1, m); B(s, m) waits for B(s+1, m) and F(s, m); a stage runs
-    one task per slot, in its list order.
-    """
+
+def place(ops: Sequence[Sequence[Task]], durations: dict[str, float]) -> list[Event]:
+    """Run each stage's ordered ops as early as the dependencies allow, with the duration of
+    each kind from `durations`; one task at a time per stage, in list order. Returns events.
+
+    Every start depends only on the stage's previous end and the dependencies' ends, so the
+    order in which stages are visited does not change the result."""
     num_stages = len(ops)
-    finish: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) -> end slot
+    end: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * num_stages
     cursor = [0] * num_stages
-    rows: list[list[Task | None]] = [[] for _ in range(num_stages)]
+    events: list[Event] = []
     remaining = sum(len(o) for o in ops)
-    t = 0
     while remaining:
-        placed = []
+        progress = False
         for s in range(num_stages):
-            if cursor[s] == len(ops[s]):
-                rows[s].append(None)
-                continue
-            task = ops[s][cursor[s]]
-            m = task.microbatch
-            if task.kind == FORWARD:
-                deps = [(s - 1, FORWARD, m)] if s > 0 else []
-            else:
-                deps = [(s, FORWARD, m)] + ([(s + 1, BACKWARD, m)] if s < num_stages - 1 else [])
-            if all(finish.get(d, t + 1) <= t for d in deps):
-                rows[s].append(task)
-                placed.append((s, task))
-            else:
-                rows[s].append(None)
-        if not placed:
-            raise RuntimeError(f"schedule deadlocks at slot {t}; op lists: {ops}")
-        for s, task in placed:
-            finish[(s, task.kind, task.microbatch)] = t + 1
-            cursor[s] += 1
-        remaining -= len(placed)
-        t += 1
+            while cursor[s] < len(ops[s]):
+                task = ops[s][cursor[s]]
+                deps = _deps(task, s, num_stages)
+                if not all(d in end for d in deps):
+                    break
+                start = max([free[s]] + [end[d] for d in deps])
+                free[s] = end[(s, task.kind, task.microbatch)] = start + durations[task.kind]
+                events.append((s, task.kind, task.microbatch, start, free[s]))
+                cursor[s] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            waiting = {s: ops[s][cursor[s]] for s in range(num_stages) if cursor[s] < len(ops[s])}
+            raise RuntimeError(f"schedule deadlocks; next task per stage: {waiting}")
+    return events
+
+
+def _place(ops: Sequence[Sequence[Task]]) -> Grid:
+    """The grid of `place` under unit durations: slot t holds the task running in [t, t + 1)."""
+    events = place(ops, dict.fromkeys(KINDS, 1.0))
+    makespan = int(max((e[4] for e in events), default=0))
+    rows: list[list[Task | None]] = [[None] * makespan for _ in ops]
+    for s, kind, m, start, _ in events:
+        rows[s][int(start)] = Task(kind, m)
     return tuple(tuple(r) for r in rows)
 
 
 @dataclass(frozen=True)
 class GPipe:
     """All forwards, then all backwards: simple, but every microbatch's activations
-    stay alive on every stage until its backward (num_microbatches in flight)."""
+    stay alive on every stage until its backward (num_microbatches in flight).
+    Bubble (F, B durations): (p - 1) / (m + p - 1) of the makespan."""
 
     num_stages: int
     num_microbatches: int
+    split_backward: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _check_sizes(self.num_stages, self.num_microbatches)
@@ -111,10 +137,12 @@ class GPipe:
 @dataclass(frozen=True)
 class OneFOneB:
     """1F1B: after a short warm-up each stage alternates one forward, one backward, so
-    stage s holds at most num_stages - s microbatches; same bubble as GPipe, less memory."""
+    stage s holds at most num_stages - s microbatches; same bubble as GPipe,
+    (p - 1) / (m + p - 1) of the makespan, with less memory."""
 
     num_stages: int
     num_microbatches: int
+    split_backward: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _check_sizes(self.num_stages, self.num_microbatches)
@@ -138,15 +166,95 @@ class OneFOneB:
         return _place([self.stage_ops(s) for s in range(self.num_stages)])
 
 
-Schedule = GPipe | OneFOneB
-_SCHEDULES: dict[str, type[GPipe] | type[OneFOneB]] = {"gpipe": GPipe, "1f1b": OneFOneB}
+@dataclass(frozen=True)
+class ZeroBubbleH1:
+    """ZB-H1 (arXiv 2401.10241, "handcrafted 1"): the backward split into B (input gradient,
+    on the critical path) and W (weight gradient, needed only at the step end). Stage s
+    runs 1F1B's warm-up of p - s - 1 forwards, then F, B, W cycles in which its W's lag
+    its B's by s, and a cool-down of B's, each followed by W's down to that lag, then the
+    remaining W's -- the deferred W's fill the tail where 1F1B idles.
+
+    In flight (F started, W not ended): at most min(p, m) microbatches on every stage --
+    1F1B's peak (its stage 0), so per-device memory never exceeds 1F1B's worst stage; later
+    stages hold more than under 1F1B (the last stage must defer p - 1 W's for its B chain
+    to finish in time). Bubble with unit F = B = W: (p - 1) idle slots per stage against
+    1F1B's 3(p - 1), i.e. (p - 1) / (3m + p - 1) of the makespan (the paper's bubble rate
+    (p - 1) / 3m counts idle per compute)."""
+
+    num_stages: int
+    num_microbatches: int
+    split_backward: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        _check_sizes(self.num_stages, self.num_microbatches)
+
+    def stage_ops(self, stage_idx: int) -> list[Task]:
+        m = self.num_microbatches
+        warmup = min(self.num_stages - stage_idx - 1, m)
+        lag = stage_idx  # W's this stage holds back behind its B's
+        # warmup
+        ops = [Task(FORWARD, i) for i in range(warmup)]
+        done_b = done_w = 0
+        # steady state: F, B, and a W once more than `lag` B's wait for theirs
+        for i in range(m - warmup):
+            ops += [Task(FORWARD, warmup + i), Task(BACKWARD, i)]
+            done_b += 1
+            if done_b - done_w > lag:
+                ops.append(Task(WEIGHT, done_w))
+                done_w += 1
+        # cooldown: B's as they arrive, W's down to the lag, then the deferred W's
+        for i in range(m - warmup, m):
+            ops.append(Task(BACKWARD, i))
+            done_b += 1
+            while done_b - done_w > lag:
+                ops.append(Task(WEIGHT, done_w))
+                done_w += 1
+        ops += [Task(WEIGHT, i) for i in range(done_w, m)]
+        return ops
+
+    def max_in_flight(self) -> tuple[int, ...]:
+        return (min(self.num_stages, self.num_microbatches),) * self.num_stages
+
+    def tasks(self) -> Grid:
+        return _place([self.stage_ops(s) for s in range(self.num_stages)])
+
+
+Schedule = GPipe | OneFOneB | ZeroBubbleH1
+_SCHEDULES: dict[str, type[GPipe] | type[OneFOneB] | type[ZeroBubbleH1]] = {
+    "gpipe": GPipe,
+    "1f1b": OneFOneB,
+    "zb-h1": ZeroBubbleH1,
+}
 
 
 def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """The schedule called `name` ("gpipe" or "1f1b") for this pipeline shape."""
+    """The schedule called `name` (gpipe, 1f1b or zb-h1) for this pipeline shape."""
     if name not in _SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(_SCHEDULES)}")
     return _SCHEDULES[name](num_stages, num_microbatches)
+
+
+def timed_events(
+    schedule: Schedule, *, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0
+) -> list[Event]:
+    """The schedule's op lists placed as early as dependencies allow with these durations
+    (input-gradient backward and weight gradient separately; an unsplit schedule's B
+    takes backward + weight)."""
+    ops = [schedule.stage_ops(s) for s in range(schedule.num_stages)]
+    b = backward if schedule.split_backward else backward + weight
+    return place(ops, {FORWARD: forward, BACKWARD: b, WEIGHT: weight})
+
+
+def idle_fraction(events: Iterable[Event], num_stages: int) -> float:
+    """Idle time / (num_stages x makespan), the makespan from the first start to the last end."""
+    events = list(events)
+    if not events:
+        return 0.0
+    t0, t1 = min(e[3] for e in events), max(e[4] for e in events)
+    total = num_stages * (t1 - t0)
+    if total <= 0:
+        return 0.0
+    return (total - sum(e[4] - e[3] for e in events)) / total
 
 
 def stage_tasks(grid: Grid, stage_idx: int) -> list[Task]:
@@ -185,27 +293,35 @@ def check_execution(
     num_microbatches: int,
     max_in_flight: Sequence[int] | None = None,
     forwards_first: bool = False,
+    split_backward: bool | None = None,
     eps: float = 0.0,
 ) -> list[str]:
     """Human-readable violations of the pipeline invariants; an empty list means ok.
 
-    `events` are `(stage_idx, kind, microbatch_idx, start, end)` with kind "F" or "B".
-    Checked: every (stage, microbatch) has exactly one F and one B; F(s, m) starts after
-    F(s-1, m) ends; B(s, m) after B(s+1, m) and after F(s, m) end; events of one stage do
-    not overlap; with `max_in_flight`, stage s never holds more than max_in_flight[s]
-    microbatches (F started, B not ended); with `forwards_first`, every F of a stage
+    `events` are `(stage_idx, kind, microbatch_idx, start, end)` with kind "F", "B" or "W".
+    Checked: every (stage, microbatch) has exactly one F and one B, and with
+    `split_backward` exactly one W (None: split when any W event is present); F(s, m)
+    starts after F(s-1, m) ends; B(s, m) after B(s+1, m) and after F(s, m) end; W(s, m)
+    after B(s, m) ends; events of one stage do not overlap; with `max_in_flight`, stage s
+    never holds more than max_in_flight[s] microbatches (F started, and its last backward
+    task -- W when split, else B -- not ended); with `forwards_first`, every F of a stage
     starts before any B of it. `eps` is the tolerance on every time comparison, in the
     events' time unit (recorded timestamps jitter).
     """
+    events = list(events)
+    if split_backward is None:
+        split_backward = any(ev[1] == WEIGHT for ev in events)
+    kinds = KINDS if split_backward else (FORWARD, BACKWARD)
     errors: list[str] = []
     by_key: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     per_stage: list[list[tuple[float, float, str]]] = [[] for _ in range(num_stages)]
     for ev in events:
         s, kind, m, start, end = ev
         start, end = float(start), float(end)
-        if not (0 <= s < num_stages) or kind not in (FORWARD, BACKWARD) or not (0 <= m < num_microbatches):
+        if not (0 <= s < num_stages) or kind not in kinds or not (0 <= m < num_microbatches):
             errors.append(
-                f"event {ev!r}: expected stage in [0, {num_stages}), kind F or B, microbatch in [0, {num_microbatches})"
+                f"event {ev!r}: expected stage in [0, {num_stages}), kind {' or '.join(kinds)}, "
+                f"microbatch in [0, {num_microbatches})"
             )
             continue
         if end < start - eps:
@@ -216,7 +332,7 @@ def check_execution(
     first: dict[tuple[int, str, int], tuple[float, float]] = {}
     for s in range(num_stages):
         for m in range(num_microbatches):
-            for kind in (FORWARD, BACKWARD):
+            for kind in kinds:
                 runs = sorted(by_key.get((s, kind, m), []))
                 if len(runs) != 1:
                     errors.append(f"stage {s} microbatch {m}: {kind} runs {len(runs)} times, expected 1")
@@ -237,6 +353,8 @@ def check_execution(
             if s < num_stages - 1:
                 after((s, BACKWARD, m), (s + 1, BACKWARD, m), "backward needs the next stage's gradient")
             after((s, BACKWARD, m), (s, FORWARD, m), "backward needs its own forward")
+            if split_backward:
+                after((s, WEIGHT, m), (s, BACKWARD, m), "weight gradient needs its input gradient's cotangents")
 
     for s, evs in enumerate(per_stage):
         evs.sort()
@@ -250,7 +368,8 @@ def check_execution(
         if len(max_in_flight) != num_stages:
             errors.append(f"max_in_flight has {len(max_in_flight)} entries, expected num_stages={num_stages}")
         else:
-            errors += _in_flight_violations(first, num_stages, num_microbatches, max_in_flight, eps)
+            freed_by = WEIGHT if split_backward else BACKWARD
+            errors += _in_flight_violations(first, num_stages, num_microbatches, max_in_flight, eps, freed_by)
 
     if forwards_first:
         for s in range(num_stages):
@@ -270,8 +389,10 @@ def _in_flight_violations(
     num_microbatches: int,
     max_in_flight: Sequence[int],
     eps: float,
+    freed_by: str,
 ) -> list[str]:
-    """A microbatch is in flight on a stage from its F's start to its B's end."""
+    """A microbatch is in flight on a stage from its F's start to the end of its `freed_by`
+    task (the last one that reads its activations)."""
     errors = []
     for s in range(num_stages):
         # (time, order, delta): an end at t - eps is processed before a start at t
@@ -280,7 +401,7 @@ def _in_flight_violations(
             if (s, FORWARD, m) not in first:
                 continue
             points.append((first[(s, FORWARD, m)][0], 1, +1))
-            b = first.get((s, BACKWARD, m))
+            b = first.get((s, freed_by, m))
             points.append((b[1] - eps if b else float("inf"), 0, -1))
         points.sort()
         count = 0

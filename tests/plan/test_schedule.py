@@ -10,11 +10,14 @@ from h2jax.plan import (
     GPipe,
     OneFOneB,
     Task,
+    ZeroBubbleH1,
     bubble_fraction,
     check_execution,
     get_schedule,
     grid_events,
+    idle_fraction,
     stage_tasks,
+    timed_events,
 )
 
 SHAPES = list(itertools.product(range(1, 7), range(1, 13)))  # (num_stages, num_microbatches)
@@ -68,7 +71,8 @@ def test_1f1b_holds_less_than_gpipe():
 def test_get_schedule():
     assert get_schedule("gpipe", 2, 3) == GPipe(2, 3)
     assert get_schedule("1f1b", 2, 3) == OneFOneB(2, 3)
-    with pytest.raises(ValueError, match="gpipe, 1f1b"):
+    assert get_schedule("zb-h1", 2, 3) == ZeroBubbleH1(2, 3)
+    with pytest.raises(ValueError, match="gpipe, 1f1b, zb-h1"):
         get_schedule("interleaved", 2, 3)
     with pytest.raises(ValueError, match="num_stages=0"):
         get_schedule("1f1b", 0, 3)
@@ -169,3 +173,85 @@ def test_in_flight_boundary_end_then_start_is_not_overlap():
     # B0 ends at exactly the time F1 starts: one microbatch in flight, not two
     events = [(0, "F", 0, 0.0, 1.0), (0, "B", 0, 1.0, 2.0), (0, "F", 1, 2.0, 3.0), (0, "B", 1, 3.0, 4.0)]
     assert _check(events, 1, 2, max_in_flight=[1]) == []
+
+
+# -- split backward: ZB-H1 --------------------------------------------------------------
+
+PUBLISHED = [(p, m) for p in range(2, 9) for m in range(p, 4 * p + 1)]
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_zb_h1_one_f_b_w_per_microbatch_and_dependencies(p, m):
+    sched = ZeroBubbleH1(p, m)
+    grid = sched.tasks()
+    for s in range(p):
+        ops = sched.stage_ops(s)
+        assert stage_tasks(grid, s) == ops
+        for kind in "FBW":
+            assert sorted(t.microbatch for t in ops if t.kind == kind) == list(range(m))
+    # the grid and a replay with uneven durations both satisfy every dependency and the bound
+    bound = sched.max_in_flight()
+    assert bound == (min(p, m),) * p
+    assert _check(grid_events(grid), p, m, max_in_flight=bound) == []
+    uneven = timed_events(sched, forward=1.0, backward=1.7, weight=0.6)
+    assert _check(uneven, p, m, max_in_flight=bound) == []
+
+
+@pytest.mark.parametrize("p,m", PUBLISHED)
+def test_bubble_equals_published_formula_with_unit_f_b_w(p, m):
+    # 1F1B with F = B = W = 1 (its backward lasts B + W = 2): (p - 1) / (m + p - 1)
+    one_f_one_b = timed_events(OneFOneB(p, m), forward=1, backward=1, weight=1)
+    assert idle_fraction(one_f_one_b, p) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert idle_fraction(timed_events(GPipe(p, m)), p) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    # ZB-H1 (arXiv 2401.10241): (p - 1)(F + B - W) idle per stage = p - 1 slots of a 3m + p - 1 makespan
+    zb = timed_events(ZeroBubbleH1(p, m), forward=1, backward=1, weight=1)
+    assert max(e[4] for e in zb) == 3 * m + p - 1
+    assert idle_fraction(zb, p) == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    # the unit grid of the schedule is the same placement
+    assert bubble_fraction(ZeroBubbleH1(p, m).tasks()) == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+
+
+def test_zb_h1_stage_ops_shape():
+    sched = ZeroBubbleH1(4, 6)
+    assert " ".join(map(str, sched.stage_ops(0))) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5"
+    # the last stage holds its W's back by p - 1 and runs them at the end
+    assert " ".join(map(str, sched.stage_ops(3))) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"
+
+
+def test_unsplit_schedules_have_no_w():
+    for sched in (GPipe(3, 5), OneFOneB(3, 5)):
+        assert not sched.split_backward
+        assert all(t.kind != "W" for s in range(3) for t in sched.stage_ops(s))
+    assert ZeroBubbleH1(3, 5).split_backward
+
+
+def test_weight_before_its_input_gradient_is_caught():
+    events = grid_events(ZeroBubbleH1(2, 3).tasks())
+    b = [e for e in events if e[:3] == (1, "B", 0)][0]
+    events = _replace(events, 1, "W", 0, b[3] - 1.0, b[3] - 0.5)
+    errs = _check(events, 2, 3)
+    assert any("stage 1 W0" in e and "stage 1 B0" in e and "cotangents" in e for e in errs), errs
+
+
+def test_missing_or_duplicate_weight_is_caught():
+    events = grid_events(ZeroBubbleH1(2, 3).tasks())
+    missing = [e for e in events if e[:3] != (0, "W", 2)]
+    assert any("stage 0 microbatch 2: W runs 0 times" in e for e in _check(missing, 2, 3, split_backward=True))
+    dup = events + [(1, "W", 1, 100.0, 101.0)]
+    assert any("stage 1 microbatch 1: W runs 2 times" in e for e in _check(dup, 2, 3))
+    # W events in an unsplit check are refused, not ignored
+    assert any("kind F or B" in e for e in _check(events, 2, 3, split_backward=False))
+
+
+def test_in_flight_of_split_schedule_lasts_until_w():
+    # F0 B0 F1 W0 B1 W1 on one stage: two microbatches are alive between F1 and W0
+    events = [(0, "F", 0, 0, 1), (0, "B", 0, 1, 2), (0, "F", 1, 2, 3), (0, "W", 0, 3, 4), (0, "B", 1, 4, 5)]
+    events.append((0, "W", 1, 5, 6))
+    assert _check(events, 1, 2, max_in_flight=[2]) == []
+    errs = _check(events, 1, 2, max_in_flight=[1])
+    assert any("2 microbatches in flight" in e for e in errs), errs
+
+
+def test_idle_fraction_examples():
+    assert idle_fraction([], 2) == 0.0
+    assert idle_fraction([(0, "F", 0, 0.0, 1.0), (1, "F", 0, 1.0, 2.0)], 2) == 0.5
