@@ -71,7 +71,7 @@ def test_tied_head_shares_the_embedding_param():
     # one stage holding both ends: one parameter; its gradient sums the lookup's and the head's
     whole = StageModule(model, layers=(0, 2), first=True, last=True)
     graphdef, params, rest = nnx.split(whole, nnx.Param, ...)
-    grads = jax.grad(lambda p: nnx.merge(graphdef, p, rest)(*_batch(cfg)))(params)
+    grads = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p, rest)(*_batch(cfg))))(params)
     assert set(grads["head"]) == {"norm"}
     logits = model.logits(_batch(cfg)[0])
     expected = jnp.einsum("bsd,vd->bsv", model.head.norm(model.hidden(_batch(cfg)[0])), model.embed.embedding[...])
