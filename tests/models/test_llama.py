@@ -164,3 +164,35 @@ def test_model_shape_key_unchanged_for_the_original_fields():
     assert (
         ModelShape.from_config(GPTConfig(**BASE, n_kv_heads=2)).key() != ModelShape.from_config(GPTConfig(**BASE)).key()
     )
+
+
+def test_auto_attention_lowers_per_platform(monkeypatch):
+    """With cuDNN present, "auto" puts the fused kernel in a `platform_dependent` branch for
+    cuda; a CPU stage lowers the XLA branch. Here (no CUDA) the cuDNN call is stood in for, to
+    check that the branching composes with jit and grad and that CPU takes the XLA path."""
+    from h2jax.models import _llama
+
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def stand_in(q, k, v, *, is_causal, implementation):
+        calls.append(implementation)
+        return real(q, k, v, is_causal=is_causal, implementation="xla")
+
+    cfg = GPTConfig(**BASE, n_kv_heads=2, dtype="bfloat16")
+    model = build_model(cfg, seed=0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens, targets = _batch(cfg)
+    loss_xla, grads_xla = jax.jit(_value_and_grad(graphdef, rest))(params, tokens, targets)
+    monkeypatch.setattr(_llama, "_have_cudnn", lambda: True)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in)
+    loss, grads = jax.jit(_value_and_grad(graphdef, rest))(params, tokens, targets)
+    assert "cudnn" in calls and "xla" in calls  # both branches traced
+    assert float(loss) == float(loss_xla)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_xla), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cfg32 = GPTConfig(**BASE, n_kv_heads=2)  # float32: cuDNN has no fused kernel for it
+    g32, p32, r32 = nnx.split(build_model(cfg32, seed=0), nnx.Param, ...)
+    calls.clear()
+    jax.eval_shape(_value_and_grad(g32, r32), p32, tokens, targets)
+    assert calls and set(calls) == {"xla"}
