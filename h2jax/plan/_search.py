@@ -105,8 +105,8 @@ class SearchOptions:
         None: no grouping (k_c up to devices / t_c).
     stage_in_node: a stage lives inside one node (single-process runs, emulated chips);
         False: a stage may span nodes (data axis across nodes, tensor axis inside one).
-    orders: "all" permutations of the chip types (capped by `max_orders`, beyond which the
-        memory-descending order and its neighbours by one adjacent swap are tried), or
+    orders: "all" permutations of the chip types (capped by `max_orders`, beyond which
+        :func:`order_neighbourhood` is tried: the search is then not exhaustive), or
         "memory" (memory-descending only: the paper's rule).
     allow_recompute: let stages recompute activations in the backward.
     max_options_per_chip: keep only the best this-many (k_c, t_c) choices per chip type by
@@ -417,15 +417,7 @@ def chip_orders(cluster: Cluster, opts: SearchOptions) -> list[tuple[str, ...]]:
     if math.factorial(len(by_mem)) <= opts.max_orders:
         rest = [o for o in itertools.permutations(by_mem) if o != by_mem]
         return [by_mem, *rest]
-    swaps = []
-    for i in range(len(by_mem) - 1):
-        o = list(by_mem)
-        o[i], o[i + 1] = o[i + 1], o[i]
-        swaps.append(tuple(o))
-    rev = tuple(reversed(by_mem))
-    by_speed = tuple(p.name for p in sorted(cluster.profiles.values(), key=lambda p: (p.peak_tflops, p.name)))
-    out = [by_mem, *swaps, rev, by_speed, tuple(reversed(by_speed))]
-    return list(dict.fromkeys(out))
+    return order_neighbourhood(cluster)
 
 
 def is_memory_descending(plan: Plan, cluster: Cluster) -> bool:
