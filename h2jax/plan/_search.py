@@ -115,8 +115,9 @@ class SearchOptions:
         round where the space is small, else rounds of growing beams over an order
         neighbourhood, then the exact space, until the space is covered, the rounds stop
         improving, or the time budget is spent. False: one round over exactly this space.
-    time_budget_s: wall-clock seconds the search may take (None: no limit). Past it the
-        search returns the best plan found so far, marked not exhaustive.
+    time_budget_s: wall-clock seconds the search may take. Past it the search returns the
+        best plan found so far, marked not exhaustive. None: no limit, and no convergence
+        stop either: the search runs until the exact round ends (hours on 10,000 chips).
     """
 
     schedule: str = "1f1b"
