@@ -277,7 +277,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         est = " (from measured profiles)"
     elif table.entries:
         est = (
-            f" (roofline estimates for {', '.join(rough)}: --profiles has no entry for their model shape, "
+            f" (roofline estimates for {', '.join(rough)}: --profiles has no measurement at their model shape, "
             "tensor degree and microbatch)"
         )
     else:
