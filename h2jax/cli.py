@@ -171,8 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_libraries() -> None:
+    """orbax logs through absl: every failed background write as an ERROR with a traceback, and
+    routine notes as WARNINGs. h2jax reports each failure once, as one line naming the path and
+    step, so those logs show only with ``H2JAX_DEBUG=1``."""
+    import logging
+    import os
+
+    if os.environ.get("H2JAX_DEBUG", "") in ("", "0"):
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_libraries()
     return args.func(args)
 
 

@@ -211,7 +211,7 @@ def test_a_stopped_rank_ends_the_job_after_the_transfer_timeout(tmp_path):
     within the transfer timeout (a receive) or the progress watchdog (a collective), naming
     itself and its last completed step; nothing hangs."""
     run = tmp_path / "run"
-    args = [*OVERRIDES, "train.steps=1000", "train.transport=host", "train.transfer_timeout_s=5", "--run-dir", str(run)]
+    args = [*OVERRIDES, "train.steps=1000", "train.transport=host", "train.transfer_timeout_s=30", "--run-dir", str(run)]
     proc = _mpirun(2, args, tmp_path)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -232,10 +232,10 @@ def test_a_stopped_rank_ends_the_job_after_the_transfer_timeout(tmp_path):
         except ProcessLookupError:
             pass
     assert proc.returncode != 0
-    assert time.time() - t_stop < 90
+    assert time.time() - t_stop < 100
     lines = [ln for ln in err.splitlines() if ln.startswith("h2jax: stage 0 (rank 0/2")]
     assert lines, err[-3000:]
-    assert ("timed out after 5 s" in lines[0] and "peer 1" in lines[0]) or "made no progress" in lines[0], lines
+    assert ("timed out after 30 s" in lines[0] and "peer 1" in lines[0]) or "made no progress" in lines[0], lines
     assert "last completed step" in lines[0]
 
 
