@@ -1,4 +1,4 @@
-"""``h2jax`` command line: train | check-config.
+"""``h2jax`` command line: train | check-config | plan | simulate | profile | align | convert | tokenize.
 
 ``h2jax train`` resumes from the latest committed checkpoint of its run when there is one
 (``--restore-step N`` picks another, ``--init-from DIR`` starts from another run's
@@ -165,9 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     c.add_argument("--print", action="store_true", help="print the resolved config")
     c.set_defaults(func=cmd_check_config)
-    from h2jax import cli_plan  # planner commands: plan, simulate, profile
+    from h2jax import cli_align, cli_models, cli_plan
 
-    cli_plan.add_commands(sub)
+    cli_plan.add_commands(sub)  # plan, simulate, profile
+    cli_align.add_commands(sub)  # align
+    cli_models.add_commands(sub)  # convert, tokenize
     return p
 
 
