@@ -212,12 +212,13 @@ class LocalHub:
                 y = jax.device_put(x, self._shardings[dst])
                 y.block_until_ready()
                 t1 = time.perf_counter()
-                self._inbox[(dst, direction)].put(m, y)
+                # recorded before the hand-over: once the receiver has it, the step may end
                 extra = {"bytes": int(x.nbytes), "transport": "local", "phase": "FB"[direction]}
                 for stage, kind, peer in ((src, "send", dst), (dst, "recv", src)):
                     ch = self.channels.get(stage)
                     if ch is not None and ch.record is not None:
                         ch.record(kind, m, t0, t1, peer=peer, **extra)
+                self._inbox[(dst, direction)].put(m, y)
             except PipelineAborted:
                 continue
             except BaseException as e:  # noqa: BLE001 -- handed to the runners, which re-raise it
