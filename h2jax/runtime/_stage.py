@@ -104,7 +104,7 @@ class StageProgram:
         if jax.tree.leaves(rest):
             raise TypeError(f"stage {stage_idx}: the model holds non-Param state {rest}; h2jax trains Params only")
         self._graphdef = graphdef
-        specs = partition_specs(module)
+        specs = partition_specs(module, tensor=spec.tensor)  # kv heads split only when the degree divides them
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         self.params = jax.device_put(params, self.param_shardings)
         self.act_sharding = NamedSharding(mesh, P("data"))
