@@ -255,7 +255,7 @@ def measure(args) -> dict:
             for _ in range(args.steps):
                 times[name].append(trainers[name].train_step().step_time_s)
     for tr in trainers.values():
-        tr.pipeline.close()
+        tr.close()
     table = ProfileTable()
     for prof in profilers:
         for (t, b), parts in prof.rows(args.statistic).items():

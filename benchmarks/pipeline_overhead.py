@@ -151,7 +151,7 @@ def main() -> None:
     traced_cfg = load_config(None, MODEL + BATCH + COMMON + [VARIANTS["1x1 -> 1x1"], "train.timeline=true"])
     traced = Trainer(traced_cfg, run_dir="runs/bench_pipeline_overhead")
     time_pipeline(traced, 3)
-    traced.pipeline.drain_timeline()
+    traced._drain()
     ev = traced.timeline.events(2)
     span = (max(e.end_us for e in ev) - min(e.start_us for e in ev)) / 1e3
     busy = [sum(e.dur_us for e in ev if e.stage == s and e.kind in ("fwd", "bwd")) / 1e3 for s in range(2)]
@@ -182,7 +182,7 @@ def main() -> None:
         "transfer_ms_per_step": round(xfer, 3),
     }
     for tr in list(trainers.values()) + [traced]:
-        tr.pipeline.close()
+        tr.close()
     print("RESULT " + json.dumps(result))
 
 

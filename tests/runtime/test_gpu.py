@@ -72,4 +72,4 @@ def test_gpu_stage_and_emulated_stage_equal_sequential(tmp_path):
     diff = {k: float(np.max(np.abs(np.asarray(got[k], np.float64) - np.asarray(want[k], np.float64)))) for k in want}
     assert max(diff.values()) <= TOL, {k: v for k, v in diff.items() if v > TOL}
     print(f"{chip} + sim_a: loss {loss:.6f} vs {ref_loss:.6f}, max grad diff {max(diff.values()):.2e}")
-    trainer.pipeline.close()
+    trainer.close()
