@@ -151,7 +151,7 @@ def main() -> None:
     traced_cfg = load_config(None, MODEL + BATCH + COMMON + [VARIANTS["1x1 -> 1x1"], "train.timeline=true"])
     traced = Trainer(traced_cfg, run_dir="runs/bench_pipeline_overhead")
     time_pipeline(traced, 3)
-    traced._drain()
+    traced.drain_timeline()
     ev = traced.timeline.events(2)
     span = (max(e.end_us for e in ev) - min(e.start_us for e in ev)) / 1e3
     busy = [sum(e.dur_us for e in ev if e.stage == s and e.kind in ("fwd", "bwd")) / 1e3 for s in range(2)]

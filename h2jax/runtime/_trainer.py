@@ -429,7 +429,8 @@ class Trainer:
             skipped=skipped,
         )
 
-    def _drain(self) -> None:
+    def drain_timeline(self) -> None:
+        """Wait until every program dispatched so far has its timeline event."""
         for r in self.runners:
             r.drain()
 
@@ -437,7 +438,7 @@ class Trainer:
         """This step's timeline events of every stage, on the writer (collective)."""
         if self.timeline is None:
             return None
-        self._drain()
+        self.drain_timeline()
         got = self.world.gather(self.timeline.events(step) if step is not None else self.timeline.events())
         return None if got is None else [e for evs in got for e in evs]
 
