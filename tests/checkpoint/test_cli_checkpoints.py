@@ -12,9 +12,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from h2jax.checkpoint import CheckpointStore
 from h2jax.runtime import read_metrics
+
+pytestmark = pytest.mark.slow  # end-to-end runs through the CLI: the full suite, not the fast lane
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")

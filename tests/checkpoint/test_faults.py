@@ -10,6 +10,8 @@ import pytest
 
 from tests.checkpoint.test_cli_checkpoints import QUIET, TINY, _run
 
+pytestmark = pytest.mark.slow  # end-to-end runs through the CLI: the full suite, not the fast lane
+
 ARGS = [TINY, *QUIET, "checkpoint.every_steps=2"]
 
 

@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from h2jax.plan import check_execution
 from h2jax.runtime import load_trace, read_metrics
+
+pytestmark = pytest.mark.slow  # end-to-end runs through the CLI: the full suite, not the fast lane
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -88,7 +88,13 @@ def _max_diff(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
 
-@pytest.mark.parametrize("name", sorted(PLANS))
+# the fast lane keeps one plan (2 chip types, different meshes, 1F1B); the full suite runs all
+FAST_PLAN = "2st-1f1b-2x2-to-4x1"
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == FAST_PLAN else pytest.param(n, marks=pytest.mark.slow) for n in sorted(PLANS)]
+)
 def test_pipeline_equals_sequential(name, tmp_path):
     cfg = make_cfg(name)
     reference_model = build_model(cfg.model, seed=cfg.seed)
@@ -134,6 +140,7 @@ def test_pipeline_equals_sequential(name, tmp_path):
     trainer.close()
 
 
+@pytest.mark.slow
 def test_recorded_timeline_obeys_the_schedule(tmp_path):
     """The order in which a real run executed equals what the schedule allows."""
     for name in ("4st-1f1b-4chips", "4st-gpipe-2chips"):
