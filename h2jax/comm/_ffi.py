@@ -121,7 +121,7 @@ def _comm_handle(comm: Any) -> np.int64:
     return np.int64(comm.py2f())
 
 
-def _desc(shape: tuple[int, ...], dtype: Any) -> str:
+def desc(shape: tuple[int, ...], dtype: Any) -> str:
     return f"{jnp.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
 
 
@@ -184,7 +184,7 @@ def send(
         _token(token),
         comm=_comm_handle(comm),
         timeout_s=np.float64(timeout_s),
-        desc=_desc(x.shape, x.dtype),
+        desc=desc(x.shape, x.dtype),
     )
 
 
@@ -208,11 +208,11 @@ def recv(
     _check(comm, "peer", peer, tag, timeout_s)
     _register_all()
     out = (jax.ShapeDtypeStruct(shape, dtype), _TOKEN)
-    attrs = dict(comm=_comm_handle(comm), timeout_s=np.float64(timeout_s), desc=_desc(shape, dtype))
+    attrs = dict(comm=_comm_handle(comm), timeout_s=np.float64(timeout_s), desc=desc(shape, dtype))
     if into is None:
         return jax.ffi.ffi_call("h2jax_recv", out, has_side_effect=True)(_route(peer, tag), _token(token), **attrs)
     if tuple(into.shape) != shape or into.dtype != jnp.dtype(dtype):
-        raise TypeError(f"h2jax ffi: into is {_desc(into.shape, into.dtype)}, expected {_desc(shape, dtype)}")
+        raise TypeError(f"h2jax ffi: into is {desc(into.shape, into.dtype)}, expected {desc(shape, dtype)}")
     call = jax.ffi.ffi_call("h2jax_recv_into", out, has_side_effect=True, input_output_aliases={2: 0})
     return call(_route(peer, tag), _token(token), into, **attrs)
 
@@ -241,7 +241,7 @@ def sendrecv(
     _check(comm, "source", source, recv_tag, timeout_s)
     _register_all()
     call = jax.ffi.ffi_call("h2jax_sendrecv", (jax.ShapeDtypeStruct(shape, dtype), _TOKEN), has_side_effect=True)
-    desc = f"send {_desc(x.shape, x.dtype)} / recv {_desc(shape, dtype)}"
+    desc = f"send {desc(x.shape, x.dtype)} / recv {desc(shape, dtype)}"
     return call(
         _route(dest, send_tag, source, recv_tag),
         x,

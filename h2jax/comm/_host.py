@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from h2jax.comm._ffi import DEFAULT_TIMEOUT_S, _desc
+from h2jax.comm._ffi import DEFAULT_TIMEOUT_S, desc
 
 
 def _as_bytes(a: np.ndarray) -> np.ndarray:
@@ -23,7 +23,7 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
-def _first_device(like: Any, sharding: jax.sharding.Sharding | None) -> jax.Device:
+def first_device(like: Any, sharding: jax.sharding.Sharding | None) -> jax.Device:
     s = sharding if sharding is not None else getattr(like, "sharding", None)
     if s is not None:
         return min(s.device_set, key=lambda d: d.id)
@@ -67,7 +67,7 @@ class HostTransport:
                 raise TimeoutError(
                     f"h2jax host recv on rank {self.comm.Get_rank()}: timed out after "
                     f"{self.timeout_s:g} s: no message from peer {peer} with tag {tag} "
-                    f"(expected {_desc(like.shape, like.dtype)}, {expected} bytes)"
+                    f"(expected {desc(like.shape, like.dtype)}, {expected} bytes)"
                 )
             spins += 1
             if spins > 1000:
@@ -76,11 +76,11 @@ class HostTransport:
         if got != expected:
             raise ValueError(
                 f"h2jax host recv on rank {self.comm.Get_rank()}: message from peer {peer} tag {tag} "
-                f"has {got} bytes, expected {expected} ({_desc(like.shape, like.dtype)})"
+                f"has {got} bytes, expected {expected} ({desc(like.shape, like.dtype)})"
             )
         out = np.empty(like.shape, like.dtype)
         self.comm.Recv([_as_bytes(out), MPI.BYTE], source=peer, tag=tag)
-        return jax.device_put(out, sharding if sharding is not None else _first_device(like, None))
+        return jax.device_put(out, sharding if sharding is not None else first_device(like, None))
 
     def _reap(self) -> None:
         self._pending = [p for p in self._pending if not p[0].Test()]

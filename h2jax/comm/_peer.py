@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from h2jax.comm import _ffi
-from h2jax.comm._host import HostTransport, _first_device
+from h2jax.comm._host import HostTransport, first_device
 
 
 @runtime_checkable
@@ -77,14 +77,14 @@ class FfiTransport:
 
     def send(self, x: jax.Array, *, peer: int, tag: int) -> None:
         if len(x.sharding.device_set) > 1:
-            x = jax.device_put(x, jax.sharding.SingleDeviceSharding(_first_device(x, None)))
+            x = jax.device_put(x, jax.sharding.SingleDeviceSharding(first_device(x, None)))
         self._pending = [t for t in self._pending if not t.is_ready()]
         self._pending.append(self._program("send", peer, tag)(x))
 
     def recv(
         self, like: jax.ShapeDtypeStruct, *, peer: int, tag: int, sharding: jax.sharding.Sharding | None = None
     ) -> jax.Array:
-        device = _first_device(like, sharding)
+        device = first_device(like, sharding)
         like = jax.ShapeDtypeStruct(tuple(like.shape), like.dtype)
         y = self._program("recv", peer, tag, like, device)()
         if sharding is not None and len(sharding.device_set) > 1:

@@ -319,7 +319,7 @@ class Trainer:
             seq_len=self.cfg.model.seq_len,
         )
 
-    def _device_batch(self, step: int) -> tuple[list[jax.Array] | None, list[jax.Array] | None]:
+    def device_batch(self, step: int) -> tuple[list[jax.Array] | None, list[jax.Array] | None]:
         first = next((st for st in self.stages if st.first), None)
         last = next((st for st in self.stages if st.last), None)
         if first is None and last is None:
@@ -360,7 +360,7 @@ class Trainer:
         """Every forward and backward of ``step`` on this process's stages; gradients
         accumulate in the stages. Returns the step's loss (mean over microbatches) as a
         device scalar where the last stage runs, else None."""
-        tokens, targets = self._device_batch(step)
+        tokens, targets = self.device_batch(step)
         try:
             losses = run_stages(self.runners, step, tokens, targets, hub=self.hub if self._own_hub else None)
         except PipelineAborted:
