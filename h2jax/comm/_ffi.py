@@ -241,12 +241,12 @@ def sendrecv(
     _check(comm, "source", source, recv_tag, timeout_s)
     _register_all()
     call = jax.ffi.ffi_call("h2jax_sendrecv", (jax.ShapeDtypeStruct(shape, dtype), _TOKEN), has_side_effect=True)
-    desc = f"send {desc(x.shape, x.dtype)} / recv {desc(shape, dtype)}"
+    what = f"send {desc(x.shape, x.dtype)} / recv {desc(shape, dtype)}"
     return call(
         _route(dest, send_tag, source, recv_tag),
         x,
         _token(token),
         comm=_comm_handle(comm),
         timeout_s=np.float64(timeout_s),
-        desc=desc,
+        desc=what,
     )
