@@ -20,7 +20,7 @@ import yaml
 
 from h2jax._strict import ConfigError, read_yaml
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zb-h1")
 
 _STAGE_KEYS = ("chip", "layers", "data", "tensor", "recompute")
 _STAGE_REQUIRED = ("chip", "layers")

@@ -64,9 +64,10 @@ def _deps(task: Task, stage_idx: int, num_stages: int) -> list[tuple[int, str, i
     return [(s, BACKWARD, m)]
 
 
-def place(ops: Sequence[Sequence[Task]], durations: dict[str, float]) -> list[Event]:
+def place(ops: Sequence[Sequence[Task]], durations: dict[str, float | Sequence[float]]) -> list[Event]:
     """Run each stage's ordered ops as early as the dependencies allow, with the duration of
-    each kind from `durations`; one task at a time per stage, in list order. Returns events.
+    each kind from `durations` (one number, or one per stage); one task at a time per stage,
+    in list order; transfers take no time. Returns events.
 
     Every start depends only on the stage's previous end and the dependencies' ends, so the
     order in which stages are visited does not change the result."""
@@ -85,7 +86,10 @@ def place(ops: Sequence[Sequence[Task]], durations: dict[str, float]) -> list[Ev
                 if not all(d in end for d in deps):
                     break
                 start = max([free[s]] + [end[d] for d in deps])
-                free[s] = end[(s, task.kind, task.microbatch)] = start + durations[task.kind]
+                dur = durations[task.kind]
+                free[s] = end[(s, task.kind, task.microbatch)] = start + (
+                    dur if isinstance(dur, float | int) else dur[s]
+                )
                 events.append((s, task.kind, task.microbatch, start, free[s]))
                 cursor[s] += 1
                 remaining -= 1
@@ -235,14 +239,25 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def timed_events(
-    schedule: Schedule, *, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0
+    schedule: Schedule,
+    *,
+    forward: float | Sequence[float] = 1.0,
+    backward: float | Sequence[float] = 1.0,
+    weight: float | Sequence[float] = 1.0,
 ) -> list[Event]:
     """The schedule's op lists placed as early as dependencies allow with these durations
-    (input-gradient backward and weight gradient separately; an unsplit schedule's B
-    takes backward + weight)."""
+    (one number, or one per stage; input-gradient backward and weight gradient separately:
+    an unsplit schedule's B takes backward + weight)."""
     ops = [schedule.stage_ops(s) for s in range(schedule.num_stages)]
-    b = backward if schedule.split_backward else backward + weight
-    return place(ops, {FORWARD: forward, BACKWARD: b, WEIGHT: weight})
+    n = schedule.num_stages
+
+    def per_stage(x: float | Sequence[float]) -> list[float]:
+        return [float(x)] * n if isinstance(x, float | int) else [float(v) for v in x]
+
+    f, b, w = per_stage(forward), per_stage(backward), per_stage(weight)
+    if not schedule.split_backward:
+        b = [bi + wi for bi, wi in zip(b, w)]
+    return place(ops, {FORWARD: f, BACKWARD: b, WEIGHT: w})
 
 
 def idle_fraction(events: Iterable[Event], num_stages: int) -> float:

@@ -3,7 +3,9 @@
 A :class:`StageRunner` walks its stage's tasks (``plan.stage_tasks``) in order: for a
 forward it takes the input from the channel (or the tokens), dispatches the stage's
 forward program and hands the output to the channel; for a backward the same with
-gradients. It never waits for a device result it does not need: dispatch is
+gradients. When the tasks hold W's (a split schedule), B dispatches the input-gradient
+program and W the weight-gradient program; both are recorded as ``bwd`` events with
+``part`` "B" or "W". It never waits for a device result it does not need: dispatch is
 asynchronous, and only a receive blocks (for the peer's tensor). Optional watcher threads
 wait for each program's output to record when the work ran; they never hold up dispatch.
 
@@ -23,6 +25,7 @@ import jax
 
 from h2jax.comm import BWD, FWD, Channel, PipelineAborted, TransferFailure
 from h2jax.plan import Task
+from h2jax.plan._schedule import BACKWARD, FORWARD, WEIGHT
 from h2jax.runtime._stage import StageProgram
 from h2jax.runtime._timeline import Timeline
 
@@ -48,11 +51,13 @@ class Watcher:
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"h2jax-watch-{stage}")
         self._thread.start()
 
-    def watch(self, kind: str, step: int, microbatch: int | None, dispatched: float, out: Any) -> threading.Event:
+    def watch(
+        self, kind: str, step: int, microbatch: int | None, dispatched: float, out: Any, **extra: Any
+    ) -> threading.Event:
         """Queue ``out`` to be timed; the returned event is set once its end is recorded, so a
-        transfer that waits on it starts after the recorded end."""
+        transfer that waits on it starts after the recorded end. ``extra`` lands in the event."""
         done = threading.Event()
-        self._q.put((kind, step, microbatch, dispatched, out, done))
+        self._q.put((kind, step, microbatch, dispatched, out, done, extra))
         return done
 
     def drain(self) -> None:
@@ -67,14 +72,14 @@ class Watcher:
             if item is None:
                 self._q.task_done()
                 return
-            kind, step, mb, dispatched, out, done = item
+            kind, step, mb, dispatched, out, done, extra = item
             try:
                 jax.block_until_ready(out)
                 end = time.perf_counter()
                 start = max(dispatched, self._last_end)
                 self._last_end = end
                 self._timeline.add(
-                    kind, stage=self._stage, step=step, microbatch=mb, start=start, end=end, chip=self._chip
+                    kind, stage=self._stage, step=step, microbatch=mb, start=start, end=end, chip=self._chip, **extra
                 )
             except Exception:  # noqa: BLE001 -- the failure itself surfaces on the dispatching thread
                 pass
@@ -101,6 +106,7 @@ class StageRunner:
         self.timeline = timeline if record else None
         self.watcher = Watcher(timeline, program.stage_idx, program.spec.chip) if self.timeline is not None else None
         self.step = 0
+        self.split = any(t.kind == WEIGHT for t in self.tasks)
         if self.timeline is not None:
             channel.record = self._record_transfer
 
@@ -122,6 +128,8 @@ class StageRunner:
         st, ch = self.program, self.channel
         self.step = step
         saved: dict[int, Any] = {}
+        kept: dict[int, Any] = {}  # B's hand-over to W, split schedules
+        part = {"part": BACKWARD} if self.split else {}
         losses: list[Any] = []
         task = None
         try:
@@ -130,24 +138,32 @@ class StageRunner:
                 if task.kind == "F":
                     x = tokens[m] if st.first else ch.recv(FWD, m)
                     t0 = time.perf_counter()
-                    y, saved[m] = st.forward(m, x, targets[m] if st.last else None)
+                    y, saved[m] = st.forward(m, x, targets[m] if st.last else None, split=self.split)
                     ready = self.watcher.watch("fwd", step, m, t0, y) if self.watcher else None
                     if st.last:
                         losses.append(y)
                     else:
                         ch.send(FWD, m, y, ready=ready)
-                else:
+                elif task.kind == BACKWARD:
                     dy = self.dloss if st.last else ch.recv(BWD, m)
                     t0 = time.perf_counter()
-                    dx = st.backward(m, saved.pop(m), targets[m] if st.last else None, dy)
-                    ready = self.watcher.watch("bwd", step, m, t0, dx) if self.watcher else None
+                    if self.split:
+                        dx, kept[m] = st.input_backward(m, saved.pop(m), targets[m] if st.last else None, dy)
+                    else:
+                        dx = st.backward(m, saved.pop(m), targets[m] if st.last else None, dy)
+                    ready = self.watcher.watch("bwd", step, m, t0, dx, **part) if self.watcher else None
                     if not st.first:
                         ch.send(BWD, m, dx, ready=ready)
+                else:  # WEIGHT
+                    t0 = time.perf_counter()
+                    done = st.weight_backward(m, kept.pop(m))
+                    if self.watcher:
+                        self.watcher.watch("bwd", step, m, t0, done, part=WEIGHT)
             ch.flush()  # every send of this step has left
         except (PipelineAborted, StageFailure, TransferFailure):
             raise
         except BaseException as e:
-            kind = "forward" if task is None or task.kind == "F" else "backward"
+            kind = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight gradient"}[task.kind if task else FORWARD]
             raise StageFailure(st.stage_idx, step, f"{kind} of microbatch {getattr(task, 'microbatch', '?')}", e) from e
         return losses
 

@@ -10,6 +10,17 @@ For each stage, once, on that stage's mesh (devices of one backend):
 - ``update(params, opt_state, acc, scale) -> (params, opt_state, zeros)``: the global
   clip factor ``scale`` comes from every stage's squared norm.
 
+Schedules that split the backward (zb-h1) use three other programs instead of forward and
+backward (``h2jax.runtime._split`` explains the split and why it is exact):
+
+- ``split_forward_fn(params, x, targets) -> (y, saved)``: ``saved`` is the vjp closure with
+  respect to the input and the mixing-output probes only, plus the activations W needs;
+  with recompute, the input alone.
+- ``input_grad_fn(params, saved, targets, dy) -> (dx, kept)`` (B): the input gradient, and
+  for W the cotangent of every mixing output and the activations beside it.
+- ``weight_grad_fn(params, kept, acc) -> (acc + dparams, done)`` (W): the weight gradient,
+  one transpose per mixing equation, no chain through the activations.
+
 The forward and backward programs wrap those two functions; an in-program channel
 (``ffi``) adds its receive and send inside them.
 """
@@ -28,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from h2jax.models import StageModule, partition_specs
 from h2jax.plan import StageSpec
+from h2jax.runtime._split import SplitJaxpr, analyse
 
 
 def _f32_zeros(tree: Any) -> Any:
@@ -118,6 +130,7 @@ class StageProgram:
         )
         self.opt_state = jax.jit(tx.init, out_shardings=self.opt_state_shardings)(self.params)
         self.acc = jax.jit(_f32_zeros, out_shardings=self.param_shardings)(self.params)
+        self._split: SplitJaxpr | None = None  # the analysed stage function (set when a split program traces)
         self._build_optimizer_programs()
         self.build(None)
 
@@ -161,6 +174,50 @@ class StageProgram:
             return acc, jnp.zeros((), jnp.float32)
         return acc, jax.lax.with_sharding_constraint(grads[1], self.act_sharding)
 
+    # -- the backward split into B and W (split schedules) ---------------------------------------
+    def _probed_vjp(self, params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any, list]:
+        """(output, vjp w.r.t. the input and the mixing-output probes, activations W needs)."""
+        self._split = sp = analyse(self._apply, params, x, targets)
+        p_leaves = jax.tree.leaves(params)
+        t_leaves = [] if targets is None else [targets]
+        probes = sp.probe_zeros()
+        if self.first:  # integer tokens: no input gradient
+            return jax.vjp(lambda pr: sp.forward(p_leaves, [x, *t_leaves], pr), probes, has_aux=True)
+        return jax.vjp(lambda x_, pr: sp.forward(p_leaves, [x_, *t_leaves], pr), x, probes, has_aux=True)
+
+    def split_forward_fn(self, params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any]:
+        """(output or loss, what B needs): the probed vjp and W's activations, or with
+        recompute the input alone."""
+        if self.recompute:
+            self._split = analyse(self._apply, params, x, targets)
+            return self._apply(params, x, targets), x
+        y, vjp, kept = self._probed_vjp(params, x, targets)
+        return y, (vjp, kept)
+
+    def input_grad_fn(self, params: Any, saved: Any, targets: jax.Array | None, dy: jax.Array) -> tuple[jax.Array, Any]:
+        """B: (input gradient, what W needs: the activations and the mixing-output cotangents).
+        The parameters are not differentiated here, so no weight-gradient work is traced."""
+        if self.recompute:
+            _, vjp, kept = self._probed_vjp(params, saved, targets)
+        else:
+            vjp, kept = saved
+        grads = vjp(dy)
+        cotangents = grads[-1]
+        if self.first:
+            return jnp.zeros((), jnp.float32), (kept, cotangents)
+        return jax.lax.with_sharding_constraint(grads[0], self.act_sharding), (kept, cotangents)
+
+    def weight_grad_fn(self, params: Any, kept: Any, acc: Any) -> tuple[Any, jax.Array]:
+        """W: (acc + this microbatch's fp32 parameter gradient, a scalar ready with it)."""
+        if self._split is None:
+            raise RuntimeError(f"stage {self.stage_idx}: W traced before any split forward analysed the stage")
+        sp = self._split
+        activations, cotangents = kept
+        _, vjp = jax.vjp(lambda p: sp.mixing_outputs(jax.tree.leaves(p), activations), params)
+        (grads,) = vjp(cotangents)
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        return jax.lax.with_sharding_constraint(acc, self.param_shardings), jnp.zeros((), jnp.float32)
+
     # -- programs ---------------------------------------------------------------------------------
     def build(self, channel: Any) -> None:
         """Jit the forward and backward programs; with an in-program channel, its receive and
@@ -169,16 +226,22 @@ class StageProgram:
 
         inside = channel is not None and getattr(channel, "in_program", False)
         self._in_program = inside
+        self._wgt = jax.jit(self.weight_grad_fn, donate_argnums=(2,))  # W never crosses a boundary
         if not inside:
             self._fwd = jax.jit(lambda p, x, t, base: self.forward_fn(p, x, t))
             self._bwd = jax.jit(lambda p, s, t, dy, acc, base: self.backward_fn(p, s, t, dy, acc), donate_argnums=(4,))
+            self._fwd_split = jax.jit(lambda p, x, t, base: self.split_forward_fn(p, x, t))
+            self._bwd_in = jax.jit(lambda p, s, t, dy, base: self.input_grad_fn(p, s, t, dy))
             return
 
-        def fwd(params, x, targets, base):
-            if not self.first:
-                x = channel.recv_in_program(FWD, base)
-            y, saved = self.forward_fn(params, x, targets)
-            return (y if self.last else channel.send_in_program(FWD, y, base)), saved
+        def forward_program(forward_fn):
+            def fwd(params, x, targets, base):
+                if not self.first:
+                    x = channel.recv_in_program(FWD, base)
+                y, saved = forward_fn(params, x, targets)
+                return (y if self.last else channel.send_in_program(FWD, y, base)), saved
+
+            return fwd
 
         def bwd(params, saved, targets, dy, acc, base):
             if not self.last:
@@ -186,8 +249,16 @@ class StageProgram:
             acc, dx = self.backward_fn(params, saved, targets, dy, acc)
             return acc, (dx if self.first else channel.send_in_program(BWD, dx, base))
 
-        self._fwd = jax.jit(fwd)
+        def bwd_in(params, saved, targets, dy, base):
+            if not self.last:
+                dy = channel.recv_in_program(BWD, base)
+            dx, kept = self.input_grad_fn(params, saved, targets, dy)
+            return (dx if self.first else channel.send_in_program(BWD, dx, base)), kept
+
+        self._fwd = jax.jit(forward_program(self.forward_fn))
         self._bwd = jax.jit(bwd, donate_argnums=(4,))
+        self._fwd_split = jax.jit(forward_program(self.split_forward_fn))
+        self._bwd_in = jax.jit(bwd_in)
 
     def _build_optimizer_programs(self) -> None:
         def update(params, opt_state, acc, scale):
@@ -207,12 +278,29 @@ class StageProgram:
         self._sqnorm = jax.jit(lambda acc: sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(acc)))
 
     # -- what the runner calls ------------------------------------------------------------------------
-    def forward(self, microbatch: int, x: jax.Array | None, targets: jax.Array | None) -> tuple[jax.Array, Any]:
+    def forward(
+        self, microbatch: int, x: jax.Array | None, targets: jax.Array | None, *, split: bool = False
+    ) -> tuple[jax.Array, Any]:
         """Dispatch the forward of one microbatch; returns (output, loss or send token; what
-        backward needs). ``x`` is None when the program receives it."""
+        backward needs -- with ``split``, what B needs). ``x`` is None when the program receives it."""
         from h2jax.comm import FWD
 
-        return self._fwd(self.params, x, targets, self._base(microbatch, FWD))
+        program = self._fwd_split if split else self._fwd
+        return program(self.params, x, targets, self._base(microbatch, FWD))
+
+    def input_backward(
+        self, microbatch: int, saved: Any, targets: jax.Array | None, dy: jax.Array | None
+    ) -> tuple[jax.Array, Any]:
+        """Dispatch B of one microbatch: returns (dx as :meth:`backward` does, what W needs)."""
+        from h2jax.comm import BWD
+
+        return self._bwd_in(self.params, saved, targets, dy, self._base(microbatch, BWD))
+
+    def weight_backward(self, microbatch: int, kept: Any) -> jax.Array:
+        """Dispatch W of one microbatch; accumulates into ``self.acc``; returns a scalar that is
+        ready when the work is."""
+        self.acc, done = self._wgt(self.params, kept, self.acc)
+        return done
 
     def backward(self, microbatch: int, saved: Any, targets: jax.Array | None, dy: jax.Array | None) -> jax.Array:
         """Dispatch the backward of one microbatch; accumulates into ``self.acc``; returns dx
