@@ -12,7 +12,7 @@ live in ``_routing.py``; the resharding pattern itself is the pure
 Below the channels, point-to-point movers between ranks of one MPI communicator (also
 what ``benchmarks/transport.py`` measures)::
 
-    t = make_peer_transport("ffi" | "host", comm=None, timeout_s=60.0)   # collective over comm
+    t = FfiTransport(comm, timeout_s=60.0) | HostTransport(comm, ...)   # collective over comm
     t.send(x, *, peer: int, tag: int) -> None                     # never waits for the receiver
     y = t.recv(like, *, peer: int, tag: int, sharding=None) -> jax.Array
     t.flush() -> None                                             # every send delivered (or error)
@@ -53,7 +53,7 @@ from h2jax.comm._ffi import (
     stash_stats,
 )
 from h2jax.comm._host import HostTransport
-from h2jax.comm._peer import FfiTransport, PeerTransport, make_peer_transport
+from h2jax.comm._peer import FfiTransport, PeerTransport
 from h2jax.comm._routing import BWD, FWD, Boundary, RoutingUnsupported, tag_base
 
 __all__ = [
@@ -79,7 +79,6 @@ __all__ = [
     "FfiChannel",
     "PeerTransport",
     "is_available",
-    "make_peer_transport",
     "new_token",
     "recv",
     "register",

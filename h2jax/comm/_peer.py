@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from h2jax.comm import _ffi
-from h2jax.comm._host import HostTransport, first_device
+from h2jax.comm._host import first_device
 
 
 @runtime_checkable
@@ -97,16 +97,3 @@ class FfiTransport:
 
     def close(self) -> None:
         self.flush()
-
-
-def make_peer_transport(name: str, comm: Any = None, *, timeout_s: float = _ffi.DEFAULT_TIMEOUT_S) -> PeerTransport:
-    """The multi-process transport called ``name`` ('ffi' or 'host') over ``comm`` (COMM_WORLD).
-
-    Collective over ``comm``: the transport duplicates it so that its messages never match
-    anyone else's.
-    """
-    if name == "ffi":
-        return FfiTransport(comm, timeout_s=timeout_s)
-    if name == "host":
-        return HostTransport(comm, timeout_s=timeout_s)
-    raise ValueError(f"train.transport: {name!r} does not cross processes; expected 'ffi' or 'host'")
