@@ -19,7 +19,7 @@ takes float times (seconds, or slots) and a tolerance.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -36,16 +36,25 @@ class Task:
 
     kind: str
     microbatch: int
+    chunk: int = 0  # which of the stage's layer chunks (virtual stages); 0 for one-chunk schedules
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
 
 
 Grid = tuple[tuple[Task | None, ...], ...]
 """Rows = stages, columns = unit time slots, None = bubble."""
 
-Event = tuple[int, str, int, float, float]
-"""(stage_idx, kind, microbatch_idx, start, end); times in any one unit (s or slots)."""
+Event = tuple[int, str, int, float, float] | tuple[int, str, int, float, float, int]
+"""(stage_idx, kind, microbatch_idx, start, end[, chunk]); times in any one unit (s or
+slots); a missing chunk means chunk 0."""
+
+VirtualStage = Callable[[int, int], int]
+"""(stage_idx, chunk) -> position of that layer chunk in the model (0 = embedding side)."""
+
+
+def _one_chunk(stage_idx: int, chunk: int) -> int:
+    return stage_idx
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -53,18 +62,24 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"num_stages={num_stages}, num_microbatches={num_microbatches}; expected both >= 1")
 
 
-def _deps(task: Task, stage_idx: int, num_stages: int) -> list[tuple[int, str, int]]:
-    """What a task waits for: F(s, m) for F(s-1, m); B(s, m) for F(s, m) and B(s+1, m);
-    W(s, m) for B(s, m) (it consumes the cotangents B kept)."""
-    s, m = stage_idx, task.microbatch
-    if task.kind == FORWARD:
-        return [(s - 1, FORWARD, m)] if s > 0 else []
-    if task.kind == BACKWARD:
-        return [(s, FORWARD, m)] + ([(s + 1, BACKWARD, m)] if s < num_stages - 1 else [])
-    return [(s, BACKWARD, m)]
+def _deps(kind: str, pos: int, m: int, num_virtual: int) -> list[tuple[int, str, int]]:
+    """What a task of the layer chunk at model position `pos` waits for, as (position, kind,
+    microbatch): F(v, m) for F(v-1, m); B(v, m) for F(v, m) and B(v+1, m); W(v, m) for
+    B(v, m) (it consumes the cotangents B kept)."""
+    if kind == FORWARD:
+        return [(pos - 1, FORWARD, m)] if pos > 0 else []
+    if kind == BACKWARD:
+        return [(pos, FORWARD, m)] + ([(pos + 1, BACKWARD, m)] if pos < num_virtual - 1 else [])
+    return [(pos, BACKWARD, m)]
 
 
-def place(ops: Sequence[Sequence[Task]], durations: dict[str, float | Sequence[float]]) -> list[Event]:
+def place(
+    ops: Sequence[Sequence[Task]],
+    durations: dict[str, float | Sequence[float]],
+    *,
+    num_chunks: int = 1,
+    virtual_stage: VirtualStage = _one_chunk,
+) -> list[Event]:
     """Run each stage's ordered ops as early as the dependencies allow, with the duration of
     each kind from `durations` (one number, or one per stage); one task at a time per stage,
     in list order; transfers take no time. Returns events.
@@ -82,15 +97,17 @@ def place(ops: Sequence[Sequence[Task]], durations: dict[str, float | Sequence[f
         for s in range(num_stages):
             while cursor[s] < len(ops[s]):
                 task = ops[s][cursor[s]]
-                deps = _deps(task, s, num_stages)
+                pos = virtual_stage(s, task.chunk)
+                deps = _deps(task.kind, pos, task.microbatch, num_stages * num_chunks)
                 if not all(d in end for d in deps):
                     break
                 start = max([free[s]] + [end[d] for d in deps])
                 dur = durations[task.kind]
-                free[s] = end[(s, task.kind, task.microbatch)] = start + (
+                free[s] = end[(pos, task.kind, task.microbatch)] = start + (
                     dur if isinstance(dur, float | int) else dur[s]
                 )
-                events.append((s, task.kind, task.microbatch, start, free[s]))
+                chunk = (task.chunk,) if num_chunks > 1 else ()
+                events.append((s, task.kind, task.microbatch, start, free[s], *chunk))
                 cursor[s] += 1
                 remaining -= 1
                 progress = True
@@ -100,13 +117,13 @@ def place(ops: Sequence[Sequence[Task]], durations: dict[str, float | Sequence[f
     return events
 
 
-def _place(ops: Sequence[Sequence[Task]]) -> Grid:
+def _place(ops: Sequence[Sequence[Task]], *, num_chunks: int = 1, virtual_stage: VirtualStage = _one_chunk) -> Grid:
     """The grid of `place` under unit durations: slot t holds the task running in [t, t + 1)."""
-    events = place(ops, dict.fromkeys(KINDS, 1.0))
+    events = place(ops, dict.fromkeys(KINDS, 1.0), num_chunks=num_chunks, virtual_stage=virtual_stage)
     makespan = int(max((e[4] for e in events), default=0))
     rows: list[list[Task | None]] = [[None] * makespan for _ in ops]
-    for s, kind, m, start, _ in events:
-        rows[s][int(start)] = Task(kind, m)
+    for s, kind, m, start, _, *chunk in events:
+        rows[s][int(start)] = Task(kind, m, *chunk)
     return tuple(tuple(r) for r in rows)
 
 
@@ -119,6 +136,8 @@ class GPipe:
     num_stages: int
     num_microbatches: int
     split_backward: ClassVar[bool] = False
+    num_chunks: ClassVar[int] = 1
+    virtual_stage = staticmethod(_one_chunk)
 
     def __post_init__(self) -> None:
         _check_sizes(self.num_stages, self.num_microbatches)
@@ -147,6 +166,8 @@ class OneFOneB:
     num_stages: int
     num_microbatches: int
     split_backward: ClassVar[bool] = False
+    num_chunks: ClassVar[int] = 1
+    virtual_stage = staticmethod(_one_chunk)
 
     def __post_init__(self) -> None:
         _check_sizes(self.num_stages, self.num_microbatches)
@@ -188,6 +209,8 @@ class ZeroBubbleH1:
     num_stages: int
     num_microbatches: int
     split_backward: ClassVar[bool] = True
+    num_chunks: ClassVar[int] = 1
+    virtual_stage = staticmethod(_one_chunk)
 
     def __post_init__(self) -> None:
         _check_sizes(self.num_stages, self.num_microbatches)
@@ -223,16 +246,167 @@ class ZeroBubbleH1:
         return _place([self.stage_ops(s) for s in range(self.num_stages)])
 
 
-Schedule = GPipe | OneFOneB | ZeroBubbleH1
-_SCHEDULES: dict[str, type[GPipe] | type[OneFOneB] | type[ZeroBubbleH1]] = {
+@dataclass(frozen=True)
+class Interleaved:
+    """Interleaved 1F1B (Megatron-LM, arXiv 2104.04473): each stage holds `num_chunks` (v)
+    layer chunks, chunk c of stage s at model position c * p + s, so a microbatch passes
+    every stage v times. Forwards go in groups of p microbatches, chunk by chunk; stage s
+    warms up with 2(p - s - 1) + (v - 1)p chunk forwards, then alternates one forward,
+    one backward (backwards visit the chunks in reverse).
+
+    Needs num_microbatches divisible by num_stages (the grouping). In flight: stage s holds
+    at most 2(p - s - 1) + (v - 1)p + 1 (chunk, microbatch) activations, each 1/v of a
+    stage's. Bubble with unit F and B per chunk: p - 1 idle (F + B) per stage against v·m
+    of work, i.e. (p - 1) / (v·m + p - 1) of the makespan (Megatron's (p - 1) / (v·m)
+    counts idle per compute): 1F1B's bubble divided by about v, for v times the transfers."""
+
+    num_stages: int
+    num_microbatches: int
+    num_chunks: int = 2
+    split_backward: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        _check_sizes(self.num_stages, self.num_microbatches)
+        if self.num_chunks < 1:
+            raise ValueError(f"num_chunks={self.num_chunks}; expected >= 1")
+        if self.num_microbatches % self.num_stages:
+            raise ValueError(
+                f"interleaved: num_microbatches={self.num_microbatches} is not a multiple of "
+                f"num_stages={self.num_stages} (forwards go in groups of num_stages microbatches)"
+            )
+
+    def virtual_stage(self, stage_idx: int, chunk: int) -> int:
+        return chunk * self.num_stages + stage_idx
+
+    def _order(self, backward: bool) -> list[tuple[int, int]]:
+        """(chunk, microbatch) in the order a stage runs them: groups of p microbatches,
+        chunk by chunk (reversed for backwards)."""
+        p, v, m = self.num_stages, self.num_chunks, self.num_microbatches
+        return [(v - 1 - c if backward else c, i) for g in range(0, m, p) for c in range(v) for i in range(g, g + p)]
+
+    def _warmup(self, stage_idx: int) -> int:
+        p, v = self.num_stages, self.num_chunks
+        return min(2 * (p - stage_idx - 1) + (v - 1) * p, v * self.num_microbatches)
+
+    def stage_ops(self, stage_idx: int) -> list[Task]:
+        fw = [Task(FORWARD, i, c) for c, i in self._order(False)]
+        bw = [Task(BACKWARD, i, c) for c, i in self._order(True)]
+        warmup, total = self._warmup(stage_idx), len(fw)
+        # warmup
+        ops = fw[:warmup]
+        # steady state: one forward, one backward
+        for i in range(total - warmup):
+            ops += [fw[warmup + i], bw[i]]
+        # cooldown
+        ops += bw[total - warmup :]
+        return ops
+
+    def max_in_flight(self) -> tuple[int, ...]:
+        """(chunk, microbatch) activations per stage (each 1/v of a stage's)."""
+        total = self.num_chunks * self.num_microbatches
+        return tuple(min(self._warmup(s) + 1, total) for s in range(self.num_stages))
+
+    def tasks(self) -> Grid:
+        ops = [self.stage_ops(s) for s in range(self.num_stages)]
+        return _place(ops, num_chunks=self.num_chunks, virtual_stage=self.virtual_stage)
+
+
+@dataclass(frozen=True)
+class ZeroBubbleV:
+    """ZB-V (arXiv 2401.10241): two chunks per stage in a V -- chunk 0 of stage s at model
+    position s, chunk 1 at 2p - 1 - s, so stage 0 holds the first and the last layers --
+    with the B/W split. Stage s warms up with 2(p - s) - 1 chunk-0 forwards, then s pairs
+    (chunk-1 F, chunk-0 F), then p - s rounds of chunk-1 F, B, W; the steady state runs
+    chunk-0 F, B, W and chunk-1 F, B, W; the cool-down runs the remaining B's with W's
+    deferred into the gaps (PyTorch's ScheduleZBVZeroBubble builds the same lists).
+
+    Needs num_microbatches >= 2p - 1 (the warm-up's forwards). In flight: at most 2p
+    (chunk, microbatch) activations on every stage, each half a stage's: 1F1B's peak of p
+    microbatches. Bubble with unit F = B = W per chunk: p - 1 idle chunk slots per stage,
+    only the fill of the first forward (no order of these ops can start the last stage
+    earlier), i.e. (p - 1) / (6m + p - 1) of the makespan; the paper's bubble term
+    (p - 1)(T_F + T_B - 2T_W) of a stage's times is zero there."""
+
+    num_stages: int
+    num_microbatches: int
+    split_backward: ClassVar[bool] = True
+    num_chunks: ClassVar[int] = 2
+
+    def __post_init__(self) -> None:
+        _check_sizes(self.num_stages, self.num_microbatches)
+        if self.num_microbatches < 2 * self.num_stages - 1:
+            raise ValueError(
+                f"zb-v: num_microbatches={self.num_microbatches} < 2 * num_stages - 1 = "
+                f"{2 * self.num_stages - 1} (the V's warm-up needs that many)"
+            )
+
+    def virtual_stage(self, stage_idx: int, chunk: int) -> int:
+        return stage_idx if chunk == 0 else 2 * self.num_stages - 1 - stage_idx
+
+    def stage_ops(self, stage_idx: int) -> list[Task]:
+        p, m, s = self.num_stages, self.num_microbatches, stage_idx
+        ops: list[Task] = []
+        nf, nb, nw = [0, 0], [0, 0], [0, 0]  # per chunk: forwards, B's, W's issued
+
+        def add(kind: str, chunk: int) -> None:
+            count = {FORWARD: nf, BACKWARD: nb, WEIGHT: nw}[kind]
+            ops.append(Task(kind, count[chunk], chunk))
+            count[chunk] += 1
+
+        # warmup: down the V's first arm, then both arms, then the turn at the last stage
+        for _ in range(2 * (p - s) - 1):
+            add(FORWARD, 0)
+        for _ in range(s):
+            add(FORWARD, 1)
+            add(FORWARD, 0)
+        for _ in range(p - s):
+            add(FORWARD, 1)
+            add(BACKWARD, 1)
+            add(WEIGHT, 1)
+        # steady state: F, B, W on each chunk in turn
+        while nf[1] < nf[0] or nf[0] < m:
+            if nf[0] < m:
+                add(FORWARD, 0)
+            add(BACKWARD, 0)
+            add(WEIGHT, 0)
+            add(FORWARD, 1)
+            add(BACKWARD, 1)
+            add(WEIGHT, 1)
+        # cooldown: the remaining B's, W's deferred into the gaps and to the end
+        for _ in range(s):
+            add(BACKWARD, 0)
+            add(BACKWARD, 1)
+        for _ in range(p - s):
+            add(BACKWARD, 0)
+            add(WEIGHT, 0)
+        while nw[1] < nb[1]:
+            add(WEIGHT, 1)
+        while nw[0] < nb[0]:
+            add(WEIGHT, 0)
+        return ops
+
+    def max_in_flight(self) -> tuple[int, ...]:
+        """(chunk, microbatch) activations per stage (each half a stage's)."""
+        return (2 * self.num_stages,) * self.num_stages
+
+    def tasks(self) -> Grid:
+        ops = [self.stage_ops(s) for s in range(self.num_stages)]
+        return _place(ops, num_chunks=2, virtual_stage=self.virtual_stage)
+
+
+Schedule = GPipe | OneFOneB | ZeroBubbleH1 | Interleaved | ZeroBubbleV
+_SCHEDULES: dict[str, type[Schedule]] = {
     "gpipe": GPipe,
     "1f1b": OneFOneB,
     "zb-h1": ZeroBubbleH1,
+    "interleaved": Interleaved,
+    "zb-v": ZeroBubbleV,
 }
 
 
 def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """The schedule called `name` (gpipe, 1f1b or zb-h1) for this pipeline shape."""
+    """The schedule called `name` (gpipe, 1f1b, zb-h1, interleaved with 2 chunks, zb-v) for
+    this pipeline shape. The runtime runs those in `h2jax.plan.SCHEDULES`."""
     if name not in _SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(_SCHEDULES)}")
     return _SCHEDULES[name](num_stages, num_microbatches)
@@ -257,7 +431,12 @@ def timed_events(
     f, b, w = per_stage(forward), per_stage(backward), per_stage(weight)
     if not schedule.split_backward:
         b = [bi + wi for bi, wi in zip(b, w)]
-    return place(ops, {FORWARD: f, BACKWARD: b, WEIGHT: w})
+    return place(
+        ops,
+        {FORWARD: f, BACKWARD: b, WEIGHT: w},
+        num_chunks=schedule.num_chunks,
+        virtual_stage=schedule.virtual_stage,
+    )
 
 
 def idle_fraction(events: Iterable[Event], num_stages: int) -> float:
@@ -278,9 +457,11 @@ def stage_tasks(grid: Grid, stage_idx: int) -> list[Task]:
 
 
 def grid_events(grid: Grid) -> list[Event]:
-    """Events of a grid: the task in slot t starts at t and ends at t + 1."""
+    """Events of a grid: the task in slot t starts at t and ends at t + 1 (with its chunk
+    when a grid holds chunks other than 0)."""
+    chunked = any(task is not None and task.chunk for row in grid for task in row)
     return [
-        (s, task.kind, task.microbatch, float(t), float(t + 1))
+        (s, task.kind, task.microbatch, float(t), float(t + 1), *((task.chunk,) if chunked else ()))
         for s, row in enumerate(grid)
         for t, task in enumerate(row)
         if task is not None
@@ -309,67 +490,85 @@ def check_execution(
     max_in_flight: Sequence[int] | None = None,
     forwards_first: bool = False,
     split_backward: bool | None = None,
+    num_chunks: int = 1,
+    virtual_stage: VirtualStage = _one_chunk,
     eps: float = 0.0,
 ) -> list[str]:
     """Human-readable violations of the pipeline invariants; an empty list means ok.
 
-    `events` are `(stage_idx, kind, microbatch_idx, start, end)` with kind "F", "B" or "W".
-    Checked: every (stage, microbatch) has exactly one F and one B, and with
-    `split_backward` exactly one W (None: split when any W event is present); F(s, m)
-    starts after F(s-1, m) ends; B(s, m) after B(s+1, m) and after F(s, m) end; W(s, m)
-    after B(s, m) ends; events of one stage do not overlap; with `max_in_flight`, stage s
-    never holds more than max_in_flight[s] microbatches (F started, and its last backward
-    task -- W when split, else B -- not ended); with `forwards_first`, every F of a stage
-    starts before any B of it. `eps` is the tolerance on every time comparison, in the
-    events' time unit (recorded timestamps jitter).
+    `events` are `(stage_idx, kind, microbatch_idx, start, end[, chunk])` with kind "F", "B"
+    or "W". Stage s holds `num_chunks` layer chunks; `virtual_stage(s, c)` is chunk c's
+    position in the model. Checked: every (stage, chunk, microbatch) has exactly one F and
+    one B, and with `split_backward` exactly one W (None: split when any W event is
+    present); the F of a chunk starts after the F of the chunk before it in the model ends;
+    its B after the B of the chunk after it and after its own F; W after its B; events of
+    one stage do not overlap; with `max_in_flight`, stage s never holds more than
+    max_in_flight[s] (chunk, microbatch) activations (F started, its last backward task --
+    W when split, else B -- not ended); with `forwards_first`, every F of a stage starts
+    before any B of it. `eps` is the tolerance on every time comparison, in the events'
+    time unit (recorded timestamps jitter).
     """
     events = list(events)
     if split_backward is None:
         split_backward = any(ev[1] == WEIGHT for ev in events)
     kinds = KINDS if split_backward else (FORWARD, BACKWARD)
+    num_virtual = num_stages * num_chunks
+    where = {virtual_stage(s, c): (s, c) for s in range(num_stages) for c in range(num_chunks)}
+    if sorted(where) != list(range(num_virtual)):
+        return [
+            f"virtual_stage maps {num_stages} stages x {num_chunks} chunks onto {sorted(where)}, expected 0..{num_virtual - 1}"
+        ]
+
+    def name(s: int, c: int, kind: str, m: int) -> str:
+        return f"stage {s} {kind}{m}" + (f" chunk {c}" if num_chunks > 1 else "")
+
     errors: list[str] = []
-    by_key: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
+    by_key: dict[tuple[int, int, str, int], list[tuple[float, float]]] = {}
     per_stage: list[list[tuple[float, float, str]]] = [[] for _ in range(num_stages)]
     for ev in events:
-        s, kind, m, start, end = ev
+        s, kind, m, start, end, *rest = ev
+        c = int(rest[0]) if rest else 0
         start, end = float(start), float(end)
-        if not (0 <= s < num_stages) or kind not in kinds or not (0 <= m < num_microbatches):
+        if not (0 <= s < num_stages) or kind not in kinds or not (0 <= m < num_microbatches) or not 0 <= c < num_chunks:
             errors.append(
                 f"event {ev!r}: expected stage in [0, {num_stages}), kind {' or '.join(kinds)}, "
-                f"microbatch in [0, {num_microbatches})"
+                f"microbatch in [0, {num_microbatches})" + (f", chunk in [0, {num_chunks})" if num_chunks > 1 else "")
             )
             continue
         if end < start - eps:
-            errors.append(f"stage {s} {kind}{m}: ends at {_fmt(end)} before it starts at {_fmt(start)}")
-        by_key.setdefault((s, kind, m), []).append((start, end))
-        per_stage[s].append((start, end, f"{kind}{m}"))
+            errors.append(f"{name(s, c, kind, m)}: ends at {_fmt(end)} before it starts at {_fmt(start)}")
+        by_key.setdefault((s, c, kind, m), []).append((start, end))
+        per_stage[s].append((start, end, f"{kind}{m}" + (f"c{c}" if c else "")))
 
-    first: dict[tuple[int, str, int], tuple[float, float]] = {}
+    first: dict[tuple[int, int, str, int], tuple[float, float]] = {}
     for s in range(num_stages):
-        for m in range(num_microbatches):
-            for kind in kinds:
-                runs = sorted(by_key.get((s, kind, m), []))
-                if len(runs) != 1:
-                    errors.append(f"stage {s} microbatch {m}: {kind} runs {len(runs)} times, expected 1")
-                if runs:
-                    first[(s, kind, m)] = runs[0]
+        for c in range(num_chunks):
+            for m in range(num_microbatches):
+                for kind in kinds:
+                    runs = sorted(by_key.get((s, c, kind, m), []))
+                    if len(runs) != 1:
+                        at = f"stage {s}" + (f" chunk {c}" if num_chunks > 1 else "")
+                        errors.append(f"{at} microbatch {m}: {kind} runs {len(runs)} times, expected 1")
+                    if runs:
+                        first[(s, c, kind, m)] = runs[0]
 
-    def after(key: tuple[int, str, int], dep: tuple[int, str, int], why: str) -> None:
+    def after(key: tuple[int, int, str, int], dep: tuple[int, int, str, int], why: str) -> None:
         if key in first and dep in first and first[key][0] < first[dep][1] - eps:
             errors.append(
-                f"stage {key[0]} {key[1]}{key[2]} starts at {_fmt(first[key][0])} before "
-                f"stage {dep[0]} {dep[1]}{dep[2]} ends at {_fmt(first[dep][1])} ({why})"
+                f"{name(*key)} starts at {_fmt(first[key][0])} before "
+                f"{name(*dep)} ends at {_fmt(first[dep][1])} ({why})"
             )
 
-    for s in range(num_stages):
+    for pos in range(num_virtual):
+        s, c = where[pos]
         for m in range(num_microbatches):
-            if s > 0:
-                after((s, FORWARD, m), (s - 1, FORWARD, m), "forward needs the previous stage's output")
-            if s < num_stages - 1:
-                after((s, BACKWARD, m), (s + 1, BACKWARD, m), "backward needs the next stage's gradient")
-            after((s, BACKWARD, m), (s, FORWARD, m), "backward needs its own forward")
+            if pos > 0:
+                after((s, c, FORWARD, m), (*where[pos - 1], FORWARD, m), "forward needs the previous stage's output")
+            if pos < num_virtual - 1:
+                after((s, c, BACKWARD, m), (*where[pos + 1], BACKWARD, m), "backward needs the next stage's gradient")
+            after((s, c, BACKWARD, m), (s, c, FORWARD, m), "backward needs its own forward")
             if split_backward:
-                after((s, WEIGHT, m), (s, BACKWARD, m), "weight gradient needs its input gradient's cotangents")
+                after((s, c, WEIGHT, m), (s, c, BACKWARD, m), "weight gradient needs its input gradient's cotangents")
 
     for s, evs in enumerate(per_stage):
         evs.sort()
@@ -384,12 +583,12 @@ def check_execution(
             errors.append(f"max_in_flight has {len(max_in_flight)} entries, expected num_stages={num_stages}")
         else:
             freed_by = WEIGHT if split_backward else BACKWARD
-            errors += _in_flight_violations(first, num_stages, num_microbatches, max_in_flight, eps, freed_by)
+            errors += _in_flight_violations(first, num_stages, max_in_flight, eps, freed_by)
 
     if forwards_first:
         for s in range(num_stages):
-            f_starts = [first[(s, FORWARD, m)][0] for m in range(num_microbatches) if (s, FORWARD, m) in first]
-            b_starts = [first[(s, BACKWARD, m)][0] for m in range(num_microbatches) if (s, BACKWARD, m) in first]
+            f_starts = [v[0] for k, v in first.items() if k[0] == s and k[2] == FORWARD]
+            b_starts = [v[0] for k, v in first.items() if k[0] == s and k[2] == BACKWARD]
             if f_starts and b_starts and not max(f_starts) < min(b_starts) + eps:
                 errors.append(
                     f"stage {s}: a forward starts at {_fmt(max(f_starts))}, not before the first "
@@ -399,24 +598,23 @@ def check_execution(
 
 
 def _in_flight_violations(
-    first: dict[tuple[int, str, int], tuple[float, float]],
+    first: dict[tuple[int, int, str, int], tuple[float, float]],
     num_stages: int,
-    num_microbatches: int,
     max_in_flight: Sequence[int],
     eps: float,
     freed_by: str,
 ) -> list[str]:
-    """A microbatch is in flight on a stage from its F's start to the end of its `freed_by`
-    task (the last one that reads its activations)."""
+    """A (chunk, microbatch) is in flight on a stage from its F's start to the end of its
+    `freed_by` task (the last one that reads its activations)."""
     errors = []
     for s in range(num_stages):
         # (time, order, delta): an end at t - eps is processed before a start at t
         points: list[tuple[float, int, int]] = []
-        for m in range(num_microbatches):
-            if (s, FORWARD, m) not in first:
+        for (stage, c, kind, m), (start, _) in first.items():
+            if stage != s or kind != FORWARD:
                 continue
-            points.append((first[(s, FORWARD, m)][0], 1, +1))
-            b = first.get((s, freed_by, m))
+            points.append((start, 1, +1))
+            b = first.get((s, c, freed_by, m))
             points.append((b[1] - eps if b else float("inf"), 0, -1))
         points.sort()
         count = 0

@@ -8,9 +8,11 @@ import pytest
 
 from h2jax.plan import (
     GPipe,
+    Interleaved,
     OneFOneB,
     Task,
     ZeroBubbleH1,
+    ZeroBubbleV,
     bubble_fraction,
     check_execution,
     get_schedule,
@@ -72,8 +74,14 @@ def test_get_schedule():
     assert get_schedule("gpipe", 2, 3) == GPipe(2, 3)
     assert get_schedule("1f1b", 2, 3) == OneFOneB(2, 3)
     assert get_schedule("zb-h1", 2, 3) == ZeroBubbleH1(2, 3)
-    with pytest.raises(ValueError, match="gpipe, 1f1b, zb-h1"):
+    assert get_schedule("interleaved", 2, 4) == Interleaved(2, 4, 2)
+    assert get_schedule("zb-v", 2, 3) == ZeroBubbleV(2, 3)
+    with pytest.raises(ValueError, match="gpipe, 1f1b, zb-h1, interleaved, zb-v"):
+        get_schedule("dualpipe", 2, 3)
+    with pytest.raises(ValueError, match="num_microbatches=3 is not a multiple of num_stages=2"):
         get_schedule("interleaved", 2, 3)
+    with pytest.raises(ValueError, match="num_microbatches=4 < 2 \\* num_stages - 1 = 5"):
+        get_schedule("zb-v", 3, 4)
     with pytest.raises(ValueError, match="num_stages=0"):
         get_schedule("1f1b", 0, 3)
 
@@ -255,3 +263,91 @@ def test_in_flight_of_split_schedule_lasts_until_w():
 def test_idle_fraction_examples():
     assert idle_fraction([], 2) == 0.0
     assert idle_fraction([(0, "F", 0, 0.0, 1.0), (1, "F", 0, 1.0, 2.0)], 2) == 0.5
+
+
+# -- chunks: interleaved 1F1B and ZB-V -----------------------------------------------------------
+
+
+def _chunk_check(sched, events, **kw):
+    return check_execution(
+        events,
+        num_stages=sched.num_stages,
+        num_microbatches=sched.num_microbatches,
+        num_chunks=sched.num_chunks,
+        virtual_stage=sched.virtual_stage,
+        **kw,
+    )
+
+
+def _prefix_in_flight(ops, freed_by):
+    """The most (chunk, microbatch) activations alive at once in this op order, whatever the timing."""
+    alive = peak = 0
+    for t in ops:
+        alive += (t.kind == "F") - (t.kind == freed_by)
+        peak = max(peak, alive)
+    return peak
+
+
+CHUNKED = [("interleaved", p, m, v) for p in range(1, 7) for m in range(p, 4 * p + 1, p) for v in (1, 2, 3)] + [
+    ("zb-v", p, m, 2) for p in range(1, 7) for m in range(2 * p - 1, 4 * p + 1)
+]
+
+
+@pytest.mark.parametrize("name,p,m,v", CHUNKED)
+def test_chunked_schedules_are_valid(name, p, m, v):
+    sched = Interleaved(p, m, v) if name == "interleaved" else ZeroBubbleV(p, m)
+    kinds = "FBW" if sched.split_backward else "FB"
+    grid = sched.tasks()
+    positions = sorted(sched.virtual_stage(s, c) for s in range(p) for c in range(v))
+    assert positions == list(range(p * v))
+    for s in range(p):
+        ops = sched.stage_ops(s)
+        assert stage_tasks(grid, s) == ops
+        for c in range(v):
+            for kind in kinds:
+                assert sorted(t.microbatch for t in ops if t.kind == kind and t.chunk == c) == list(range(m))
+        freed_by = "W" if sched.split_backward else "B"
+        assert _prefix_in_flight(ops, freed_by) <= sched.max_in_flight()[s]
+    bound = sched.max_in_flight()
+    assert _chunk_check(sched, grid_events(grid), max_in_flight=bound) == []
+    uneven = timed_events(sched, forward=[1.0, 1.3] * p, backward=1.6, weight=0.7)
+    assert _chunk_check(sched, uneven, max_in_flight=bound) == []
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in PUBLISHED if m % p == 0])
+def test_interleaved_bubble_equals_megatron_formula(p, m):
+    for v in (2, 3):
+        events = timed_events(Interleaved(p, m, v), forward=1, backward=1, weight=1)
+        assert idle_fraction(events, p) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", PUBLISHED)
+def test_zb_v_bubble_is_only_the_fill(p, m):
+    if m < 2 * p - 1:
+        with pytest.raises(ValueError, match="2 \\* num_stages - 1"):
+            ZeroBubbleV(p, m)
+        return
+    events = timed_events(ZeroBubbleV(p, m), forward=1, backward=1, weight=1)
+    # each stage does 6m unit chunk tasks; the last starts after p - 1 chunk forwards
+    assert max(e[4] for e in events) == 6 * m + p - 1
+    assert idle_fraction(events, p) == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+    # half-stage chunks: per stage-sized unit that is half ZB-H1's idle
+    assert ZeroBubbleV(p, m).max_in_flight() == (2 * p,) * p
+
+
+def test_interleaved_stage_ops_shape():
+    sched = Interleaved(2, 4, 2)
+    assert " ".join(map(str, sched.stage_ops(0))) == ("F0 F1 F0c1 F1c1 F2 B0c1 F3 B1c1 F2c1 B0 F3c1 B1 B2c1 B3c1 B2 B3")
+    assert sched.max_in_flight() == (5, 3)
+
+
+def test_chunk_dependency_violation_is_caught():
+    sched = Interleaved(2, 2, 2)
+    events = grid_events(sched.tasks())
+    # chunk 1 of stage 0 is model position 2: its F needs stage 1 chunk 0 (position 1)
+    f = [e for e in events if e[:3] == (0, "F", 0) and e[5] == 1][0]
+    events = [e for e in events if e != f] + [(0, "F", 0, 0.5, 0.9, 1)]
+    errs = _chunk_check(sched, events)
+    assert any("stage 0 F0 chunk 1 starts at 0.5 before stage 1 F0 chunk 0" in e for e in errs), errs
+    bad = _chunk_check(sched, events + [(0, "F", 1, 50.0, 51.0, 2)])
+    assert any("chunk in [0, 2)" in e for e in bad), bad
