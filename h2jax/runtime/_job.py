@@ -82,11 +82,12 @@ def run_job(
             group.close()  # leave the stage's jax.distributed cluster (collective over the stage)
     except (JobError, NonFiniteLossError) as e:  # every process is here, at the same point
         what, code = (e.what, e.code) if isinstance(e, JobError) else ("training failed", 1)
-        w = trainer.world if trainer is not None else None
-        if w is None or w.is_writer:
+        if launch is None or launch.rank == 0:
             _say(console, what, str(e))
-        if w is not None:
-            w.barrier()  # nobody exits (and makes the launcher kill the others) before all are here
+        if multi:  # nobody exits (and makes the launcher kill the others) before all are here
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Barrier()
         if fail_fast is not None:
             fail_fast.finish()
         return code

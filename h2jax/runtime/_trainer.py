@@ -37,7 +37,7 @@ from h2jax.checkpoint import CheckpointError, CheckpointStore
 from h2jax.checkpoint._faults import failpoint
 from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher
 from h2jax.comm._channel import stage_links
-from h2jax.config import ConfigError, ExperimentConfig, check_inputs, save_config, validate
+from h2jax.config import ConfigError, ExperimentConfig, check_inputs, format_bytes, save_config, validate
 from h2jax.data import get_global_batch, load_dataset
 from h2jax.models import StageModule, build_model, check_stageable
 from h2jax.plan import get_schedule, stage_tasks
@@ -335,7 +335,7 @@ class Trainer:
         """Per-device memory of this process's stages against their chips' declared memory."""
         in_flight = self.schedule.max_in_flight()
         mb, seq = self.cfg.plan.microbatch_size, self.cfg.model.seq_len
-        out = []
+        out, over = [], []
         for st in self.stages:
             s = st.stage_idx
             like = jax.ShapeDtypeStruct((mb, seq), jnp.int32) if st.first else self.boundaries[s - 1]
@@ -345,14 +345,19 @@ class Trainer:
             out.append(mem)
             limit = self.cfg.cluster.chips[st.spec.chip].memory_gib * GIB
             if mem.total > limit:
-                raise ConfigError(
-                    f"plan.stages[{s}]",
-                    f"needs {mem.total / GIB:.2f} GiB per device (params {mem.params / GIB:.2f}, grads "
-                    f"{mem.grads / GIB:.2f}, optimizer {mem.opt_state / GIB:.2f}, activations of "
-                    f"{in_flight[s]} in-flight microbatches {mem.activations / GIB:.2f}, workspace "
-                    f"{mem.workspace / GIB:.2f}); chip {st.spec.chip} has {limit / GIB:.2f} GiB "
-                    "(try recompute: true, more microbatches, or a larger tensor degree)",
+                b = format_bytes
+                over.append(
+                    (
+                        f"plan.stages[{s}]",
+                        f"needs {b(mem.total)} per device (params {b(mem.params)}, grads {b(mem.grads)}, optimizer "
+                        f"{b(mem.opt_state)}, activations of {in_flight[s]} in-flight microbatches "
+                        f"{b(mem.activations)}, workspace {b(mem.workspace)}); chip {st.spec.chip} has {b(limit)} "
+                        "(try recompute: true, more microbatches, or a larger tensor degree)",
+                    )
                 )
+        if over:  # every stage that does not fit, in stage order (as the processes of a job report them)
+            (key, first), rest = over[0], over[1:]
+            raise ConfigError(key, "; ".join([first, *(f"{k}: {m}" for k, m in rest)]))
         return out
 
     # -- one step ------------------------------------------------------------------------------
