@@ -39,16 +39,18 @@ best plan between them (anytime: a budget that runs out mid-round returns it):
 seeds (per microbatch size, each chip type's choice that holds the most blocks at the
 slot-time bound, and every chip type with the same stage count K for K = 1, 2, 3, 4, 6, 8,
 ...: the stage count is what that ranking judges worst), in an order neighbourhood
-(memory-descending, its adjacent swaps, reversed, by speed); coordinate descent (one chip
-type's stage count or tensor degree, or the microbatch size, while that helps; then the
-order, by the neighbourhood and adjacent swaps); beams of the best 2, 3, 4, 8, ... choices
-per chip type by the same ranking, each followed by coordinate descent; last the exact
-round. The search stops at the exact round's end (exhaustive), at the time budget, or when
-two beam rounds in a row found nothing better after 15 % of the budget (converged, not
-exhaustive). How near that is to the optimum is measured, not proven: on 8 instances of
-64-256 chips (tests/plan/test_search_effort.py) the defaults' plan is within 2 % of the
-enumerated optimum, and ``benchmarks/planner_scale.py``
-prints the same study beside the large clusters.
+(memory-descending, its adjacent swaps, reversed, by speed); coordinate descent from the
+best configuration and the two best other seeds (a chip type's stage count and tensor
+degree together, or the microbatch size, while that helps; then the order, by the
+neighbourhood and adjacent swaps); beams of the best 2, 3, 4, 8, ... choices per chip type
+by the same ranking, each followed by coordinate descent; last the exact round, which the
+incumbent lets prune hard. The search stops at the exact round's end (exhaustive), at the
+time budget, or -- in a space of more than EXACT_AFTER_LOCAL triples -- when two beam
+rounds in a row found nothing better after 15 % of the budget (converged, not exhaustive). How near that is to the optimum is measured, not
+proven: on instances of 64-256 chips whose whole space the exact search covers in seconds
+(tests/plan/test_search_effort.py) the defaults' plan is within 2 % of the enumerated
+optimum, and ``benchmarks/planner_scale.py`` prints the same study beside the large
+clusters.
 
 The lower bound reported with the result (:func:`root_bound`) holds for the whole space:
 per microbatch size, the slot-time bound with every chip type at its best choice, plus the
@@ -90,7 +92,10 @@ from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 INF = math.inf
 DEFAULT_TIME_BUDGET_S = 3.0  # what `h2jax plan` allows the search without --time-budget
 PATIENCE = 0.15  # share of the budget after which two beam rounds without improvement end an auto search
-EXACT_DIRECT = 4000  # (microbatch, configuration, order) triples below which auto goes straight to exact
+EXACT_DIRECT = 4000
+EXACT_AFTER_LOCAL = 1_000_000  # ... below which auto does not stop before its exact round, budget allowing
+SEED_SLACK = 1.25  # seeds within this factor of the best plan so far are priced (and may start a climb)
+LOCAL_STARTS = 3  # coordinate descent starts from the best configuration and the best other seeds  # (microbatch, configuration, order) triples below which auto goes straight to exact
 
 
 @dataclass(frozen=True)
@@ -116,8 +121,10 @@ class SearchOptions:
         neighbourhood, then the exact space, until the space is covered, the rounds stop
         improving, or the time budget is spent. False: one round over exactly this space.
     time_budget_s: wall-clock seconds the search may take. Past it the search returns the
-        best plan found so far, marked not exhaustive. None: no limit, and no convergence
-        stop either: the search runs until the exact round ends (hours on 10,000 chips).
+        best plan found so far, marked not exhaustive (and computes the lower bound then, if
+        the budget ran out before it: a fraction of a second at 10,000 chips). None: no
+        limit, and no convergence stop either: the search runs until the exact round ends
+        (hours on 10,000 chips).
     """
 
     schedule: str = "1f1b"
@@ -762,6 +769,7 @@ class _Run:
         self.ticks = 0
         self._keyed_cache: dict[int, dict] = {}
         self.mb_bound: dict[int, float] = {}
+        self.starts: list[tuple[float, tuple[ChipChoice, ...], int, tuple[str, ...]]] = []
         self._ranked_cache: dict[int, dict] = {}
         space_opts = SearchOptions(**{**_fields(opts), "max_options_per_chip": None})
         self.space: dict[int, dict[str, list[ChipChoice]]] = {}
@@ -783,13 +791,23 @@ class _Run:
             total += math.prod(len(cs) if width is None else min(width, len(cs)) for cs in choices.values())
         return total * n_orders
 
-    def lower_bound(self) -> float:
+    def quick_bounds(self) -> None:
+        """A first lower bound per microbatch size, cheap enough to order the first round by:
+        ``(m - 1) B_lb + L min a`` (the slot-time bound alone)."""
+        for mb, choices in self.space.items():
+            helds = [_Held(cs) for cs in choices.values()]
+            b = slot_time_bound(helds, self.L)
+            self.mb_bound[mb] = (self.gb // mb - 1) * b + self.L * min(h.amin for h in helds)
+            self.tick()
+
+    def lower_bound(self, *, timed: bool = True) -> float:
         """:func:`root_bound` over every microbatch size (each kept: a size whose bound
         cannot beat the best plan so far is skipped by every round)."""
         for mb, choices in self.space.items():
             fixed = _fixed_parts_s(self.cluster, self.model, choices, mb, self.table)
             self.mb_bound[mb] = root_bound(choices, m=self.gb // mb, L=self.L, fixed_s=fixed)
-            self.tick()
+            if timed:
+                self.tick()
         return min(self.mb_bound.values(), default=INF)
 
     def hopeless(self, mb: int) -> bool:
@@ -834,7 +852,13 @@ class _Run:
         every chip type with the same stage count K (its best-ranked choice with K stages)
         for K = 1, 2, 3, 4, 6, 8, ...: the stage count is the dimension the ranking judges
         worst (more stages hold more blocks, but the first ones hold more microbatches)."""
-        for mb in sorted(self.space, key=lambda b: self.mb_bound.get(b, 0.0)):
+        by_bound = sorted(self.space, key=lambda b: self.mb_bound.get(b, 0.0))
+        for mb in by_bound:  # a first plan fast (anytime: a short budget still gets one)
+            if math.isfinite(self.best):
+                break
+            first = tuple(cs[0] for cs in self._ranked(mb).values())
+            self.evaluate(first, mb, self.gb // mb, list(orders[:1]))
+        for mb in by_bound:
             if self.hopeless(mb):
                 continue
             ranked = self._ranked(mb)
@@ -849,7 +873,10 @@ class _Run:
                 configs.append(tuple(pick))
             for config in dict.fromkeys(configs):
                 self.stats["configs"] += 1
-                self.evaluate(config, mb, self.gb // mb, list(orders))
+                cutoff = self.best * SEED_SLACK
+                value, order = self.evaluate(config, mb, self.gb // mb, list(orders), cutoff=cutoff)
+                if order is not None:
+                    self.starts.append((value, config, mb, order))
 
     def best_order(self) -> tuple[str, ...] | None:
         if self.best_plan is None:
@@ -858,9 +885,10 @@ class _Run:
 
     def quick_orders(self, orders: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
         """The orders a configuration is first tried in: the best plan's and the first of
-        `orders` (memory-descending); all of `orders` before any plan is known."""
+        `orders` (memory-descending); all of `orders` before any plan is known, or when
+        they are at most 4."""
         best = self.best_order()
-        return list(orders) if best is None else list(dict.fromkeys([best, orders[0]]))
+        return list(orders) if best is None or len(orders) <= 4 else list(dict.fromkeys([best, orders[0]]))
 
     def reorder(self, orders: Sequence[tuple[str, ...]]) -> None:
         """The best configuration in every order of `orders` and every adjacent swap of the
@@ -884,15 +912,38 @@ class _Run:
                 return
 
     def local(self, orders: Sequence[tuple[str, ...]]) -> None:
-        """Coordinate descent from the best configuration: change one chip type's stage count
-        (by 1, 2, half or double) and tensor degree (any) together, or the microbatch size
-        (halved or doubled, every type keeping its stages and tensor degree), while that
-        helps."""
+        """Coordinate descent (:meth:`_climb`) from the best configuration and from the best
+        other seeds (up to LOCAL_STARTS in all: a climb from one start alone stops where two
+        changes at once would be needed, e.g. both chip types' stage counts and the order),
+        then the order of the best one (:meth:`reorder`)."""
         self.reorder(orders)
+        starts: dict[tuple, tuple[float, tuple[str, ...]]] = {}
+        if self.best_config is not None:
+            starts[self.best_config] = (self.best, self.best_order())
+        for value, config, mb, order in sorted(self.starts, key=lambda r: r[0]):
+            if len(starts) >= LOCAL_STARTS:
+                break
+            starts.setdefault((config, mb), (value, order))
+        self.starts = []
+        for (config, mb), (value, order) in starts.items():
+            self._climb(config, mb, value, order, orders)
+        self.reorder(orders)
+
+    def _climb(
+        self,
+        config: tuple[ChipChoice, ...],
+        mb: int,
+        value: float,
+        order: tuple[str, ...],
+        orders: Sequence[tuple[str, ...]],
+    ) -> None:
+        """Steepest descent from one configuration: change one chip type's stage count (by
+        up to 2, half or double) and tensor degree (any) together, or the microbatch size
+        (halved or doubled, every type keeping its stages and tensor degree), in its order
+        and the first of `orders` (all of them when they are at most 4), while a move beats
+        where it stands."""
         tried: set = set()
-        while self.best_config is not None:
-            config, mb = self.best_config
-            before = self.best
+        while True:
             moves: list[tuple[tuple[ChipChoice, ...], int]] = []
             keyed = self._keyed(mb)
             for i, c in enumerate(config):
@@ -906,16 +957,19 @@ class _Run:
                     alt = tuple(k2[c.chip].get((c.stages, c.tensor)) for c in config)
                     if all(a is not None for a in alt):
                         moves.append((alt, mb2))
+            step = None
             for move in moves:
                 if move in tried or self.hopeless(move[1]):
                     continue
                 tried.add(move)
                 self.stats["configs"] += 1
-                self.evaluate(move[0], move[1], self.gb // move[1], self.quick_orders(orders))
-            if self.best >= before:
-                break
-            self.reorder(orders)
-        self.reorder(orders)
+                try_orders = list(dict.fromkeys([order, *(orders if len(orders) <= 4 else orders[:1])]))
+                v, o = self.evaluate(move[0], move[1], self.gb // move[1], try_orders, cutoff=value)
+                if v < value:
+                    value, step = v, (move, o)
+            if step is None:
+                return
+            (config, mb), order = step
 
     def _dfs(self, bd: _Bounds, orders: list[tuple[str, ...]], quick: bool) -> None:
         names, L = self.names, self.L
@@ -940,16 +994,29 @@ class _Run:
 
         visit(0, np.zeros_like(bd.grid), INF, 0)
 
-    def evaluate(self, config: Sequence[ChipChoice], mb: int, m: int, orders: list[tuple[str, ...]]) -> None:
+    def evaluate(
+        self,
+        config: Sequence[ChipChoice],
+        mb: int,
+        m: int,
+        orders: list[tuple[str, ...]],
+        cutoff: float | None = None,
+    ) -> tuple[float, tuple[str, ...] | None]:
+        """Solve `config` in each of `orders`; keep it if it beats the best plan. Returns its
+        best time and order among those below `cutoff` (default: the best plan's time; a
+        higher cutoff prices configurations that cannot win yet, for local search to start
+        from), else (inf, None)."""
         opts, solver, L = self.opts, self.solver, self.L
         self.stats["solved"] += 1
         by_chip = {c.chip: c for c in config}
+        own, own_order = INF, None
         for order in orders:
+            limit = min(own, self.best if cutoff is None else max(cutoff, self.best))
             self.tick()
             seq = [by_chip[name] for name in order for _ in range(by_chip[name].stages)]
             S = len(seq)
             if S > L:
-                return
+                return own, own_order
             arrays = [
                 solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == S - 1, in_flight(opts.schedule, S, m, i))
                 for i, c in enumerate(seq)
@@ -959,8 +1026,8 @@ class _Run:
                 for a, b in zip(seq, seq[1:])
             )
             self.stats["orders"] += 1
-            res = solver.solve(arrays, m, xfer, self.best)
-            if res is None or res[0] >= self.best:
+            res = solver.solve(arrays, m, xfer, limit)
+            if res is None or res[0] >= limit:
                 continue
             value, layers, recompute = res[0], list(res[1]), list(res[2])
             if self.shared:  # contention on the host: price in full, then improve the split
@@ -977,11 +1044,14 @@ class _Run:
                     ),
                     allow_recompute=opts.allow_recompute,
                 )
-                if value >= self.best:
+                if value >= limit:
                     continue
-            self.best = value
-            self.best_plan = (list(seq), layers, recompute, mb, m)
-            self.best_config = (tuple(config), mb)
+            own, own_order = value, tuple(order)
+            if value < self.best:
+                self.best = value
+                self.best_plan = (list(seq), layers, recompute, mb, m)
+                self.best_config = (tuple(config), mb)
+        return own, own_order
 
 
 def _why_none(run: _Run) -> str:
@@ -1050,13 +1120,19 @@ def search(
     stop = "time budget spent"
     try:
         run = _Run(cluster, model, global_batch, table, opts, deadline)
-        lower = run.lower_bound()
         rounds = _rounds(run, cluster, opts)
+        if rounds[0][0] == "seeds":
+            run.quick_bounds()  # the full bound after the seeds: a first plan comes first
+        else:
+            lower = run.lower_bound()
         stale = 0
+        # a space this small gets to its exact round whenever the budget allows (no convergence stop)
+        patient = run.size(None, len(chip_orders(cluster, opts))) <= EXACT_AFTER_LOCAL
         for kind, width, orders in rounds:
             before, t_round = run.best, time.perf_counter()
             if kind == "seeds":
                 run.seeds(orders)
+                lower = run.lower_bound()
             elif kind == "local":
                 run.local(orders)
             else:
@@ -1073,11 +1149,12 @@ def search(
             if kind == "beam":
                 stale = stale + 1 if run.best >= before * (1 - 1e-6) else 0
                 patience = PATIENCE * (opts.time_budget_s if opts.time_budget_s is not None else INF)
-                if stale >= 2 and math.isfinite(run.best) and time.perf_counter() - t0 >= patience:
+                if not patient and stale >= 2 and math.isfinite(run.best) and time.perf_counter() - t0 >= patience:
                     stop = "converged: two beam rounds without improvement"
                     break
     except _OutOfTime:
-        pass
+        if run is not None and run.best_plan is not None and not math.isfinite(lower):
+            lower = run.lower_bound(timed=False)  # the answer's quality is part of the answer
     elapsed = time.perf_counter() - t0
     note = f"{stop}; rounds: {', '.join(done) or 'none complete'}"
     stats = run.stats if run is not None else {"configs": 0, "solved": 0, "orders": 0}
