@@ -93,7 +93,7 @@ INF = math.inf
 DEFAULT_TIME_BUDGET_S = 3.0  # what `h2jax plan` allows the search without --time-budget
 PATIENCE = 0.15  # share of the budget after which two beam rounds without improvement end an auto search
 EXACT_DIRECT = 4000
-EXACT_AFTER_LOCAL = 1_000_000  # ... below which auto does not stop before its exact round, budget allowing
+EXACT_AFTER_LOCAL = 200_000  # ... below which auto does not stop before its exact round, budget allowing
 SEED_SLACK = 1.25  # seeds within this factor of the best plan so far are priced (and may start a climb)
 LOCAL_STARTS = 3  # coordinate descent starts from the best configuration and the best other seeds  # (microbatch, configuration, order) triples below which auto goes straight to exact
 
