@@ -25,7 +25,7 @@ from flax import nnx
 
 from h2jax.config import load_config
 from h2jax.models import StageModule, build_model
-from h2jax.plan import check_execution
+from h2jax.plan import StageSpec, check_execution
 from h2jax.runtime import Trainer, flatten, make_optimizer, reference_loss_and_grads
 from h2jax.runtime._stage import StageProgram
 
@@ -102,7 +102,7 @@ def test_split_backward_flops_from_xla_cost_analysis():
     )
     model = build_model(cfg.model, seed=0)
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]).reshape(1, 1), ("data", "tensor"))
-    spec = cfg.plan.stages[0].__class__(chip="cpu", layers=(1, 5), data=1, tensor=1, recompute=False)
+    spec = StageSpec(chip="cpu", layers=(1, 5), data=1, tensor=1, recompute=False)
     module = StageModule(model, layers=(1, 5), first=False, last=False)
     st = StageProgram(1, spec, mesh, module, optax.sgd(0.1), first=False, last=False, label="s1")
     x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 16, 256), jnp.float32), st.act_sharding)
