@@ -20,6 +20,10 @@ its param-only inputs, its activation inputs held fixed. Hence:
   weight gradient per mixing equation and no chain through the activations. Its primal
   outputs are unused and XLA's dead-code elimination removes them.
 
+A call equation (``pjit``, ``remat``, ``custom_vjp``) that takes both kinds of value is one
+mixing equation: still exact, but W then backpropagates inside it, so the split is as fine
+as the model's top-level equations (h2jax's blocks call their matmuls directly).
+
 B and W are separate jitted programs, so each compiles only its own half (the tests
 compare XLA's compiled FLOPs with the unsplit backward's). The split is exact, not an
 approximation: B + W compute the same sums as ``jax.vjp`` of ``f``, in another order.
