@@ -138,7 +138,11 @@ def test_the_lead_replaces_what_another_writer_set_left(tmp_path):
     (tmp_path / "parts" / "main" / "4").mkdir()  # a finalised, never committed step of the single run
     kw = dict(parts=("p0", "p1"), keep_last=2, async_save=False)
     a, b = CheckpointStore(tmp_path, part="p0", lead=True, **kw), CheckpointStore(tmp_path, part="p1", lead=False, **kw)
-    assert a.cleanup() == [str(tmp_path / "parts" / "main" / "4")] and b.cleanup() == []
+    # newer than every committed step: kept aside (it may be all that is left of a run), not deleted
+    assert a.cleanup() == [] and b.cleanup() == []
+    assert len(a.kept_aside) == 1 and "step 4 of part main" in a.kept_aside[0]
+    assert not (tmp_path / "parts" / "main" / "4").exists()
+    assert [p.name.split("-")[1] for p in (tmp_path / "aside").iterdir()] == ["step4"]
     # step 3 again, without clearing first: both sets complete, the newer counts
     a.save(3, _share(_state(30.0), "p0"), {"step": 3})
     b.save(3, _share(_state(30.0), "p1"), {"step": 3})
