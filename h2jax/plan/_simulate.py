@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from h2jax.plan._cost import CostOptions, PlanCost, estimate
-from h2jax.plan._plan import Plan
+from h2jax.plan._plan import Plan, PlanError
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 from h2jax.plan._schedule import BACKWARD, FORWARD, get_schedule
 
@@ -174,6 +174,9 @@ def _per_mb(value: float | Sequence[float], m: int) -> list[float]:
     return [float(v) for v in value]
 
 
+REPLAYED = ("gpipe", "1f1b")  # schedules the event model replays (F and B tasks, no W)
+
+
 def simulate(
     *,
     schedule: str,
@@ -194,6 +197,12 @@ def simulate(
     (a number, or one per microbatch); `transfer_*[b]`: seconds to cross boundary b (stage
     b <-> b + 1); `hosts[s]`, `host_cores[host]`, `*_cores[s]`: shared hosts (module docstring)."""
     n, m = len(fwd), num_microbatches
+    if schedule not in REPLAYED:  # the event model below knows F and B tasks only
+        raise PlanError(
+            "plan.schedule",
+            f"schedule={schedule!r}: the simulator replays {', '.join(REPLAYED)} only (a split backward "
+            "would be priced wrong); h2jax.plan.timed_events replays any schedule with given F, B, W durations",
+        )
     if len(bwd) != n:
         raise ValueError(f"fwd has {n} stages, bwd {len(bwd)}")
     f = [_per_mb(x, m) for x in fwd]

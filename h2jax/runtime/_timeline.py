@@ -117,8 +117,8 @@ def _event_name(ev: TraceEvent) -> str:
     mb = "" if ev.microbatch is None else str(ev.microbatch)
     if ev.kind == "fwd":
         return f"F{mb}"
-    if ev.kind == "bwd":
-        return f"B{mb}"
+    if ev.kind == "bwd":  # a split backward records its input-gradient (B) and weight-gradient (W) parts
+        return f"{ev.extra.get('part', 'B')}{mb}"
     if ev.kind in COMM_KINDS:
         return f"{ev.kind} {_transfer_phase(ev)}{mb}".rstrip()
     if ev.kind == "update":

@@ -211,7 +211,14 @@ def test_a_stopped_rank_ends_the_job_after_the_transfer_timeout(tmp_path):
     within the transfer timeout (a receive) or the progress watchdog (a collective), naming
     itself and its last completed step; nothing hangs."""
     run = tmp_path / "run"
-    args = [*OVERRIDES, "train.steps=1000", "train.transport=host", "train.transfer_timeout_s=30", "--run-dir", str(run)]
+    args = [
+        *OVERRIDES,
+        "train.steps=1000",
+        "train.transport=host",
+        "train.transfer_timeout_s=30",
+        "--run-dir",
+        str(run),
+    ]
     proc = _mpirun(2, args, tmp_path)
     deadline = time.time() + 300
     while time.time() < deadline:
