@@ -398,16 +398,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _measure(args: argparse.Namespace, raw: dict) -> dict:
     """Time the stage programs on the chip's devices (imports JAX; registers emulated chips first)."""
+    from h2jax._strict import build_dataclass
     from h2jax.config import ConfigError
     from h2jax.config._chips import resolve_chip
     from h2jax.models import GPTConfig
 
     try:
         chip = resolve_chip(args.chip, {"nodes": 1})
-        fields = {k: raw[k] for k in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff") if k in raw}
-        if "dtype" in raw:
-            fields["dtype"] = raw["dtype"]
-        cfg = GPTConfig(**fields)
+        # every model key (GQA, tying, RoPE scaling, dtype): the programs measured are the model's own
+        cfg = build_dataclass(GPTConfig, dict(raw), "model")
     except (ConfigError, ValueError) as e:
         raise _fail(e) from None
     if not chip.emulated:
