@@ -112,7 +112,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         fail_fast = FailFast(launch)
         fail_fast.start()  # first: every thread created later inherits the blocked stop signals
     cfg = _load(args)
-    from h2jax.config import config_to_dict
+    from h2jax.config import ConfigError, config_to_dict, model_from_file
+
+    try:  # a gin file may select the user's own model class (experiment.model = @module.Class)
+        model = model_from_file(_split_args(args.config)[0], cfg, processes=launch.size if launch else 1)
+    except ConfigError as e:
+        console.print(f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
 
     writer = launch is None or launch.rank == 0
     if writer:
@@ -136,6 +142,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         console=console,
         fail_fast=fail_fast,
         launch=launch,
+        model=model,
     )
 
 

@@ -1,12 +1,13 @@
 """Typed experiment config: dataclass tree, YAML files, dotted overrides, validation.
 
-``load_config(path, ["plan.num_microbatches=16"])`` returns a validated
+``load_config(path, ["plan.num_microbatches=16"])`` (``path``: a YAML or a ``.gin`` file) returns a validated
 :class:`ExperimentConfig` or raises :class:`ConfigError` naming the key, the value and
 what was expected -- before any device is touched. It runs :func:`validate` (the config
 against itself) and :func:`check_inputs` (against the files the run reads and writes).
 """
 
 from h2jax.config._errors import ConfigError
+from h2jax.config._gin import model_from_file, read_gin
 from h2jax.config._inputs import check_inputs, format_bytes, format_count
 from h2jax.config._load import config_to_dict, load_config, load_raw, save_config, validate
 from h2jax.config._schema import (
@@ -34,6 +35,8 @@ __all__ = [
     "format_count",
     "load_config",
     "load_raw",
+    "model_from_file",
+    "read_gin",
     "save_config",
     "validate",
 ]

@@ -90,19 +90,30 @@ def apply_override(raw: dict, parts: list[str], value: Any) -> None:
             raise ConfigError(key, f"{'.'.join(parts[:i])} is {node!r}, not a mapping or list")
 
 
+def find_config(path: str | Path) -> Path:
+    """The experiment file ``path`` names: as given, else in the config folders (``.yaml`` optional)."""
+    p = Path(path)
+    if not p.is_file():
+        candidates = [d / p for d in config_dirs()] + [d / f"{p}.yaml" for d in config_dirs()]
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise ConfigError(
+                "config", f"file {str(path)!r} not found (also looked in {[str(d) for d in config_dirs()]})"
+            )
+        p = found
+    return p
+
+
 def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     raw = default_raw()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            candidates = [d / p for d in config_dirs()] + [d / f"{p}.yaml" for d in config_dirs()]
-            found = next((c for c in candidates if c.is_file()), None)
-            if found is None:
-                raise ConfigError(
-                    "config", f"file {str(path)!r} not found (also looked in {[str(d) for d in config_dirs()]})"
-                )
-            p = found
-        user = read_yaml(p, key="config") or {}
+        p = find_config(path)
+        if p.suffix == ".gin":
+            from h2jax.config._gin import read_gin
+
+            user = read_gin(p).raw
+        else:
+            user = read_yaml(p, key="config") or {}
         if not isinstance(user, dict):
             raise ConfigError("config", f"{p} must hold a mapping at the top, got {type(user).__name__}")
         raw = _merge(raw, user)

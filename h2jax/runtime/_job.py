@@ -50,13 +50,17 @@ def run_job(
     console: Console | None = None,
     fail_fast: Any = None,
     launch: Any = None,
+    model: Any = None,
 ) -> int:
-    """Train ``cfg`` as ``h2jax train`` does; returns this process's exit status."""
+    """Train ``cfg`` as ``h2jax train`` does; returns this process's exit status.
+
+    ``model``: a user's stageable nnx model (e.g. the class a gin file selects); None: the built-in model.
+    """
     console = console or Console(stderr=True)
     multi = launch is not None and launch.size > 1
     trainer = None
     try:
-        trainer = Trainer(cfg, run_dir=run_dir, console=console, fail_fast=fail_fast)
+        trainer = Trainer(cfg, model=model, run_dir=run_dir, console=console, fail_fast=fail_fast)
         w = trainer.world
         mem = {
             s: m
