@@ -101,7 +101,7 @@ def _plain(value: Any, macros: dict[str, Any], key: str, where: str) -> Any:
     """Literals as YAML gives them: tuples become lists, macros their values; no references."""
     if isinstance(value, _Macro):
         if value.name not in macros:
-            raise ConfigError(key, f"{where}: macro %{value.name} is not defined above")
+            raise ConfigError(key, f"{where}: macro %{value.name} is not defined in the file")
         return _plain(macros[value.name], macros, key, where)
     if isinstance(value, _Ref):
         raise ConfigError(
@@ -150,6 +150,9 @@ def read_gin(path: str | Path) -> GinExperiment:
     macros: dict[str, Any] = {}
     model_ref: tuple[_Ref, str] | None = None
     model_bindings: list[config_parser.BindingStatement] = []
+    for st in statements:  # macros first: as in gin, one may be used above its definition
+        if isinstance(st, config_parser.BindingStatement) and not st.arg_name and not st.scope:
+            macros[st.selector] = st.value
     for st in statements:
         if isinstance(st, config_parser.BlockDeclaration):
             continue  # its bindings follow as statements of their own
@@ -162,8 +165,7 @@ def read_gin(path: str | Path) -> GinExperiment:
         key = f"{st.selector}.{st.arg_name}" if st.arg_name else st.selector
         if st.scope:
             raise ConfigError(f"{st.scope}/{key}", f"{where}: scoped bindings are not used by h2jax experiments")
-        if not st.arg_name:  # NAME = value: a macro, used as %NAME
-            macros[st.selector] = st.value
+        if not st.arg_name:  # NAME = value: a macro, used as %NAME (read above)
             continue
         parts = key.split(".")
         if parts[0] == TOP and len(parts) == 2 and parts[1] == "model" and isinstance(st.value, _Ref):
@@ -176,7 +178,7 @@ def read_gin(path: str | Path) -> GinExperiment:
             continue
         _set(raw, parts, _plain(st.value, macros, key, where), key, where)
 
-    model_class, kwargs = None, {}
+    model_class, kwargs, arg_where = None, {}, {}
     if model_ref is not None:
         model_class = _resolve_class(p, model_ref[0], f"{TOP}.model", model_ref[1])
     names = {model_ref[0].name, model_ref[0].name.rpartition(".")[2]} if model_ref is not None else set()
@@ -185,10 +187,11 @@ def read_gin(path: str | Path) -> GinExperiment:
         if st.selector not in names:
             raise ConfigError(
                 key,
-                f"{where}: unknown binding; expected a config key ({TOP}.name, {', '.join(sorted(SECTIONS - {'name', 'seed'}))}"
-                f" sections) or an argument of the class {TOP}.model selects",
+                f"{where}: unknown binding; expected {TOP}.name, {TOP}.seed, a key under "
+                f"{', '.join(sorted(SECTIONS - {'name', 'seed'}))}, or an argument of the class {TOP}.model selects",
             )
         kwargs[st.arg_name] = _plain(st.value, macros, key, where)
+        arg_where[st.arg_name] = where
     if model_class is not None and kwargs:
         # the constructor's own signature: a metaclass (nnx.Module's) may hide it behind *args, **kwargs
         params = dict(inspect.signature(model_class.__init__).parameters)
@@ -198,7 +201,7 @@ def read_gin(path: str | Path) -> GinExperiment:
             if not takes_any and name not in params:
                 raise ConfigError(
                     f"{model_ref[0].name.rpartition('.')[2]}.{name}",
-                    f"{model_ref[1]}: {model_class.__name__} takes no argument {name!r}; it takes {list(params)}",
+                    f"{arg_where[name]}: {model_class.__name__} takes no argument {name!r}; it takes {list(params)}",
                 )
     return GinExperiment(raw, model_class, kwargs)
 

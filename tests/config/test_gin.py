@@ -27,13 +27,13 @@ experiment.model = @gin_user_model.MyModel
 MyModel.width = 40
 MyModel.n_blocks = 2
 
-STEPS = 2
 model.n_layers = 2
 model.seq_len = 32
 train:
   steps = %STEPS
   progress = False
   tensorboard = False
+STEPS = 2  # a macro may be defined below its use, as in gin
 plan.stages = [
     {'chip': 'sim_a', 'data': 2, 'tensor': 1, 'layers': (0, 1)},
     {'chip': 'sim_b', 'data': 2, 'tensor': 1, 'layers': (1, 2)},
@@ -75,7 +75,7 @@ BAD_GIN = {
     "not_a_class": ("experiment.model = @os.path.nope\n", ["experiment.model", "has no class 'nope'"]),
     "unknown_model_arg": (
         "experiment.model = @gin_user_model.MyModel\nMyModel.depth = 3\n",
-        ["MyModel.depth", "takes no argument 'depth'"],
+        ["MyModel.depth", "bad.gin:2: MyModel takes no argument 'depth'"],
     ),
 }
 
