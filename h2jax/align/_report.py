@@ -202,13 +202,15 @@ def plot_run(run: RunLevel, path: str | Path) -> Path:
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     steps = np.arange(run.steps)
+    color = {name: f"C{i}" for i, name in enumerate(run.losses)}  # one colour per run in both panels
     for name, losses in run.losses.items():
-        ax1.plot(steps, losses, label=name, lw=1.2 if name == "reference" else 0.9)
+        ax1.plot(steps, losses, label=name, lw=1.2 if name == "reference" else 0.9, color=color[name])
     ax1.set_ylabel("loss")
     ax1.legend()
     ax1.set_title(f"loss over {run.steps} steps; gate: MRE <= {run.gate:.1%} vs the float64 reference")
     for name in run.mre:
-        ax2.semilogy(steps, np.maximum(run.rel_error(name), 1e-12), label=f"{name} (MRE {run.mre[name]:.3%})", lw=0.9)
+        rel = np.maximum(run.rel_error(name), 1e-12)
+        ax2.semilogy(steps, rel, label=f"{name} (MRE {run.mre[name]:.3%})", lw=0.9, color=color[name])
     ax2.axhline(run.gate, color="k", ls="--", lw=0.8)
     ax2.set_xlabel("step")
     ax2.set_ylabel("|loss - ref| / ref")
