@@ -123,3 +123,7 @@ __all__ += [
     "stage_cost",
     "transfer_s",
 ]
+
+from h2jax.plan._numerics import NumericsError, NumericsPolicy, parse_numerics  # noqa: E402
+
+__all__ += ["NumericsError", "NumericsPolicy", "parse_numerics"]
