@@ -14,6 +14,8 @@ import pytest
 
 from h2jax.cli_align import main
 
+pytestmark = pytest.mark.slow  # the align tool end to end on the default model: the full suite, not the fast lane
+
 CONFIG = str(Path(__file__).with_name("align_small.yaml"))
 FAULT_FWD = "sim_c=rsqrt:1e-3:blocks.1.attn_norm:fwd"
 FAULT_BWD = "sim_d=mul:1e-3:blocks.1:bwd"

@@ -9,6 +9,8 @@ import pytest
 from h2jax.cli_align import main
 from h2jax.config import load_config
 
+pytestmark = pytest.mark.slow  # training runs per numerics policy: the full suite, not the fast lane
+
 CONFIG = str(Path(__file__).with_name("align_small.yaml"))
 
 

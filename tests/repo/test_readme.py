@@ -100,6 +100,7 @@ def test_the_readme_has_the_two_commands_first():
     assert first[1] in ci, "CI runs exactly the README's test command"
 
 
+@pytest.mark.timeout(3600)  # some twenty commands, each a short run (about 8 minutes on a quiet machine)
 def test_every_readme_command_runs_in_order(tmp_path):
     for name in ("configs", "benchmarks"):
         (tmp_path / name).symlink_to(REPO / name)

@@ -11,6 +11,8 @@ from h2jax.plan import ModelShape, ProfileTable, estimate, load_chip, roofline_c
 from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
 from h2jax.runtime._profile import BLOCK_COUNTS, ChipProfiler, fit_line, profile_chip
 
+pytestmark = pytest.mark.slow  # profiles real programs (minutes on a loaded machine): the full suite, not the fast lane
+
 
 def test_measured_profile_feeds_the_planner(tmp_path):
     chip = load_config(None).cluster.chips["sim_a"]
