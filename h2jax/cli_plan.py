@@ -243,13 +243,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     except (ProfileError, PlanError, ValueError) as e:
         raise _fail(e) from None
+    from h2jax.config import format_count
+
     console = Console()
     res = search(cluster, model, global_batch=gb, table=table, opts=opts)
     if res.plan is None:
         raise _fail(ProfileError(f"plan: no plan fits ({res.note}); try more chips, a smaller model or microbatch"))
     cost = res.cost
     tbl = Table(
-        title=f"{cluster.name}: {cluster.num_devices} chips, model {model.num_params() / 1e9:.2f} B params, "
+        title=f"{cluster.name}: {cluster.num_devices} chips, model {format_count(model.num_params())} params, "
         f"global batch {gb} seq = {gb * model.seq_len:,} tokens, {res.plan.num_microbatches} x "
         f"{res.plan.microbatch_size}, {res.plan.schedule}"
     )
@@ -398,6 +400,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _measure(args: argparse.Namespace, raw: dict) -> dict:
     """Time the stage programs on the chip's devices (imports JAX; registers emulated chips first)."""
+
     from h2jax._strict import build_dataclass
     from h2jax.config import ConfigError
     from h2jax.config._chips import resolve_chip
