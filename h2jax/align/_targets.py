@@ -53,17 +53,9 @@ class Experiment:
     dataset: Any
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        from h2jax.data import get_global_batch
+        from h2jax.data import step_batch
 
-        p = self.cfg.plan
-        return get_global_batch(
-            self.dataset,
-            seed=self.cfg.seed,
-            step=step,
-            num_microbatches=p.num_microbatches,
-            microbatch_size=p.microbatch_size,
-            seq_len=self.cfg.model.seq_len,
-        )
+        return step_batch(self.dataset, self.cfg, step)
 
     def whole_batch(self, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The global batch of ``step`` as one microbatch: [1, global_batch, seq_len]."""

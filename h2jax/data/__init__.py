@@ -3,7 +3,7 @@
 Pure numpy; no JAX import.
 """
 
-from h2jax.data._batching import get_global_batch, get_microbatch
+from h2jax.data._batching import get_global_batch, get_microbatch, step_batch
 from h2jax.data._corpus import default_corpus_text, load_text
 from h2jax.data._dataset import TokenDataset, check_token_ids, load_dataset, open_token_file
 from h2jax.data._tokenize import tokenize_files as tokenize_files  # h2jax tokenize
@@ -27,6 +27,7 @@ __all__ = [
     "load_dataset",
     "load_text",
     "load_tokenizer",
+    "step_batch",
     "open_token_file",
     "token_dtype_for",
 ]

@@ -9,6 +9,8 @@ step identical; a stage of the pipeline can draw microbatch ``i`` without drawin
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from h2jax._strict import ConfigError
@@ -79,3 +81,16 @@ def get_global_batch(
         for i in range(num_microbatches)
     ]
     return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+
+def step_batch(dataset: TokenDataset, cfg: Any, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of ``step`` of an experiment ``cfg`` (its seed, plan and sequence length)."""
+    p = cfg.plan
+    return get_global_batch(
+        dataset,
+        seed=cfg.seed,
+        step=step,
+        num_microbatches=p.num_microbatches,
+        microbatch_size=p.microbatch_size,
+        seq_len=cfg.model.seq_len,
+    )

@@ -38,7 +38,7 @@ from h2jax.checkpoint._faults import failpoint
 from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher
 from h2jax.comm._channel import stage_links
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, format_bytes, save_config, validate
-from h2jax.data import get_global_batch, load_dataset
+from h2jax.data import load_dataset, step_batch
 from h2jax.models import StageModule, build_model, check_stageable
 from h2jax.plan import get_schedule, stage_tasks
 from h2jax.runtime._layout import flatten, model_layout
@@ -309,15 +309,7 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------------------
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        p = self.cfg.plan
-        return get_global_batch(
-            self.dataset,
-            seed=self.cfg.seed,
-            step=step,
-            num_microbatches=p.num_microbatches,
-            microbatch_size=p.microbatch_size,
-            seq_len=self.cfg.model.seq_len,
-        )
+        return step_batch(self.dataset, self.cfg, step)
 
     def device_batch(self, step: int) -> tuple[list[jax.Array] | None, list[jax.Array] | None]:
         first = next((st for st in self.stages if st.first), None)

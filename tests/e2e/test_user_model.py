@@ -13,41 +13,10 @@ from flax import nnx
 import h2jax
 from h2jax.config import ConfigError
 from h2jax.runtime import Trainer, flatten
-
-WIDTH = 48  # not the config's model.d_model (128): the model's own width is what counts
-
-
-class Embed(nnx.Module):
-    def __init__(self, rngs):
-        self.table = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (256, WIDTH)))
-
-    def __call__(self, tokens):
-        return self.table[...][tokens]
+from tests.runtime.user_model_job import Block, Embed, MyModel
 
 
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.lin = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
-
-    def __call__(self, h):
-        return h + jnp.tanh(self.lin(h))
-
-
-class Head(nnx.Module):
-    def __init__(self, rngs):
-        self.out = nnx.Linear(WIDTH, 256, use_bias=False, rngs=rngs)
-
-    def __call__(self, h, targets):
-        logits = self.out(h).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-class MyModel(nnx.Module):
-    def __init__(self, rngs):
-        self.embed, self.head = Embed(rngs), Head(rngs)
-        self.blocks = nnx.List([Block(rngs) for _ in range(4)])
-
-
+# the README's own-model example (its classes live in the job script that mpirun runs too)
 class TiedHead(nnx.Module):
     """GPT-2 style: the head reuses the embedding table."""
 
