@@ -14,9 +14,11 @@ batch as one batch: the same mean as over equal microbatches) and its gradient u
   chip types is the numerics, and those are applied here per layer.
 
 - ``trainer`` (asked for with ``trainer_dir``): the plan through the real pipeline trainer,
-  ``h2jax.runtime.train``, its losses read back from ``metrics.jsonl``, with each chip type's
-  policy set on its ``cluster.chips`` entry (the runtime applies it to that chip's stage
-  programs): it shows that the loop above computes what the trainer computes.
+  ``h2jax.runtime.train``, its losses read back from ``metrics.jsonl``, every chip type in
+  the host's fp32 (the exact policy): it shows that the loop above computes what the trainer
+  computes. (The runtime applies a chip's policy to its forward ops and autodiff carries it
+  into the backward; align re-emits the backward's ops under the policy as well, so under a
+  rounding policy the two would not compute the same step.)
 
 Gate: the loss's mean relative error against the reference over the N steps
 (``MRE = mean_t |loss_t - ref_t| / |ref_t|``), 1.5 % by default (H2's bar).
@@ -36,7 +38,6 @@ import numpy as np
 
 from h2jax.align._policy import PolicyLike, apply_policy, reference
 from h2jax.align._targets import HOST, ChipTarget, Experiment, graphdef_for, step_loss
-from h2jax.plan._numerics import NumericsPolicy
 
 DEFAULT_MRE_GATE = 0.015
 """Loss mean relative error allowed against the reference over the run (H2: < 1.5 % over 300 steps)."""
@@ -123,21 +124,19 @@ def _loop(exp: Experiment, step: Any, params: Any, tx: Any, device: Any, steps: 
     return [float(x) for x in jax.device_get(losses)]
 
 
-def trainer_losses(cfg: Any, steps: int, run_dir: str | Path, policies: dict[str, Any] | None = None) -> list[float]:
+def trainer_losses(cfg: Any, steps: int, run_dir: str | Path) -> list[float]:
     """Loss per step of ``steps`` steps of the experiment through ``h2jax.runtime.train``
-    (no checkpoints, timeline, TensorBoard or progress bar; a fresh run folder), each chip type
-    of ``policies`` computing under its policy."""
+    (no checkpoints, timeline, TensorBoard or progress bar; a fresh run folder), every chip
+    type under the exact policy."""
     import dataclasses
     import shutil
 
+    from h2jax.plan import NumericsPolicy
     from h2jax.runtime import read_metrics, train
 
-    if policies:
-        chips = {
-            name: dataclasses.replace(chip, numerics=policies.get(name, chip.numerics))
-            for name, chip in cfg.cluster.chips.items()
-        }
-        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, chips=chips))
+    exact = {name: dataclasses.replace(chip, numerics=NumericsPolicy()) for name, chip in cfg.cluster.chips.items()}
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, chips=exact))
+
     run_dir = Path(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     quiet = dataclasses.replace(cfg.train, steps=steps, log_every=1, timeline=False, tensorboard=False, progress=False)
@@ -177,9 +176,8 @@ def run_level(
         stages = ", ".join(f"{s.chip} {s.layers[0]}-{s.layers[1] - 1}" for s in exp.cfg.plan.stages)
         describe["plan"] = f"stages {stages}; each layer under its chip's policy, sequential on the host"
     if trainer_dir is not None:
-        policies = {c.name: c.policy for c in chips if isinstance(c.policy, NumericsPolicy)}
-        timed("trainer", lambda: trainer_losses(exp.cfg, steps, trainer_dir, policies))
-        describe["trainer"] = "the plan through h2jax.runtime.train, each chip type under its policy"
+        timed("trainer", lambda: trainer_losses(exp.cfg, steps, trainer_dir))
+        describe["trainer"] = "the plan through h2jax.runtime.train, every chip in the host's fp32"
     ref = np.asarray(losses["reference"])
     mre = {
         name: float(np.mean(np.abs(np.asarray(v) - ref) / np.abs(ref)))
