@@ -47,6 +47,7 @@ def test_the_loop_computes_what_the_trainer_computes(short_run):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~45 minutes on 2 cores: `pytest -m long`
 def test_300_steps_of_the_default_model(tmp_path):
     """The issue's run: 300 steps of the default model; bf16-rounded matmul inputs on one chip type
     and the aligned (fp32) policy on the other. Prints the MREs (see docs/LOG.md)."""
