@@ -21,8 +21,16 @@ from rich.console import Console
 
 
 class Progress:
-    def __init__(self, label: str, *, total: int | None = None, every_s: float = 10.0, console: Console | None = None):
-        self.label, self.total, self.every_s = label, total, every_s
+    def __init__(
+        self,
+        label: str,
+        *,
+        total: int | None = None,
+        every_s: float = 10.0,
+        console: Console | None = None,
+        enabled: bool = True,
+    ):
+        self.label, self.total, self.every_s, self.enabled = label, total, every_s, enabled
         self.console = console or Console(stderr=True)
         self.done = 0
         self.note = ""
@@ -34,7 +42,7 @@ class Progress:
         return sys.stderr.isatty()
 
     def __enter__(self) -> Progress:
-        if self.tty:
+        if self.enabled and self.tty:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as Bar
 
@@ -52,8 +60,14 @@ class Progress:
         return self
 
     def advance(self, n: int = 1, *, note: str = "") -> None:
-        self.done += n
+        self.set(self.done + n, note=note)
+
+    def set(self, done: int, *, note: str = "") -> None:
+        """The work done so far is ``done`` (of ``total``)."""
+        self.done = done
         self.note = note or self.note
+        if not self.enabled:
+            return
         if self._bar is not None:
             self._bar.update(self._task, completed=self.done, note=self.note)
             return
@@ -75,5 +89,5 @@ class Progress:
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
             self._bar.stop()
-        elif exc[0] is None:
+        elif exc[0] is None and self.enabled:
             self._line(end=True)

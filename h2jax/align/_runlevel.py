@@ -113,14 +113,18 @@ def train_losses(
 
 
 def _loop(exp: Experiment, step: Any, params: Any, tx: Any, device: Any, steps: int) -> list[float]:
+    from h2jax._progress import Progress
+
     opt_state = jax.device_put(tx.init(params), device)
     losses = []
-    for t in range(steps):
-        tokens, targets = exp.whole_batch(t)
-        params, opt_state, loss = step(
-            params, opt_state, jax.device_put(tokens, device), jax.device_put(targets, device)
-        )
-        losses.append(loss)
+    with Progress("align run level", total=steps) as progress:
+        for t in range(steps):
+            tokens, targets = exp.whole_batch(t)
+            params, opt_state, loss = step(
+                params, opt_state, jax.device_put(tokens, device), jax.device_put(targets, device)
+            )
+            losses.append(loss.block_until_ready())  # steps run one after another anyway
+            progress.advance(note=f"step {t}, loss {float(loss):.4f}")
     return [float(x) for x in jax.device_get(losses)]
 
 

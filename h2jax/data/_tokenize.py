@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -187,7 +186,7 @@ def tokenize_files(
 
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
-    report = _Progress(total, enabled=progress)
+    report = _Report(total, enabled=progress)
     tokens = documents = 0
     t0 = time.perf_counter()
     try:
@@ -228,39 +227,20 @@ def _write(f, encodings, dtype: np.dtype, bos_id: int | None, eos_id: int | None
     return int(flat.size)
 
 
-class _Progress:
-    """A rich progress bar on a terminal; otherwise one line on stderr every `every_s` seconds."""
+class _Report:
+    """Bytes read and tokens written so far, as h2jax's progress (a bar on a terminal, a line every
+    10 s otherwise)."""
 
     def __init__(self, total: int, *, enabled: bool, every_s: float = 10.0):
-        self.total, self.enabled, self.every_s = total, enabled, every_s
-        self.t0 = self.last = time.perf_counter()
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+        from h2jax._progress import Progress
 
-            self.bar = Progress(
-                TextColumn("tokenize"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[rate]}"),
-                TimeRemainingColumn(), transient=False,
-            )  # fmt: skip
-            self.task = self.bar.add_task("tokenize", total=total, rate="")
-            self.bar.start()
+        self.total, self.t0 = total, time.perf_counter()
+        self.progress = Progress("tokenize", total=total, enabled=enabled, every_s=every_s).__enter__()
 
     def update(self, done: int, tokens: int) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        rate = f"{tokens / max(now - self.t0, 1e-9):,.0f} tokens/s"
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done, rate=rate)
-        elif now - self.last >= self.every_s:
-            self.last = now
-            pct = 100 * done / max(self.total, 1)
-            print(
-                f"tokenize: {pct:.0f} % ({done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB), {tokens:,} tokens, {rate}",
-                file=sys.stderr,
-                flush=True,
-            )
+        rate = tokens / max(time.perf_counter() - self.t0, 1e-9)
+        note = f"{done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB, {tokens:,} tokens, {rate:,.0f} tokens/s"
+        self.progress.set(done, note=note)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        self.progress.__exit__(None, None, None)

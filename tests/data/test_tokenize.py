@@ -117,12 +117,15 @@ def test_bad_inputs_exit_2(tmp_path, tokenizer_file, capsys):
 def test_progress_lines_when_not_a_terminal(tmp_path, tokenizer_file, capsys, monkeypatch):
     monkeypatch.setattr(_tokenize, "_READ_BYTES", 2000)
     (tmp_path / "a.txt").write_text(_text(400, seed=5))
-    real = _tokenize._Progress.__init__
+    real = _tokenize._Report.__init__
 
     def every_call(self, total, *, enabled, every_s=10.0):
         real(self, total, enabled=enabled, every_s=0.0)
 
-    monkeypatch.setattr(_tokenize._Progress, "__init__", every_call)
+    monkeypatch.setattr(_tokenize._Report, "__init__", every_call)
     tokenize_files([tmp_path / "a.txt"], tmp_path / "t.bin", tokenizer=tokenizer_file, batch_bytes=1000)
-    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenize: ")]
-    assert len(lines) >= 3 and lines[-1].startswith("tokenize: 100 %") and "tokens/s" in lines[-1]
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("h2jax: tokenize: ")]
+    total = (tmp_path / "a.txt").stat().st_size
+    assert (
+        len(lines) >= 3 and lines[-1].startswith(f"h2jax: tokenize: done {total}/{total}") and "tokens/s" in lines[-1]
+    )
