@@ -40,6 +40,7 @@ from h2jax.comm._channel import (
     TransferFailure,
     make_channel,
     needs_launcher,
+    stage_links,
 )
 from h2jax.comm._ffi import (
     DEFAULT_TIMEOUT_S,
@@ -71,6 +72,7 @@ __all__ = [
     "TransferFailure",
     "make_channel",
     "needs_launcher",
+    "stage_links",
     "tag_base",
     "BWD",
     "FWD",

@@ -43,6 +43,8 @@ _LAZY = {
     "Head": "h2jax.models._llama",
     "build_model": "h2jax.models._llama",
     "StageModule": "h2jax.models._stage",
+    "boundary_shapes": "h2jax.models._stage",
+    "shared_parameters": "h2jax.models._stage",
     "check_stageable": "h2jax.models._stage",
     "partition_specs": "h2jax.models._stage",
 }
@@ -51,7 +53,13 @@ __all__ = sorted([*_LAZY, "GPTConfig", "RopeScaling", "tensor_divisible_dims"])
 
 if TYPE_CHECKING:
     from h2jax.models._llama import GPT, TENSOR, Block, Embed, Head, build_model
-    from h2jax.models._stage import StageModule, check_stageable, partition_specs
+    from h2jax.models._stage import (
+        StageModule,
+        boundary_shapes,
+        check_stageable,
+        partition_specs,
+        shared_parameters,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -103,3 +104,31 @@ def partition_specs(module: nnx.Module, *, tensor: int | None = None) -> nnx.Sta
         return spec.replace(dropped) if isinstance(spec, nnx.Variable) else dropped
 
     return jax.tree.map(resolve, params, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shared_parameters(model: nnx.Module, plan: Any) -> list[tuple[str, list[int]]]:
+    """Parameters that two stages of ``plan`` would both hold (e.g. an embedding table the
+    head reuses): (a path of the parameter, the stages) for each."""
+    where: dict[int, tuple[str, set[int]]] = {}
+    n = plan.num_stages
+    for s, spec in enumerate(plan.stages):
+        module = StageModule(model, layers=spec.layers, first=s == 0, last=s == n - 1)
+        for path, node in nnx.iter_graph(module):
+            if isinstance(node, nnx.Param):
+                name, stages = where.setdefault(id(node), ("/".join(map(str, path)), set()))
+                stages.add(s)
+    return [(name, sorted(st)) for name, st in where.values() if len(st) > 1]
+
+
+def boundary_shapes(model: nnx.Module, plan: Any, token_shape: tuple[int, int]) -> list[jax.ShapeDtypeStruct]:
+    """The tensor between stage b and b+1 for each boundary b, from the model itself
+    (``jax.eval_shape`` of the stages in turn; no arrays are made)."""
+    n = plan.num_stages
+    x = jax.ShapeDtypeStruct(token_shape, jnp.int32)
+    out = []
+    for s, spec in enumerate(plan.stages[:-1]):
+        graphdef, params = nnx.split(StageModule(model, layers=spec.layers, first=s == 0, last=False), nnx.Param)
+        x = jax.eval_shape(lambda p, x_, g=graphdef: nnx.merge(g, p)(x_), params, x)
+        out.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    assert len(out) == n - 1
+    return out

@@ -35,11 +35,10 @@ from rich.console import Console
 
 from h2jax.checkpoint import CheckpointError, CheckpointStore
 from h2jax.checkpoint._faults import failpoint
-from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher
-from h2jax.comm._channel import stage_links
+from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher, stage_links
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, format_bytes, save_config, validate
 from h2jax.data import load_dataset, step_batch
-from h2jax.models import StageModule, build_model, check_stageable
+from h2jax.models import StageModule, boundary_shapes, build_model, check_stageable, shared_parameters
 from h2jax.plan import get_schedule, stage_tasks
 from h2jax.runtime._layout import flatten, model_layout
 from h2jax.runtime._metrics import METRICS_FILENAME, MetricsLogger, read_metrics
@@ -62,7 +61,7 @@ from h2jax.runtime._state import (
     truncate_metrics,
 )
 from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
-from h2jax.runtime._world import JobError, LocalWorld, MpiWorld, World
+from h2jax.runtime._world import JobError, MpiWorld, World, make_world
 
 GIB = 1024**3
 
@@ -70,63 +69,6 @@ GIB = 1024**3
 def part_name(stage: int) -> str:
     """The checkpoint part a stage writes when every process saves its own stage."""
     return f"stage{stage}"
-
-
-def make_world(cfg: ExperimentConfig, *, fail_fast: Any = None) -> World:
-    """The world of this process, from the launcher's environment (h2jax.launch): a
-    :class:`LocalWorld` without one, else an :class:`MpiWorld` over COMM_WORLD whose stage
-    group (jax.distributed cluster, mesh) is built here, before JAX's backends start."""
-    from h2jax.launch import FailFast, detect_launch
-
-    launch = detect_launch()
-    if launch is None or launch.size == 1:
-        return LocalWorld(cfg.plan.num_stages)
-    from mpi4py import MPI
-
-    from h2jax.runtime._procgroup import StageGroup
-
-    comm = MPI.COMM_WORLD
-    if comm.Get_size() != launch.size:
-        raise RuntimeError(f"{launch.launcher} says {launch.size} processes, MPI COMM_WORLD has {comm.Get_size()}")
-    if fail_fast is None:  # the CLI starts it earlier, before JAX's threads exist
-        fail_fast = FailFast(launch)
-        fail_fast.start()
-    group = StageGroup(cfg.plan, cfg.cluster.chips, comm)
-    fail_fast.stage = group.stage_idx
-    world = MpiWorld(comm, [group.layout.stage_of(r) for r in range(comm.Get_size())], launcher=launch.launcher)
-    world.group, world.fail_fast = group, fail_fast
-    import socket
-
-    fail_fast.peers = world.allgather((world.rank, group.stage_idx, os.getpid(), socket.gethostname()))
-    return world
-
-
-def shared_parameters(model: nnx.Module, plan: Any) -> list[tuple[str, list[int]]]:
-    """Parameters that two stages of ``plan`` would both hold (e.g. an embedding table the
-    head reuses): (a path of the parameter, the stages) for each."""
-    where: dict[int, tuple[str, set[int]]] = {}
-    n = plan.num_stages
-    for s, spec in enumerate(plan.stages):
-        module = StageModule(model, layers=spec.layers, first=s == 0, last=s == n - 1)
-        for path, node in nnx.iter_graph(module):
-            if isinstance(node, nnx.Param):
-                name, stages = where.setdefault(id(node), ("/".join(map(str, path)), set()))
-                stages.add(s)
-    return [(name, sorted(st)) for name, st in where.values() if len(st) > 1]
-
-
-def boundary_shapes(model: nnx.Module, plan: Any, token_shape: tuple[int, int]) -> list[jax.ShapeDtypeStruct]:
-    """The tensor between stage b and b+1 for each boundary b, from the model itself
-    (``jax.eval_shape`` of the stages in turn; no arrays are made)."""
-    n = plan.num_stages
-    x = jax.ShapeDtypeStruct(token_shape, jnp.int32)
-    out = []
-    for s, spec in enumerate(plan.stages[:-1]):
-        graphdef, params = nnx.split(StageModule(model, layers=spec.layers, first=s == 0, last=False), nnx.Param)
-        x = jax.eval_shape(lambda p, x_, g=graphdef: nnx.merge(g, p)(x_), params, x)
-        out.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
-    assert len(out) == n - 1
-    return out
 
 
 @dataclass

@@ -21,12 +21,13 @@ non-finite policy and the resume decisions that way.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from h2jax.checkpoint import CheckpointCorruptError, CheckpointError
-from h2jax.config import ConfigError
+from h2jax.config import ConfigError, ExperimentConfig
 
 
 class JobError(Exception):
@@ -236,3 +237,32 @@ class ThreadGroup:
         self._slots[rank] = obj
         self._barrier.wait()  # everyone has written
         return list(self._slots)
+
+
+def make_world(cfg: ExperimentConfig, *, fail_fast: Any = None) -> World:
+    """The world of this process, from the launcher's environment (h2jax.launch): a
+    :class:`LocalWorld` without one, else an :class:`MpiWorld` over COMM_WORLD whose stage
+    group (jax.distributed cluster, mesh) is built here, before JAX's backends start."""
+    from h2jax.launch import FailFast, detect_launch
+
+    launch = detect_launch()
+    if launch is None or launch.size == 1:
+        return LocalWorld(cfg.plan.num_stages)
+    from mpi4py import MPI
+
+    from h2jax.runtime._procgroup import StageGroup
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != launch.size:
+        raise RuntimeError(f"{launch.launcher} says {launch.size} processes, MPI COMM_WORLD has {comm.Get_size()}")
+    if fail_fast is None:  # the CLI starts it earlier, before JAX's threads exist
+        fail_fast = FailFast(launch)
+        fail_fast.start()
+    group = StageGroup(cfg.plan, cfg.cluster.chips, comm)
+    fail_fast.stage = group.stage_idx
+    world = MpiWorld(comm, [group.layout.stage_of(r) for r in range(comm.Get_size())], launcher=launch.launcher)
+    world.group, world.fail_fast = group, fail_fast
+    import socket
+
+    fail_fast.peers = world.allgather((world.rank, group.stage_idx, os.getpid(), socket.gethostname()))
+    return world
