@@ -14,6 +14,7 @@ naming the key, the value and what was expected -- before any device is touched.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -203,7 +204,24 @@ def entry() -> int:
     from h2jax._hostmem import reexec_with_hugepages
 
     reexec_with_hugepages(["-m", "h2jax.cli", *sys.argv[1:]])
-    return main()
+    try:
+        code = main()
+    except SystemExit as e:  # argparse and the config errors exit this way
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    # Every file is written and closed by now (metrics, TensorBoard, checkpoints, run outputs).
+    # Leave without the interpreter's teardown: XLA's and orbax's worker threads can still be
+    # inside C++ when Python finalizes, and a thread unwound there aborts the process
+    # ("terminate called ... exception not rethrown", exit 134) after a run that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:  # under a launcher: finalize MPI as the interpreter's exit would
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -284,7 +284,7 @@ def test_single_process_checkpoint_resumes_under_mpirun_and_stop_signals_save(ca
 CHILD = """
 import sys, time
 from h2jax.launch import FailFast, LaunchInfo
-ff = FailFast(LaunchInfo("openmpi-5", 1, 2, 1))
+ff = FailFast(LaunchInfo("openmpi-5", 1, 2, 1), stage=1)
 ff.start()
 if sys.argv[1] != "off":
     ff.allow_graceful_stop(float(sys.argv[1]))
@@ -305,9 +305,15 @@ sys.exit(3)
     "grace,mode,signals,code,says",
     [
         ("off", "hang", [signal.SIGTERM], 1, ["stopped by SIGTERM (another process"]),  # checkpoints off: at once
-        ("1", "hang", [signal.SIGTERM], 1, ["SIGTERM received: saving", "stopped by SIGTERM: the job reached no step"]),
+        (
+            "1",
+            "hang",
+            [signal.SIGTERM],
+            1,
+            ["SIGTERM received: asking every", "stopped by SIGTERM: the job reached no step"],
+        ),
         ("30", "hang", [signal.SIGINT, signal.SIGTERM], 1, ["SIGINT received", "stopped by SIGTERM (another process"]),
-        ("30", "boundary", [signal.SIGUSR1], 0, ["SIGUSR1 received: saving"]),
+        ("30", "boundary", [signal.SIGUSR1], 0, ["SIGUSR1 received: asking every"]),
     ],
 )
 def test_stop_signals_save_or_end_the_process_within_the_grace_period(grace, mode, signals, code, says):
