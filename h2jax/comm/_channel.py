@@ -189,8 +189,12 @@ class LocalHub:
             box.clear()
 
     def close(self) -> None:
+        """Stop the transfer threads and wait for them (a thread left inside XLA when the
+        interpreter exits can abort the process)."""
         for q in self._queues.values():
             q.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
 
     def _transfer(self, b: int, direction: int) -> None:
         src, dst = (b, b + 1) if direction == FWD else (b + 1, b)

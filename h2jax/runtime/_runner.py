@@ -64,7 +64,10 @@ class Watcher:
         self._q.join()
 
     def close(self) -> None:
+        """Stop the thread and wait for it: a thread left inside XLA when the interpreter exits
+        can abort the process."""
         self._q.put(None)
+        self._thread.join(timeout=30)
 
     def _run(self) -> None:
         while True:
