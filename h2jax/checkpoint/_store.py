@@ -43,6 +43,7 @@ need.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -60,6 +61,7 @@ from h2jax.checkpoint._faults import failpoint
 
 PARTS_DIR = "parts"
 ASIDE_DIR = "aside"  # uncommitted steps newer than every committed one, moved here by cleanup()
+_SYNC_SAVES = threading.Lock()  # synchronous saves of one process, one at a time (see save())
 COMMITS_DIR = "commits"
 DEFAULT_PART = "main"
 
@@ -386,18 +388,21 @@ class CheckpointStore:
         mgr = self._manager()
         if not self.keeper:
             mgr.reload()  # the keeper may have deleted steps (retention, a re-save): orbax caches the list
-        try:
-            mgr.save(
-                step,
-                args=ocp.args.Composite(state=ocp.args.PyTreeSave(nest(state)), meta=ocp.args.JsonSave(dict(meta))),
-                force=True,
-            )
-        except Exception as e:  # noqa: BLE001 -- any failure of the write names the path and step
-            raise CheckpointSaveError(self.part_dir() / str(step), step, e) from e
-        self._pending = step
-        failpoint("save_started", step)
-        if not self.async_save:
-            self.wait()
+        # one synchronous save at a time per process: two orbax managers finalising at once in one
+        # process (simulated ranks on threads) race on their temporary directories
+        with _SYNC_SAVES if not self.async_save else contextlib.nullcontext():
+            try:
+                mgr.save(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.PyTreeSave(nest(state)), meta=ocp.args.JsonSave(dict(meta))),
+                    force=True,
+                )
+            except Exception as e:  # noqa: BLE001 -- any failure of the write names the path and step
+                raise CheckpointSaveError(self.part_dir() / str(step), step, e) from e
+            self._pending = step
+            failpoint("save_started", step)
+            if not self.async_save:
+                self.wait()
 
     def poll(self) -> int | None:
         """Commit a finished background save without waiting; returns the step committed."""

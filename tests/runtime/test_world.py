@@ -109,7 +109,8 @@ def test_nonfinite_skip_is_decided_alike_on_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_a_stop_on_one_rank_stops_every_rank_at_the_same_boundary_and_resumes(tmp_path):
-    cfg = load_config(None, [*BASE, "train.steps=6", "checkpoint.every_steps=0"])
+    # synchronous saves: the two ranks' orbax managers share this one process
+    cfg = load_config(None, [*BASE, "train.steps=6", "checkpoint.every_steps=0", "checkpoint.async_save=false"])
 
     def stop_rank1_after_step_2(r, tr):
         if r == 1:
