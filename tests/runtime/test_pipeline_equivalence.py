@@ -67,6 +67,11 @@ PLANS = {
 
 def make_cfg(name: str, **extra: str):
     n_layers, schedule, stages = PLANS[name]
+    return plan_cfg(n_layers, schedule, stages, **extra)
+
+
+def plan_cfg(n_layers: int, schedule: str, stages: list, **extra: str):
+    """The equivalence tests' experiment: the small model on the test cluster under this plan."""
     plan = {"global_batch": 16, "num_microbatches": 4, "schedule": schedule, "stages": stages}
     overrides = MODEL + [
         CLUSTER,

@@ -26,18 +26,8 @@ from flax import nnx
 from h2jax.config import load_config
 from h2jax.models import StageModule, build_model
 from h2jax.plan import StageSpec, check_execution
-from h2jax.runtime import Trainer, flatten, make_optimizer, reference_loss_and_grads
-from h2jax.runtime._stage import StageProgram
-
-TOL = 1e-5
-
-MODEL = ["model.vocab_size=256", "model.seq_len=16", "model.d_model=32", "model.n_heads=4", "model.d_ff=64"]
-CLUSTER = "cluster.chips={sim_a: {nodes: 2}, sim_b: {nodes: 2}, sim_c: {nodes: 1}, sim_d: {nodes: 1}}"
-
-
-def S(chip, layers, data=1, tensor=1, recompute=False):
-    return {"chip": chip, "layers": list(layers), "data": data, "tensor": tensor, "recompute": recompute}
-
+from h2jax.runtime import StageProgram, Trainer, flatten, make_optimizer, reference_loss_and_grads
+from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg
 
 PLANS = {
     # 2 stages, uneven split, tensor into data parallel, no recompute
@@ -53,25 +43,7 @@ PLANS = {
 
 def make_cfg(name: str, schedule: str = "zb-h1", **extra: str):
     n_layers, stages = PLANS[name]
-    plan = {"global_batch": 16, "num_microbatches": 4, "schedule": schedule, "stages": stages}
-    overrides = MODEL + [
-        CLUSTER,
-        f"model.n_layers={n_layers}",
-        f"plan={plan}",
-        "train.progress=false",
-        "train.tensorboard=false",
-        "optimizer.warmup_steps=1",
-        "optimizer.lr=1e-2",
-        "optimizer.eps=1e-3",
-        "train.steps=3",
-        "optimizer.clip_norm=0.5",
-    ]
-    overrides += [f"{k}={v}" for k, v in extra.items()]
-    return load_config(None, overrides)
-
-
-def _max_diff(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+    return plan_cfg(n_layers, schedule, stages, **extra)
 
 
 def _bad(got, want):
