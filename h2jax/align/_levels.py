@@ -41,6 +41,7 @@ EXACT_PRIMITIVES = frozenset(
 skips them unless asked for all ops (``all_ops=True``; a backend bug would show there)."""
 
 DEFAULT_LAYER_GATE = 2e-3
+BASELINE = "<host baseline>"  # the host run with no policy; `cpu` itself may be a compared chip
 """Per-layer relative L2 gate (outputs and parameter gradients), marin's gate for JaxPP parity."""
 
 
@@ -279,17 +280,18 @@ def layer_level(exp: Experiment, chips: Sequence[ChipTarget], *, gate: float = D
         (loss, hiddens), grads = jax.device_get(fn(*jax.device_put(args, device)))
         return float(loss), [np.asarray(h) for h in hiddens], _flat_grads(grads)
 
-    results = {HOST: run(jax.devices(HOST)[0], NumericsPolicy(), None, exp.graphdef)}
+    # the host baseline under a key no chip type can have: `cpu` is also a valid chip to compare
+    results = {BASELINE: run(jax.devices(HOST)[0], NumericsPolicy(), None, exp.graphdef)}
     for chip in chips:
         results[chip.name] = run(chip.device, chip.policy, chip.fault, graphdef_for(exp, chip.policy))
     floor = DTYPE_RTOL.get(exp.cfg.model.dtype, DTYPE_RTOL["float32"])
 
     def row(layer: str, direction: str, errors: dict[str, float], params: dict | None = None) -> LayerRow:
-        base = errors[HOST]
-        r = {n: ratio(e, base, floor=floor) for n, e in errors.items() if n != HOST}
+        base = errors[BASELINE]
+        r = {n: ratio(e, base, floor=floor) for n, e in errors.items() if n != BASELINE}
         status = {}
         for n, e in errors.items():
-            if n == HOST:
+            if n == BASELINE:
                 continue
             status[n] = "fail" if e > gate else ("warn" if r[n] > 2 else "pass")
         return LayerRow(layer, direction, {n: errors[n] for n in r}, r, status, params or {})
@@ -312,7 +314,7 @@ def layer_level(exp: Experiment, chips: Sequence[ChipTarget], *, gate: float = D
         }
         errors = {n: max(v[n] for v in per_param.values()) for n in results}
         rows.append(
-            row(name, "bwd", errors, {p: {n: e for n, e in v.items() if n != HOST} for p, v in per_param.items()})
+            row(name, "bwd", errors, {p: {n: e for n, e in v.items() if n != BASELINE} for p, v in per_param.items()})
         )
     first: dict[str, dict[str, str | None]] = {}
     for chip in chips:
@@ -320,7 +322,7 @@ def layer_level(exp: Experiment, chips: Sequence[ChipTarget], *, gate: float = D
             d: next((r.layer for r in rows if r.direction == d and r.status[chip.name] != "pass"), None)
             for d in ("fwd", "bwd")
         }
-    loss = {n: res[0] for n, res in results.items()}
+    loss = {("host" if n == BASELINE else n): res[0] for n, res in results.items()}
     loss["reference"] = float(ref_loss)
     return LayerLevel(rows, [c.name for c in chips], gate, loss, first, time.perf_counter() - start)
 

@@ -76,6 +76,20 @@ def test_the_same_chip_with_an_fp32_policy_passes(tmp_path):
     assert main(argv) == 0
 
 
+def test_the_host_itself_is_a_chip_to_compare(tmp_path):
+    """`cpu` (the host, as on a GPU machine: `--chips cpu cuda`) is compared against the exact host
+    baseline, not mistaken for it: with bf16 matmul inputs it diverges and the gate says so."""
+    argv = [CONFIG, "--chips", "cpu", "sim_a", "--out", str(tmp_path), "--levels", "layer"]
+    argv += ["--numerics", "cpu.matmul_input_rounding=bf16"]
+    assert main(argv) == 1
+    layer = json.loads((tmp_path / "align.json").read_text())["layer_level"]
+    rows = {(r["layer"], r["direction"]): r for r in layer["rows"]}
+    assert 1e-4 < rows[("blocks.0", "fwd")]["rel_l2"]["cpu"] < 2e-2
+    assert rows[("blocks.0", "fwd")]["rel_l2"]["sim_a"] < 1e-6
+    assert layer["first_divergent"]["cpu"]["fwd"] == "blocks.0"
+    assert layer["loss"]["host"] != layer["loss"]["cpu"]
+
+
 def test_a_forward_fault_is_the_first_divergent_op(differing):
     _, report, _ = differing
     first = report["op_level"]["first_fail"]["sim_c"]
