@@ -74,3 +74,34 @@ def test_head_activation_bytes_match_the_estimate(dtype, tie):
     hidden = x.size * x.dtype.itemsize
     estimate = roofline_costs(ModelShape.from_config(cfg), CPU, tensor=1, microbatch=BATCH)["head"].act_bytes + hidden
     assert abs(measured - estimate) <= 0.01 * measured, (measured, estimate)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["auto", "xla"])
+def test_llama7b_block_activation_bytes_on_cuda(attention):
+    """The same count on a real GPU for a LLaMA-7B-shaped block (d 4096, 32 heads, 8 kv heads,
+    d_ff 11008, bf16, microbatch 1) at seq 2048 and 4096: ``auto`` lets the backend pick its fused
+    attention (cuDNN on NVIDIA), ``xla`` is the portable path. Skips without a CUDA device."""
+    try:
+        gpu = jax.devices("cuda")[0]
+    except RuntimeError:
+        pytest.skip("no CUDA device")
+    from h2jax.plan._profiles import load_chip
+
+    h200, _ = load_chip("h200")
+    for seq_len in (2048, 4096):
+        cfg = GPTConfig(vocab_size=32000, seq_len=seq_len, d_model=4096, n_heads=32, n_kv_heads=8, n_layers=1,
+                        d_ff=11008, dtype="bfloat16", attention=attention)  # fmt: skip
+        with jax.default_device(gpu):
+            block = build_model(cfg, seed=0).blocks[0]
+            graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+            params = jax.device_put(params, gpu)
+            x = jax.device_put(jnp.zeros((1, seq_len, cfg.d_model), jnp.bfloat16), gpu)
+
+            def fwd(params, x):
+                return jax.vjp(lambda p, x_: nnx.merge(graphdef, p, rest)(x_), params, x)
+
+            measured = jax.jit(fwd).lower(params, x).compile().memory_analysis().output_size_in_bytes
+        estimate = roofline_costs(ModelShape.from_config(cfg), h200, tensor=1, microbatch=1)["block"].act_bytes
+        print(f"{attention} seq {seq_len}: measured {measured / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
+        assert abs(measured - estimate) <= 0.25 * measured, (seq_len, measured, estimate)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The project's checks on a host with one NVIDIA GPU (never on CI; it exits 2 without a `cuda`
+# backend). h2jax must already be installed there with the CUDA FFI variant:
+#   H2JAX_FFI_CUDA=ON python3 -m pip install --no-build-isolation -e .
+#
+#   bash benchmarks/gpu_check.sh [LOG_DIR [WORK_DIR]]   # ~5-8 minutes on an H100/H200 host
+#
+# 1. `pytest -m gpu`: a pipeline with a GPU stage and an emulated CPU stage equals the
+#    sequential model; the CUDA FFI handlers move device buffers between two processes; the
+#    planner's per-block activation bytes match XLA's for a LLaMA-7B-shaped block (cuDNN and XLA
+#    attention, seq 2048 and 4096).
+# 2. `h2jax train` of a cuda + emulated-cpu plan through the CLI (outputs, timeline picture).
+# 3. `h2jax align` cpu against cuda, op and layer level, with the GPU's default fp32 matmuls (TF32
+#    on Hopper: the dot ops should fail) and with matmul_precision=highest (should pass), then a
+#    short run level with both policies.
+# Each step prints its tail and writes LOG_DIR/<step>.log (nothing else goes there); the run and
+# the align reports land in WORK_DIR (default LOG_DIR). Exit status: the worst step's.
+set -u
+OUT=${1:-runs/gpu_check}
+WORK=${2:-$OUT}
+mkdir -p "$OUT" "$WORK"
+worst=0
+step() { # name, timeout seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local code=$?
+  echo "== $name: exit $code, $((SECONDS - t0)) s"
+  tail -n 30 "$OUT/$name.log"
+  [ $code -gt $worst ] && worst=$code
+  return 0
+}
+python3 -c "import jax; print(jax.__version__, jax.devices('cuda'))" || exit 2
+kind=$(python3 -c "import jax; print(jax.devices('cuda')[0].device_kind.split()[-1])")
+chip="cuda:$kind"
+
+step pytest_gpu 170 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests
+step train_cuda_cpu 90 h2jax train --run-dir "$WORK/train" train.steps=30 train.progress=false \
+  "cluster.chips={\"$chip\": {profile: h200, nodes: 1, devices_per_node: 1, memory_gib: 100}, sim_a: {nodes: 1}}" \
+  "plan={global_batch: 32, num_microbatches: 4, schedule: 1f1b, stages: [{chip: \"$chip\", layers: [0, 3], data: 1, tensor: 1}, {chip: sim_a, layers: [3, 6], data: 2, tensor: 1}]}"
+step align_tf32 90 h2jax align --chips cpu cuda --levels op layer --numerics cuda.matmul_precision=default \
+  --out "$WORK/align_tf32"
+step align_highest 90 h2jax align --chips cpu cuda --levels op layer --numerics cuda.matmul_precision=highest \
+  --out "$WORK/align_highest"
+step align_run 100 h2jax align --chips cpu cuda --levels run --steps 50 --no-plan \
+  --numerics cuda.matmul_precision=highest --out "$WORK/align_run"
+exit $worst
