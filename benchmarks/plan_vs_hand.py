@@ -16,11 +16,16 @@ Everything goes through the real CLI in subprocesses, as a user would run it:
      DIR/experiment.yaml`` (the planner's), ``--steps`` steps each, in ``--rounds`` rounds
      that alternate which goes first, so both see the machine's slow and fast phases
      alike; each run reports its median tokens/s after its first step (``h2jax train``'s
-     own summary line), and each side's figure is the median over its rounds.
+     own summary line), and each side's figure is the median over its rounds;
+  4. predicted against measured: both plans priced with the same profiles by the cost model
+     (``h2jax.plan.estimate``, what the planner ranks by) and the simulator, beside the
+     median step time each measured (every step after the first, over all rounds): a
+     planner whose prediction is far off for either plan picks by a wrong yardstick.
 
-Prints the load average before and after (other work on the machine slows every step).
-Last line: ``RESULT {"planned_over_hand": tokens/s ratio, "planned_tokens_per_s": ...,
-"hand_tokens_per_s": ..., "rounds": N, "steps": S}``; above 1 the planner's plan is faster.
+Prints the load average before and after (other work on the machine slows every step) and
+writes everything measured to ``OUT/result.json``. Last line: ``RESULT {"planned_over_hand":
+tokens/s ratio, "planned_tokens_per_s": ..., "hand_tokens_per_s": ..., "predicted": {...},
+"rounds": N, "steps": S}``; above 1 the planner's plan is faster.
 """
 
 from __future__ import annotations
@@ -66,6 +71,37 @@ def lookups(cluster: dict, global_batch: int) -> tuple[list[int], list[int]]:
     return tensor, per_device
 
 
+def predictions(prof: Path, plans: dict[str, Path]) -> dict[str, dict[str, float]]:
+    """Each plan's predicted step seconds by the cost model and by the simulator, with the
+    profiles of step 1 (pure Python: no device is touched)."""
+    from h2jax.plan import Cluster, ModelShape, Plan, ProfileTable, estimate, simulate_plan
+
+    raw = yaml.safe_load(CLUSTER.read_text())
+    cluster = Cluster.from_dict(raw, name=CLUSTER.stem)
+    model = ModelShape.from_config(raw["model"])
+    table = ProfileTable.load(prof)
+    out = {}
+    for name, path in plans.items():
+        data = yaml.safe_load(path.read_text())
+        data = data["plan"] if isinstance(data.get("plan"), dict) else data
+        plan = Plan.from_dict({k: v for k, v in data.items() if k != "model"})
+        cost = estimate(plan, model, cluster, table=table)
+        sim, _ = simulate_plan(plan, model, cluster, table=table)
+        out[name] = {
+            "estimate_s": cost.iteration_s,
+            "simulated_s": sim.iteration_s,
+            "estimated_rows": sum(s.estimated for s in cost.stages),
+            "bound_by": cost.bound_by,
+        }
+    return out
+
+
+def step_times(run_dir: Path) -> list[float]:
+    """Seconds of every step after the first (compilation) in a run's metrics."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [float(r["step_time_s"]) for r in rows if r.get("step", 0) >= 1 and "step_time_s" in r]
+
+
 def train(config: Path, *, steps: int, out: Path, tag: str) -> float:
     output = h2jax(
         "train",
@@ -90,6 +126,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps per training run (the first is not counted)")
     ap.add_argument("--repeats", type=int, default=5, help="`h2jax profile --repeats`: timed rounds per program")
     ap.add_argument("--out", default="runs/bench_plan_vs_hand", help="folder for profiles, the plan and the runs")
+    ap.add_argument(
+        "--profiles",
+        default=None,
+        help="skip step 1 and plan with this profile cache (made by an earlier run; say so beside its numbers)",
+    )
     ap.add_argument(
         "--tensor", type=int, nargs="*", default=None, help="profile only these tensor degrees (default: every one)"
     )
@@ -118,10 +159,14 @@ def main() -> None:
 
     # 1. profiles of the default job's model, every lookup the planner can make
     prof = out / "prof.json"
-    prof.unlink(missing_ok=True)
     tensor, per_device = lookups(cluster, gb)
     tensor, per_device = args.tensor or tensor, args.microbatch or per_device
-    for chip in cluster["chips"]:
+    if args.profiles:
+        prof = Path(args.profiles).resolve()
+        print(f"profiles reused from {prof} (not measured in this run)", flush=True)
+    else:
+        prof.unlink(missing_ok=True)
+    for chip in [] if args.profiles else cluster["chips"]:
         h2jax(
             "profile",
             "--chip",
@@ -138,7 +183,8 @@ def main() -> None:
             "--out",
             str(prof),
         )
-    print(f"profiled {', '.join(cluster['chips'])}: tensor {tensor}, sequences per device {per_device}", flush=True)
+    if not args.profiles:
+        print(f"profiled {', '.join(cluster['chips'])}: tensor {tensor}, sequences per device {per_device}", flush=True)
 
     # 2. the planner's plan for the same cluster, model and global batch
     plan_dir = out / "plan"
@@ -147,24 +193,49 @@ def main() -> None:
     planned = plan_dir / "experiment.yaml"
 
     # 3. both trained in interleaved rounds
+    pred = predictions(prof, {"hand": HAND, "planned": planned})
     got: dict[str, list[float]] = {"hand": [], "planned": []}
+    steps: dict[str, list[float]] = {"hand": [], "planned": []}
     for r in range(args.rounds):
         pair = [("hand", HAND), ("planned", planned)]
         for name, config in pair if r % 2 == 0 else reversed(pair):
             tps = train(config, steps=args.steps, out=out / "runs", tag=f"{name}_{r}")
             got[name].append(tps)
+            steps[name] += step_times(out / "runs" / f"{name}_{r}")
             print(f"round {r} {name}: {tps:,.0f} tokens/s", flush=True)
     hand_tps, planned_tps = statistics.median(got["hand"]), statistics.median(got["planned"])
+    tokens = gb * int(cluster["model"]["seq_len"])
     print(f"hand-made plan (configs/default.yaml): median {hand_tps:,.0f} tokens/s over {args.rounds} rounds")
     print(f"planner's plan ({planned}): median {planned_tps:,.0f} tokens/s")
+    print(
+        f"\n{'plan':<8} {'estimate':>9} {'simulated':>9} {'measured':>9} {'est. err':>8} {'sim. err':>8}   "
+        "(step seconds; measured: median step after the first, all rounds)"
+    )
+    for name in ("hand", "planned"):
+        p, med = pred[name], statistics.median(steps[name])
+        pred[name]["measured_s"] = med
+        rough = f", {p['estimated_rows']} stages priced by the roofline" if p["estimated_rows"] else ""
+        print(
+            f"{name:<8} {p['estimate_s']:>9.3f} {p['simulated_s']:>9.3f} {med:>9.3f} "
+            f"{p['estimate_s'] / med - 1:>+8.1%} {p['simulated_s'] / med - 1:>+8.1%}   "
+            f"({tokens / p['estimate_s']:,.0f} predicted vs {tokens / med:,.0f} tokens/s; bound by {p['bound_by']}{rough})"
+        )
+    print(
+        f"predicted planned/hand: {pred['hand']['estimate_s'] / pred['planned']['estimate_s']:.3f} (estimate), "
+        f"{pred['hand']['simulated_s'] / pred['planned']['simulated_s']:.3f} (simulator)"
+    )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     result = {
         "planned_over_hand": round(planned_tps / hand_tps, 4),
         "planned_tokens_per_s": round(planned_tps, 1),
         "hand_tokens_per_s": round(hand_tps, 1),
+        "predicted": {
+            name: {k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()} for name, p in pred.items()
+        },
         "rounds": args.rounds,
         "steps": args.steps,
     }
+    (out / "result.json").write_text(json.dumps({**result, "tokens_per_s": got, "step_s": steps}, indent=1))
     print("RESULT " + json.dumps(result))
 
 

@@ -47,6 +47,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-orders", type=int, default=120, help="all stage orders up to this many, else a neighbourhood")
     p.add_argument("--profiles", nargs="*", default=(), help="JSON caches written by `h2jax profile`")
+    p.add_argument(
+        "--allow-estimates",
+        action="store_true",
+        help="with --profiles: also consider the (tensor degree, sequences per device) a profiled chip type was "
+        "not measured at, priced by the roofline (default: only its measured ones; the output names the stages "
+        "priced by the roofline)",
+    )
     p.add_argument("--grad-sync", default="step", choices=("step", "microbatch"))
     p.add_argument("--out", default=None, help="folder for plan.yaml and experiment.yaml")
     p.set_defaults(func=cmd_plan)
@@ -153,6 +160,7 @@ def search_options(
     max_orders: int = 120,
     time_budget: float = DEFAULT_TIME_BUDGET_S,
     grad_sync: str = "step",
+    measured_only: bool = True,
 ):
     """The SearchOptions `h2jax plan` searches with (its defaults are the CLI's defaults;
     benchmarks/planner_scale.py runs exactly these)."""
@@ -163,6 +171,7 @@ def search_options(
         group_size=group_size,
         max_options_per_chip=beam,
         max_orders=max_orders,
+        measured_only=measured_only,
         time_budget_s=time_budget or None,
         stage_in_node=_stage_in_node(cluster),
         cost=CostOptions(grad_sync=grad_sync),
@@ -195,6 +204,21 @@ def _ratio_line(ratio: float, base: dict, what: str) -> str:
         return f"HeteroSpeedupRatio {what}: not defined, no chip type has a plan of its own"
     over = "" if len(fit) == len(base) else f" over the chip types that fit alone ({', '.join(fit)})"
     return f"HeteroSpeedupRatio {what}{over}: {100 * ratio:.1f} %"
+
+
+def _rows_text(rows) -> str:
+    """(tensor, sequences per device) pairs in words, tensor degrees with the same sizes together:
+    "tensor 1, 2 at 2, 4 sequences per device"."""
+    by_t: dict[int, tuple[int, ...]] = {}
+    for t, b in sorted(rows):
+        by_t[t] = (*by_t.get(t, ()), b)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for t, bs in by_t.items():
+        groups.setdefault(bs, []).append(t)
+    return ", ".join(
+        f"tensor {', '.join(map(str, ts))} at {', '.join(map(str, bs))} sequences per device"
+        for bs, ts in groups.items()
+    )
 
 
 def _search_line(res) -> str:
@@ -240,6 +264,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             max_orders=args.max_orders,
             time_budget=args.time_budget,
             grad_sync=args.grad_sync,
+            measured_only=not args.allow_estimates,
         )
     except (ProfileError, PlanError, ValueError) as e:
         raise _fail(e) from None
@@ -248,14 +273,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console = Console()
     res = search(cluster, model, global_batch=gb, table=table, opts=opts)
     if res.plan is None:
-        raise _fail(ProfileError(f"plan: no plan fits ({res.note}); try more chips, a smaller model or microbatch"))
+        more = (
+            "; profile more tensor degrees and microbatch sizes, or pass --allow-estimates"
+            if opts.measured_only and table.entries
+            else ""
+        )
+        raise _fail(
+            ProfileError(f"plan: no plan fits ({res.note}); try more chips, a smaller model or microbatch{more}")
+        )
     cost = res.cost
     tbl = Table(
         title=f"{cluster.name}: {cluster.num_devices} chips, model {format_count(model.num_params())} params, "
         f"global batch {gb} seq = {gb * model.seq_len:,} tokens, {res.plan.num_microbatches} x "
         f"{res.plan.microbatch_size}, {res.plan.schedule}"
     )
-    for col in ("stage", "chip", "data x tensor", "layers", "recompute", "fwd+bwd / mb", "memory / device"):
+    for col in ("stage", "chip", "data x tensor", "layers", "recompute", "fwd+bwd / mb", "costs", "memory / device"):
         tbl.add_column(col)
     for i, (s, c) in enumerate(zip(res.plan.stages, cost.stages)):
         tbl.add_row(
@@ -265,6 +297,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{s.layers[0]}-{s.layers[1] - 1}",
             "yes" if s.recompute else "no",
             _fmt_s(c.t),
+            f"roofline ({s.tensor}, {res.plan.microbatch_size // s.data})" if c.estimated else "measured",
             f"{c.memory.total / GIB:.1f} / {c.memory_limit / GIB:.0f} GiB",
         )
     console.print(tbl)
@@ -274,16 +307,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"[yellow]note:[/] --profiles has no entry of this model shape for {', '.join(missing)}: "
             "priced by the roofline"
         )
-    rough = sorted({s.chip for s, c in zip(res.plan.stages, cost.stages) if c.estimated})
+    rough = [
+        f"stage {i} ({s.chip}, tensor {s.tensor}, {res.plan.microbatch_size // s.data} sequences per device)"
+        for i, (s, c) in enumerate(zip(res.plan.stages, cost.stages))
+        if c.estimated
+    ]
     if not rough:
         est = " (from measured profiles)"
     elif table.entries:
-        est = (
-            f" (roofline estimates for {', '.join(rough)}: --profiles has no measurement at their model shape, "
-            "tensor degree and microbatch)"
-        )
+        est = f" (partly a roofline estimate: {'; '.join(rough)} not measured for this model shape in --profiles)"
     else:
         est = " (roofline estimates: not a measurement)"
+    if opts.measured_only and table.entries:
+        held = {n: table.measured_rows(n, model) for n in cluster.names}
+        held = {n: r for n, r in held.items() if r}
+        if held:
+            console.print(
+                "searched only the measured configurations of profiled chip types (--allow-estimates adds the "
+                "others, estimated): " + "; ".join(f"{n} {_rows_text(r)}" for n, r in held.items())
+            )
     console.print(
         f"estimated iteration {_fmt_s(cost.iteration_s)}{est}, {cost.tokens_per_s:,.0f} tokens/s, "
         f"bubble {100 * cost.bubble_fraction:.1f} %; lower bound {_fmt_s(res.lower_bound_s)} "

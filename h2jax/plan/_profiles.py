@@ -651,6 +651,14 @@ class ProfileTable:
     def measured(self, chip: str) -> bool:
         return any(k[0] == chip and not v["block"].estimated for k, v in self.entries.items())
 
+    def measured_rows(self, chip: str, model: ModelShape) -> frozenset[tuple[int, int]]:
+        """The (tensor degree, sequences per device) of `chip` measured for `model`'s shape:
+        the lookups whose costs are a measurement, not the roofline's estimate."""
+        key = model.key()
+        return frozenset(
+            (k[2], k[3]) for k, v in self.entries.items() if k[0] == chip and k[1] == key and not v["block"].estimated
+        )
+
     def model_keys(self) -> set[str]:
         """The model shapes (``ModelShape.key()``) the entries were made for."""
         return {k[1] for k in self.entries}

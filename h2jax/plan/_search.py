@@ -120,6 +120,13 @@ class SearchOptions:
         round where the space is small, else rounds of growing beams over an order
         neighbourhood, then the exact space, until the space is covered, the rounds stop
         improving, or the time budget is spent. False: one round over exactly this space.
+    measured_only: where the profile table holds measured rows of a chip type for the
+        model's shape, that chip type's stages use only its measured (tensor degree,
+        sequences per device): the plan is then priced by measurements alone, not by a
+        roofline estimate of a row nobody timed (an estimate beside measured neighbours
+        ranks by a different yardstick: on emulated chips it reads the spec sheet, not this
+        host). Chip types with no measured row are priced by the roofline either way. False:
+        every row, the unmeasured ones by the roofline (the result says which stages).
     time_budget_s: wall-clock seconds the search may take. Past it the search returns the
         best plan found so far, marked not exhaustive (and computes the lower bound then, if
         the budget ran out before it: a fraction of a second at 10,000 chips). None: no
@@ -137,6 +144,7 @@ class SearchOptions:
     max_orders: int = 120
     allow_recompute: bool = True
     max_options_per_chip: int | None = None
+    measured_only: bool = True
     auto: bool = True
     time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
     cost: CostOptions = field(default_factory=CostOptions)
@@ -210,15 +218,25 @@ def microbatch_sizes(global_batch: int, opts: SearchOptions) -> list[int]:
 
 
 def derive_data(
-    chip: ChipProfile, nodes: int, *, stages: int, tensor: int, microbatch: int, stage_in_node: bool
+    chip: ChipProfile,
+    nodes: int,
+    *,
+    stages: int,
+    tensor: int,
+    microbatch: int,
+    stage_in_node: bool,
+    per_device: frozenset[int] | None = None,
 ) -> int:
-    """The data degree of `stages` stages of `tensor`-wide meshes on this chip type (0: none fits)."""
+    """The data degree of `stages` stages of `tensor`-wide meshes on this chip type (0: none fits).
+
+    `per_device`: the sequences per device allowed (those measured at this tensor degree,
+    with ``SearchOptions.measured_only``); None: any."""
     devices = nodes * chip.devices_per_node
     top = devices // (stages * tensor)
     if stage_in_node:
         top = min(top, chip.devices_per_node // tensor)
     for d in range(top, 0, -1):
-        if microbatch % d:
+        if microbatch % d or (per_device is not None and microbatch // d not in per_device):
             continue
         if stage_in_node and stages > nodes * (chip.devices_per_node // (d * tensor)):
             continue
@@ -300,16 +318,26 @@ def chip_choices(
     for chip, nodes in cluster.chips:
         devices = nodes * chip.devices_per_node
         choices = []
+        rows = measured_rows(table, chip.name, model) if opts.measured_only else frozenset()
         for t in model.tensor_degrees(chip.devices_per_node):
             if t > devices:
                 continue
+            per_device = frozenset(b for tt, b in rows if tt == t) if rows else None
+            if per_device == frozenset():
+                continue  # this tensor degree was not measured on this chip type
             kmax = min(L, devices // t, opts.max_stages_per_chip or L)
             if opts.group_size:
                 kmax = min(kmax, max(1, math.ceil(devices / opts.group_size)))
             by_data: dict[int, list[int]] = {}
             for k in range(1, kmax + 1):
                 d = derive_data(
-                    chip, nodes, stages=k, tensor=t, microbatch=microbatch, stage_in_node=opts.stage_in_node
+                    chip,
+                    nodes,
+                    stages=k,
+                    tensor=t,
+                    microbatch=microbatch,
+                    stage_in_node=opts.stage_in_node,
+                    per_device=per_device,
                 )
                 if d:
                     by_data.setdefault(d, []).append(k)
@@ -333,6 +361,11 @@ def chip_choices(
     if opts.max_options_per_chip:
         out = beam(out, L, opts.max_options_per_chip)
     return out
+
+
+def measured_rows(table: ProfileTable | None, chip: str, model: ModelShape) -> frozenset[tuple[int, int]]:
+    """(tensor, sequences per device) of `chip` measured for `model` (empty: none, or no table)."""
+    return table.measured_rows(chip, model) if table is not None and table.entries else frozenset()
 
 
 class _Held:
@@ -1055,7 +1088,20 @@ class _Run:
 
 
 def _why_none(run: _Run) -> str:
-    """Why no plan of a fully searched space fits, with the numbers."""
+    """Why no plan of a fully searched space fits, with the numbers (and the measured rows
+    the space was held to, where it was)."""
+    why = _why_none_of_space(run)
+    if run.opts.measured_only:
+        held = {n: measured_rows(run.table, n, run.model) for n in run.names}
+        held = {n: rows for n, rows in held.items() if rows}
+        if held:
+            why += "; searched only the measured rows of " + "; ".join(
+                f"{n} ((tensor, sequences per device) {', '.join(map(str, sorted(rows)))})" for n, rows in held.items()
+            )
+    return why
+
+
+def _why_none_of_space(run: _Run) -> str:
     L = run.L
     if not run.space:
         poor = []
