@@ -19,6 +19,7 @@ takes float times (seconds, or slots) and a tolerance.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -402,6 +403,8 @@ _SCHEDULES: dict[str, type[Schedule]] = {
     "interleaved": Interleaved,
     "zb-v": ZeroBubbleV,
 }
+ALL_SCHEDULES: tuple[str, ...] = tuple(_SCHEDULES)
+"""Every schedule with a task grid here (the runtime runs those in `h2jax.plan.SCHEDULES`)."""
 
 
 def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
@@ -410,6 +413,39 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     if name not in _SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(_SCHEDULES)}")
     return _SCHEDULES[name](num_stages, num_microbatches)
+
+
+def backward_peaks(ops: Sequence[Task]) -> tuple[int, int]:
+    """(awaiting backward, awaiting weight gradient): the most (chunk, microbatch) activations
+    one stage's op list holds at once between an F's start and its B's end, and the most
+    whose B has started and whose W has not ended (what W keeps: its inputs and the output
+    cotangents B made). The stage runs its ops one at a time in this order, so the counts
+    follow from the order alone, whatever the durations. Unsplit lists (no W) give 0 for
+    the second; their first is the schedule's `max_in_flight`."""
+    started_f = ended_b = started_b = ended_w = 0
+    peak_fb = peak_bw = 0
+    for task in ops:
+        if task.kind == FORWARD:
+            started_f += 1
+            peak_fb = max(peak_fb, started_f - ended_b)
+        elif task.kind == BACKWARD:
+            started_b += 1
+            peak_fb = max(peak_fb, started_f - ended_b)
+            ended_b += 1
+        else:
+            peak_bw = max(peak_bw, started_b - ended_w)
+            ended_w += 1
+    if any(t.kind == WEIGHT for t in ops):
+        peak_bw = max(peak_bw, started_b - ended_w)
+    return peak_fb, peak_bw
+
+
+@functools.lru_cache(maxsize=8192)
+def memory_counts(name: str, num_stages: int, num_microbatches: int) -> tuple[tuple[int, int], ...]:
+    """Per stage of the schedule `name`: :func:`backward_peaks` of its op list -- the
+    activations the cost model charges a stage for (cached: the planner asks per stage)."""
+    sched = get_schedule(name, num_stages, num_microbatches)
+    return tuple(backward_peaks(sched.stage_ops(s)) for s in range(num_stages))
 
 
 def timed_events(

@@ -1,13 +1,18 @@
-"""Discrete-event replay of a plan's pipeline schedule.
+"""Discrete-event replay of a plan's pipeline schedule -- any schedule with a task grid
+(gpipe, 1f1b, zb-h1, interleaved, zb-v).
 
 Each stage walks its op list (``get_schedule(...).stage_ops(stage_idx)`` -- the very list
 the runtime's driver walks) one op at a time; an op starts when the stage is free and its
-input has arrived:
+input has arrived. An op of chunk c on stage s sits at model position
+``virtual_stage(s, c)`` (one chunk per stage: position s):
 
-- F(s, m) needs F(s-1, m) finished and its activation moved over boundary s-1;
-- B(s, m) needs F(s, m) and B(s+1, m) finished and the gradient moved back;
-- a boundary moves one tensor at a time per direction (the runtime has one transfer
-  thread per boundary and direction), so transfers queue behind each other.
+- F(v, m) needs F(v-1, m) finished and its activation moved to v's stage;
+- B(v, m) needs F(v, m) and B(v+1, m) finished and the gradient moved back;
+- W(v, m) (split schedules) needs B(v, m) on the same stage; unsplit schedules run B and
+  W as one backward task;
+- a link between two stages moves one tensor at a time per direction (the runtime has one
+  transfer thread per boundary and direction), so transfers queue behind each other;
+  between two chunks of one stage nothing moves (their devices are the same).
 
 After its last backward a stage spends its tail (gradient all-reduce + optimizer update);
 the iteration ends when the last stage finishes.
@@ -26,8 +31,10 @@ Durations come from the cost model
 simulator both checks the analytic formula and replays a measured run.
 
 The events are written in the runtime's Chrome trace format (``h2jax.runtime`` timeline:
-``pid`` = stage, ``tid`` 0 compute / 1 comm, args step/stage/microbatch/kind/chip) and can
-be drawn as a Gantt PNG -- without importing JAX.
+``pid`` = stage, ``tid`` 0 compute / 1 comm, args step/stage/microbatch/kind/chip; a split
+backward's tasks are ``bwd`` events with ``part`` "B" or "W", a chunk's carry ``chunk``), so
+the runtime's ``load_trace`` / ``plot_gantt`` read and draw them; :meth:`SimResult.plot`
+draws a Gantt PNG without importing JAX.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any
 from h2jax.plan._cost import CostOptions, PlanCost, estimate
 from h2jax.plan._plan import Plan, PlanError
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
-from h2jax.plan._schedule import BACKWARD, FORWARD, get_schedule
+from h2jax.plan._schedule import ALL_SCHEDULES, BACKWARD, FORWARD, WEIGHT, Task, get_schedule
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,11 @@ class SimEvent:
     extra: dict = field(default_factory=dict)
 
 
+def _task_kind(e: SimEvent) -> str:
+    """ "F", "B" or "W" of a compute event (a split backward's part, as the runtime records it)."""
+    return FORWARD if e.kind == "fwd" else str(e.extra.get("part", BACKWARD))
+
+
 @dataclass
 class SimResult:
     events: list[SimEvent]
@@ -64,11 +76,16 @@ class SimResult:
     chips: tuple[str, ...] = ()
 
     def stage_order(self, stage: int) -> list[tuple[str, int]]:
-        """(kind "F"/"B", microbatch) of one stage's compute, in start order."""
+        """(kind "F"/"B"/"W", microbatch) of one stage's compute, in start order."""
+        return [(t.kind, t.microbatch) for t in self.stage_tasks(stage)]
+
+    def stage_tasks(self, stage: int) -> list[Task]:
+        """One stage's compute as schedule tasks (kind, microbatch, chunk), in start order:
+        what ``get_schedule(...).stage_ops(stage)`` lists, when the replay kept its order."""
         evs = sorted(
             (e for e in self.events if e.stage == stage and e.kind in ("fwd", "bwd")), key=lambda e: (e.start, e.end)
         )
-        return [("F" if e.kind == "fwd" else "B", e.microbatch) for e in evs]
+        return [Task(_task_kind(e), e.microbatch, int(e.extra.get("chunk", 0))) for e in evs]
 
     @property
     def pipeline_s(self) -> float:
@@ -101,9 +118,10 @@ class SimResult:
             out.append({"ph": "M", "name": "process_name", "pid": s, "tid": 0, "args": {"name": labels[s]}})
             out.append({"ph": "M", "name": "process_sort_index", "pid": s, "tid": 0, "args": {"sort_index": s}})
         for e in sorted(self.events, key=lambda e: (e.start, e.stage)):
-            name = {"fwd": f"F{e.microbatch}", "bwd": f"B{e.microbatch}"}.get(
-                e.kind, f"{e.kind} {e.extra.get('phase', '')}{'' if e.microbatch is None else e.microbatch}"
-            )
+            if e.kind in ("fwd", "bwd"):
+                name = f"{_task_kind(e)}{e.microbatch}" + (f"c{e.extra['chunk']}" if e.extra.get("chunk") else "")
+            else:
+                name = f"{e.kind} {e.extra.get('phase', '')}{'' if e.microbatch is None else e.microbatch}"
             args = {
                 "step": step,
                 "stage": e.stage,
@@ -133,10 +151,18 @@ class SimResult:
         return path
 
     def plot(self, path: str | Path, *, title: str = "") -> Path:
-        """Gantt chart PNG: one row per stage, forwards blue, backwards orange, tail green."""
+        """Gantt chart PNG: one row per stage, forwards blue, backwards (B) orange, weight
+        gradients (W) brown, tail green."""
         from matplotlib.figure import Figure
 
-        colours = {"fwd": "#4C72B0", "bwd": "#DD8452", "update": "#55A868", "send": "#8172B3", "recv": "#C44E52"}
+        colours = {
+            "fwd": "#4C72B0",
+            "bwd": "#DD8452",
+            "wgt": "#937860",
+            "update": "#55A868",
+            "send": "#8172B3",
+            "recv": "#C44E52",
+        }
         fig = Figure(figsize=(13.0, 1.6 + 0.7 * self.num_stages), dpi=110, layout="constrained")
         ax = fig.add_subplot()
         scale = 1e3 if self.iteration_s < 10 else 1.0
@@ -146,7 +172,7 @@ class SimResult:
             ax.broken_barh(
                 [(e.start * scale, (e.end - e.start) * scale)],
                 lane,
-                facecolors=colours.get(e.kind, "#999999"),
+                facecolors=colours.get("wgt" if e.extra.get("part") == WEIGHT else e.kind, "#999999"),
                 edgecolor="white",
                 linewidth=0.3,
             )
@@ -174,7 +200,102 @@ def _per_mb(value: float | Sequence[float], m: int) -> list[float]:
     return [float(v) for v in value]
 
 
-REPLAYED = ("gpipe", "1f1b")  # schedules the event model replays (F and B tasks, no W)
+REPLAYED = ALL_SCHEDULES  # every schedule with a task grid (plan/_schedule.py)
+
+
+class _Walk:
+    """What both replays share: the stages' op lists, the durations of each task, the
+    dependencies between (virtual stage, kind, microbatch) tasks, and the boundary links.
+
+    A task of chunk c on stage s sits at model position ``virtual_stage(s, c)``. F needs the
+    F of the position before it; B its own F and the B of the position after it; W its own
+    B. A result crosses to another position's stage over a link (one tensor at a time per
+    link and direction); between two chunks of one stage it costs nothing. A chunk task
+    takes its stage's duration / num_chunks (even chunks)."""
+
+    def __init__(
+        self,
+        sched: Any,
+        f: list[list[float]],
+        b: list[list[float]],
+        w: list[list[float]],
+        xf: list[float],
+        xb: list[float],
+        wrap: tuple[float, float],
+    ) -> None:
+        n = sched.num_stages
+        self.n, self.v = n, sched.num_chunks
+        self.nv = n * self.v
+        self.ops = [sched.stage_ops(s) for s in range(n)]
+        self.split = sched.split_backward
+        self.pos = sched.virtual_stage
+        self.where = {sched.virtual_stage(s, c): (s, c) for s in range(n) for c in range(self.v)}
+        self.f, self.b, self.w = f, b, w
+        self.xf, self.xb, self.wrap = xf, xb, wrap
+        self.done: dict[tuple[int, str, int], float] = {}  # (position, kind, mb) -> compute end
+        self.arrived: dict[tuple[int, str, int], float] = {}  # input of (position, kind, mb) at its stage
+        self.link_free: dict[tuple[Any, str], float] = {}
+        self.events: list[SimEvent] = []
+
+    def duration(self, s: int, task: Task) -> float:
+        mb = task.microbatch
+        if task.kind == FORWARD:
+            d = self.f[s][mb]
+        elif task.kind == BACKWARD:
+            d = self.b[s][mb] + (0.0 if self.split else self.w[s][mb])
+        else:
+            d = self.w[s][mb]
+        return d / self.v
+
+    def ready(self, s: int, task: Task) -> float | None:
+        """When the inputs of `task` on stage s are there (None: not yet known)."""
+        pos, mb = self.pos(s, task.chunk), task.microbatch
+        if task.kind == FORWARD:
+            return 0.0 if pos == 0 else self.arrived.get((pos, FORWARD, mb))
+        if task.kind == BACKWARD:
+            own = self.done.get((pos, FORWARD, mb))
+            nxt = 0.0 if pos == self.nv - 1 else self.arrived.get((pos, BACKWARD, mb))
+            return None if own is None or nxt is None else max(own, nxt)
+        return self.done.get((pos, BACKWARD, mb))
+
+    def finish(self, s: int, task: Task, start: float, end: float) -> None:
+        pos, mb = self.pos(s, task.chunk), task.microbatch
+        self.done[(pos, task.kind, mb)] = end
+        extra: dict[str, Any] = {}
+        if self.split and task.kind != FORWARD:
+            extra["part"] = task.kind
+        if self.v > 1:
+            extra["chunk"] = task.chunk
+        self.events.append(SimEvent("fwd" if task.kind == FORWARD else "bwd", s, mb, start, end, extra))
+        if task.kind == FORWARD and pos < self.nv - 1:
+            self._ship(pos, pos + 1, FORWARD, mb, end)
+        if task.kind == BACKWARD and pos > 0:
+            self._ship(pos, pos - 1, BACKWARD, mb, end)
+
+    def _ship(self, src_pos: int, dst_pos: int, kind: str, mb: int, t_ready: float) -> None:
+        (src, c_src), (dst, c_dst) = self.where[src_pos], self.where[dst_pos]
+        if src == dst:  # two chunks of one stage: the tensor stays on its devices
+            self.arrived[(dst_pos, kind, mb)] = t_ready
+            return
+        if abs(src - dst) == 1:
+            boundary: Any = min(src, dst)
+            up = dst > src
+            dur = self.xf[boundary] if up else self.xb[boundary]
+        else:  # the interleaved wrap: last stage <-> stage 0
+            boundary, up = "wrap", src > dst
+            dur = self.wrap[0] if up else self.wrap[1]
+        key = (boundary, "up" if up else "down")
+        start = max(t_ready, self.link_free.get(key, 0.0))
+        end = start + dur
+        self.link_free[key] = end
+        self.arrived[(dst_pos, kind, mb)] = end
+        extra: dict[str, Any] = {"phase": kind}
+        if self.v > 1:
+            extra["chunk"] = c_src
+        self.events.append(SimEvent("send", src, mb, start, end, {"peer": dst, **extra}))
+        if self.v > 1:
+            extra["chunk"] = c_dst
+        self.events.append(SimEvent("recv", dst, mb, start, end, {"peer": src, **extra}))
 
 
 def simulate(
@@ -183,8 +304,10 @@ def simulate(
     num_microbatches: int,
     fwd: Sequence[float | Sequence[float]],
     bwd: Sequence[float | Sequence[float]],
+    wgt: Sequence[float | Sequence[float]] | None = None,
     transfer_fwd: Sequence[float] | None = None,
     transfer_bwd: Sequence[float] | None = None,
+    transfer_wrap: tuple[float, float] | None = None,
     tail: Sequence[float] | None = None,
     chips: Sequence[str] = (),
     hosts: Sequence[str | None] | None = None,
@@ -193,25 +316,43 @@ def simulate(
     bwd_cores: Sequence[float] | None = None,
     tail_cores: Sequence[float] | None = None,
 ) -> SimResult:
-    """Replay one step. `fwd[s]` / `bwd[s]`: seconds per microbatch of stage s running alone
-    (a number, or one per microbatch); `transfer_*[b]`: seconds to cross boundary b (stage
-    b <-> b + 1); `hosts[s]`, `host_cores[host]`, `*_cores[s]`: shared hosts (module docstring)."""
+    """Replay one step of any schedule (``REPLAYED``). `fwd[s]` / `bwd[s]` / `wgt[s]`: seconds
+    per microbatch of stage s running alone (a number, or one per microbatch) of its forward,
+    input-gradient backward (B) and weight-gradient backward (W); an unsplit schedule runs
+    B + W as its one backward task, so ``wgt=None`` (W = 0, B = the whole backward) suits
+    those, and a split schedule needs `wgt`. A stage of an interleaved / V schedule runs its
+    chunks at durations / num_chunks each. `transfer_*[b]`: seconds to cross boundary b
+    (stage b -> b + 1 forward, b + 1 -> b backward; a V's second arm uses the backward side
+    for its activations); `transfer_wrap`: (last stage -> stage 0, stage 0 -> last stage),
+    which only interleaved crosses (0 when no transfers are given). `hosts[s]`,
+    `host_cores[host]`, `*_cores[s]`: shared hosts (module docstring; W uses `bwd_cores`)."""
     n, m = len(fwd), num_microbatches
-    if schedule not in REPLAYED:  # the event model below knows F and B tasks only
-        raise PlanError(
-            "plan.schedule",
-            f"schedule={schedule!r}: the simulator replays {', '.join(REPLAYED)} only (a split backward "
-            "would be priced wrong); h2jax.plan.timed_events replays any schedule with given F, B, W durations",
-        )
+    if schedule not in REPLAYED:
+        raise PlanError("plan.schedule", f"schedule={schedule!r}; the simulator replays {', '.join(REPLAYED)}")
     if len(bwd) != n:
         raise ValueError(f"fwd has {n} stages, bwd {len(bwd)}")
+    sched = get_schedule(schedule, n, m)
+    if wgt is None and sched.split_backward:
+        raise ValueError(
+            f"schedule={schedule!r} splits the backward into B and W: give wgt (the weight-gradient "
+            "seconds per stage); without it W would cost nothing and B the whole backward"
+        )
+    if wgt is not None and len(wgt) != n:
+        raise ValueError(f"fwd has {n} stages, wgt {len(wgt)}")
     f = [_per_mb(x, m) for x in fwd]
     b = [_per_mb(x, m) for x in bwd]
+    w = [_per_mb(x, m) for x in wgt] if wgt is not None else [[0.0] * m for _ in range(n)]
     xf = list(transfer_fwd or [0.0] * (n - 1))
     xb = list(transfer_bwd or [0.0] * (n - 1))
+    if len(xf) != n - 1 or len(xb) != n - 1:
+        raise ValueError(f"transfer_fwd / transfer_bwd: expected {n - 1} boundaries, got {len(xf)} / {len(xb)}")
+    # only interleaved's chunk hand-over from the last stage to stage 0 crosses a link that is
+    # no plan boundary (with 2 stages that pair is boundary 0 itself)
+    crosses_wrap = sched.num_chunks > 1 and n > 2 and sched.virtual_stage(0, 1) == sched.virtual_stage(n - 1, 0) + 1
+    if transfer_wrap is None and crosses_wrap and (transfer_fwd or transfer_bwd):
+        raise ValueError(f"schedule={schedule!r} moves tensors between the last stage and stage 0: give transfer_wrap")
+    walk = _Walk(sched, f, b, w, xf, xb, tuple(transfer_wrap or (0.0, 0.0)))
     tails = list(tail or [0.0] * n)
-    sched = get_schedule(schedule, n, m)
-    ops = [sched.stage_ops(s) for s in range(n)]
     hosts = list(hosts) if hosts is not None else [None] * n
     if len(hosts) != n:
         raise ValueError(f"hosts has {len(hosts)} entries, expected one per stage ({n})")
@@ -222,37 +363,16 @@ def simulate(
             raise ValueError(f"host_cores has no entry for shared host(s) {missing}")
         ones = [1.0] * n
         return _replay_shared(
-            ops,
-            f,
-            b,
-            xf,
-            xb,
+            walk,
             tails,
-            n=n,
             chips=chips,
             hosts=[h if h in shared else None for h in hosts],
             host_cores=dict(host_cores or {}),
             cores=(list(fwd_cores or ones), list(bwd_cores or ones), list(tail_cores or ones)),
         )
+    ops = walk.ops
     cursor = [0] * n
     free = [0.0] * n
-    done: dict[tuple[int, str, int], float] = {}  # compute end
-    arrived: dict[tuple[int, str, int], float] = {}  # input available at stage (s, kind, mb)
-    link_free: dict[tuple[int, str], float] = {}
-    events: list[SimEvent] = []
-
-    def ship(src: int, dst: int, kind: str, mb: int, t_ready: float) -> None:
-        boundary = min(src, dst)
-        key = (boundary, kind)
-        start = max(t_ready, link_free.get(key, 0.0))
-        dur = xf[boundary] if kind == FORWARD else xb[boundary]
-        end = start + dur
-        link_free[key] = end
-        arrived[(dst, kind, mb)] = end
-        extra = {"peer": dst, "phase": kind}
-        events.append(SimEvent("send", src, mb, start, end, dict(extra)))
-        events.append(SimEvent("recv", dst, mb, start, end, {"peer": src, "phase": kind}))
-
     remaining = sum(len(o) for o in ops)
     while remaining:
         # start the op that can start earliest (ties: lower stage); deterministic event order
@@ -261,13 +381,7 @@ def simulate(
             if cursor[s] == len(ops[s]):
                 continue
             task = ops[s][cursor[s]]
-            mb = task.microbatch
-            if task.kind == FORWARD:
-                ready = 0.0 if s == 0 else arrived.get((s, FORWARD, mb))
-            else:
-                own = done.get((s, FORWARD, mb))
-                nxt = 0.0 if s == n - 1 else arrived.get((s, BACKWARD, mb))
-                ready = None if own is None or nxt is None else max(own, nxt)
+            ready = walk.ready(s, task)
             if ready is None:
                 continue
             start = max(ready, free[s])
@@ -276,18 +390,12 @@ def simulate(
         if pick is None:
             raise RuntimeError(f"simulation deadlocks; cursors {cursor}")
         start, s, task = pick
-        mb = task.microbatch
-        dur = f[s][mb] if task.kind == FORWARD else b[s][mb]
-        end = start + dur
+        end = start + walk.duration(s, task)
         free[s] = end
-        done[(s, task.kind, mb)] = end
-        events.append(SimEvent("fwd" if task.kind == FORWARD else "bwd", s, mb, start, end))
-        if task.kind == FORWARD and s < n - 1:
-            ship(s, s + 1, FORWARD, mb, end)
-        if task.kind == BACKWARD and s > 0:
-            ship(s, s - 1, BACKWARD, mb, end)
+        walk.finish(s, task, start, end)
         cursor[s] += 1
         remaining -= 1
+    events = walk.events
     finish = 0.0
     for s in range(n):
         if tails[s] > 0:
@@ -297,14 +405,9 @@ def simulate(
 
 
 def _replay_shared(
-    ops: list[list[Any]],
-    f: list[list[float]],
-    b: list[list[float]],
-    xf: list[float],
-    xb: list[float],
+    walk: _Walk,
     tails: list[float],
     *,
-    n: int,
     chips: Sequence[str],
     hosts: list[str | None],
     host_cores: dict[str, float],
@@ -312,34 +415,17 @@ def _replay_shared(
 ) -> SimResult:
     """The replay with processor sharing on shared hosts (module docstring), event by event."""
     cf, cb, ct = cores
+    n, ops = walk.n, walk.ops
     cursor = [0] * n
-    done: dict[tuple[int, str, int], float] = {}
-    arrived: dict[tuple[int, str, int], float] = {}
-    link_free: dict[tuple[int, str], float] = {}
-    events: list[SimEvent] = []
-    # stage -> [kind ("F" | "B" | "tail"), microbatch, start, remaining alone-seconds, cores, duration]
+    events = walk.events
+    # stage -> [task (None: the tail), start, remaining alone-seconds, cores, duration]
     running: dict[int, list[Any]] = {}
     finished = [False] * n
     finish = 0.0
     now = 0.0
 
-    def ship(src: int, dst: int, kind: str, mb: int, t_ready: float) -> None:
-        key = (min(src, dst), kind)
-        start = max(t_ready, link_free.get(key, 0.0))
-        end = start + (xf[key[0]] if kind == FORWARD else xb[key[0]])
-        link_free[key] = end
-        arrived[(dst, kind, mb)] = end
-        events.append(SimEvent("send", src, mb, start, end, {"peer": dst, "phase": kind}))
-        events.append(SimEvent("recv", dst, mb, start, end, {"peer": src, "phase": kind}))
-
     def ready_at(s: int) -> float | None:
-        task = ops[s][cursor[s]]
-        mb = task.microbatch
-        if task.kind == FORWARD:
-            return 0.0 if s == 0 else arrived.get((s, FORWARD, mb))
-        own = done.get((s, FORWARD, mb))
-        nxt = 0.0 if s == n - 1 else arrived.get((s, BACKWARD, mb))
-        return None if own is None or nxt is None else max(own, nxt)
+        return walk.ready(s, ops[s][cursor[s]])
 
     while True:
         # start whatever can start now (stage order: deterministic)
@@ -348,7 +434,7 @@ def _replay_shared(
                 continue
             if cursor[s] == len(ops[s]):
                 if tails[s] > 0:
-                    running[s] = ["tail", None, now, tails[s], ct[s], tails[s]]
+                    running[s] = [None, now, tails[s], ct[s], tails[s]]
                     cursor[s] += 1
                 else:
                     finished[s] = True
@@ -359,8 +445,8 @@ def _replay_shared(
             r = ready_at(s)
             if r is not None and r <= now:
                 task = ops[s][cursor[s]]
-                d = (f if task.kind == FORWARD else b)[s][task.microbatch]
-                running[s] = [task.kind, task.microbatch, now, d, (cf if task.kind == FORWARD else cb)[s], d]
+                d = walk.duration(s, task)
+                running[s] = [task, now, d, (cf if task.kind == FORWARD else cb)[s], d]
         if all(finished):
             break
         pending = [
@@ -378,34 +464,29 @@ def _replay_shared(
         demand: dict[str, float] = {}
         for s, job in running.items():
             if hosts[s] is not None:
-                demand[hosts[s]] = demand.get(hosts[s], 0.0) + job[4]
+                demand[hosts[s]] = demand.get(hosts[s], 0.0) + job[3]
         rate = {
             s: 1.0 if hosts[s] is None or demand[hosts[s]] <= 0 else min(1.0, host_cores[hosts[s]] / demand[hosts[s]])
             for s in running
         }
-        t_next = min(now + job[3] / rate[s] for s, job in running.items())
+        t_next = min(now + job[2] / rate[s] for s, job in running.items())
         if pending:
             t_next = min(t_next, min(pending))
         dt = t_next - now
         now = t_next
         for s in sorted(running):
             job = running[s]
-            job[3] -= rate[s] * dt
-            if job[3] > 1e-12 + 1e-9 * job[5]:
+            job[2] -= rate[s] * dt
+            if job[2] > 1e-12 + 1e-9 * job[4]:
                 continue
-            kind, mb, start = job[0], job[1], job[2]
+            task, start = job[0], job[1]
             del running[s]
-            if kind == "tail":
+            if task is None:
                 events.append(SimEvent("update", s, None, start, now))
                 finished[s] = True
                 finish = max(finish, now)
                 continue
-            done[(s, kind, mb)] = now
-            events.append(SimEvent("fwd" if kind == FORWARD else "bwd", s, mb, start, now))
-            if kind == FORWARD and s < n - 1:
-                ship(s, s + 1, FORWARD, mb, now)
-            if kind == BACKWARD and s > 0:
-                ship(s, s - 1, BACKWARD, mb, now)
+            walk.finish(s, task, start, now)
             cursor[s] += 1
     return SimResult(events=events, iteration_s=finish, num_stages=n, chips=tuple(chips))
 
