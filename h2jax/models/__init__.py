@@ -24,7 +24,13 @@ grouped-query key/value weights are replicated where t does not divide their hea
 `GPT` is the built-in model, of the LLaMA family: pre-norm RMSNorm, causal grouped-query
 attention (`n_kv_heads`) with rotary positions (optionally scaled: `RopeScaling`), SwiGLU
 MLP, lm_head untied or tied to the embedding, no biases; `build_model(cfg, seed=...)`
-makes one. Its defaults (MHA, unscaled, untied) are h2jax's small GPT.
+makes one. Its defaults (MHA, unscaled, untied, no dropout) are h2jax's small GPT.
+
+Dropout: `Dropout` (an nnx.Dropout without a stored stream) draws its masks from the
+(step, microbatch) that the runtime's programs set with `dropout_step` and the seed, layer
+and site it holds, so a pipelined, recomputed or resumed step draws the masks of the
+sequential model; outside `dropout_step` it is the identity. A stageable model may hold
+only Params (no batch statistics, no stored RNG streams).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ _LAZY = {
     "GPT": "h2jax.models._llama",
     "TENSOR": "h2jax.models._llama",
     "Block": "h2jax.models._llama",
+    "Dropout": "h2jax.models._dropout",
+    "dropout_step": "h2jax.models._dropout",
     "Embed": "h2jax.models._llama",
     "Head": "h2jax.models._llama",
     "build_model": "h2jax.models._llama",
@@ -52,6 +60,7 @@ _LAZY = {
 __all__ = sorted([*_LAZY, "GPTConfig", "RopeScaling", "tensor_divisible_dims"])
 
 if TYPE_CHECKING:
+    from h2jax.models._dropout import Dropout, dropout_step
     from h2jax.models._llama import GPT, TENSOR, Block, Embed, Head, build_model
     from h2jax.models._stage import (
         StageModule,

@@ -94,6 +94,14 @@ class GPTConfig:
     cuDNN (it keeps O(seq) softmax statistics for the backward, not the [seq, seq]
     probabilities), XLA's elsewhere; "xla" -- XLA's everywhere."""
 
+    dropout: float = 0.0
+    """Dropout probability (0 <= p < 1) on the embedding output and on each block's attention
+    and MLP outputs before they join the residual stream (GPT-2's embd_pdrop and resid_pdrop;
+    the fused attention has no dropout of its probabilities). 0: no dropout layers at all.
+    Masks are a pure function of (seed, step, microbatch, layer), so pipelined, recomputed
+    and resumed runs draw the masks the sequential model would; evaluation and alignment run
+    without it. Typical: 0.1 for small models trained long on little data, 0 for pre-training."""
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff"):
             value = getattr(self, name)
@@ -136,12 +144,15 @@ class GPTConfig:
 
 
 def check_llama_fields(cfg: GPTConfig) -> None:
-    """Value checks of n_kv_heads, rope_scaling, tie_embeddings and attention; ValueError naming the key."""
+    """Value checks of n_kv_heads, rope_scaling, tie_embeddings, dropout and attention; ValueError naming the key."""
     kv = cfg.n_kv_heads
     if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or cfg.n_heads % kv):
         raise ValueError(f"model.n_kv_heads={kv!r}; expected a positive int that divides model.n_heads={cfg.n_heads}")
     if not isinstance(cfg.tie_embeddings, bool):
         raise ValueError(f"model.tie_embeddings={cfg.tie_embeddings!r}; expected true or false")
+    p = cfg.dropout
+    if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:
+        raise ValueError(f"model.dropout={p!r}; expected a probability 0 <= dropout < 1")
     if cfg.attention not in ATTENTION_IMPLS:
         raise ValueError(f"model.attention={cfg.attention!r}; expected one of {list(ATTENTION_IMPLS)}")
     rs = cfg.rope_scaling

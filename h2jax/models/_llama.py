@@ -2,7 +2,9 @@
 
 Pre-norm RMSNorm, rotary positions (optionally scaled: LLaMA 3.1's or linear), grouped-query
 attention through `jax.nn.dot_product_attention` (causal, no mask array), SwiGLU MLP, no
-biases, optionally an lm_head tied to the embedding. h2jax's default GPT is this model with
+biases, optionally an lm_head tied to the embedding, optional dropout (``model.dropout``: on
+the embedding output and on the attention and MLP outputs before each residual add, with
+keys from (seed, step, microbatch, layer): `h2jax.models._dropout`). h2jax's default GPT is this model with
 n_kv_heads = n_heads, unscaled RoPE and an untied head. The maths is Hugging Face's
 ``LlamaForCausalLM`` (rotate-half RoPE, float32 norms and softmax), so converted weights give
 its logits (tests/convert).
@@ -43,6 +45,7 @@ import optax
 from flax import nnx
 
 from h2jax.models._config import GPTConfig, RopeScaling
+from h2jax.models._dropout import EMBED_LAYER, Dropout
 
 TENSOR = "tensor"
 """Mesh axis name that tensor parallelism shards over (stage meshes are ("data", "tensor"))."""
@@ -204,27 +207,38 @@ class MLP(nnx.Module):
 class Embed(nnx.Module):
     """Token embedding: int32 tokens [b, s] -> h [b, s, d_model] in the compute dtype."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, seed: int = 0):
         self.dtype = jnp.dtype(cfg.dtype)
         layout = (TENSOR, None) if cfg.tie_embeddings else (None, TENSOR)
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, layout)
+        if cfg.dropout:  # no layer at all at rate 0: the default model's program is unchanged
+            self.dropout = Dropout(cfg.dropout, seed=seed, layer=EMBED_LAYER, site=0)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        h = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        return self.dropout(h) if hasattr(self, "dropout") else h
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: h + attn(norm(h)), then h + mlp(norm(h)). [b, s, d] -> same."""
+    """Pre-norm transformer block: h + drop(attn(norm(h))), then h + drop(mlp(norm(h))).
+    [b, s, d] -> same. ``layer``: its index in the model (the dropout keys' layer); the
+    dropouts exist only when ``cfg.dropout`` > 0 (site 0 after attention, 1 after the MLP)."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, layer: int = 0, seed: int = 0):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.dropout:
+            self.attn_dropout = Dropout(cfg.dropout, seed=seed, layer=layer, site=0)
+            self.mlp_dropout = Dropout(cfg.dropout, seed=seed, layer=layer, site=1)
 
     def __call__(self, h: jax.Array) -> jax.Array:
-        h = h + self.attn(self.attn_norm(h))
-        return h + self.mlp(self.mlp_norm(h))
+        dropped = hasattr(self, "attn_dropout")
+        a = self.attn(self.attn_norm(h))
+        h = h + (self.attn_dropout(a) if dropped else a)
+        m = self.mlp(self.mlp_norm(h))
+        return h + (self.mlp_dropout(m) if dropped else m)
 
 
 class Head(nnx.Module):
@@ -258,10 +272,10 @@ class GPT(nnx.Module):
     """The LLaMA-family decoder-only transformer: `embed`, `blocks` (nnx.List of n_layers
     Block), `head`. (GPT is its historical name in h2jax; the architecture is LLaMA's.)"""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, seed: int = 0):
         self.cfg = cfg
-        self.embed = Embed(cfg, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.embed = Embed(cfg, rngs=rngs, seed=seed)
+        self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=i, seed=seed) for i in range(cfg.n_layers)])
         self.head = Head(cfg, rngs=rngs, embedding=self.embed.embedding if cfg.tie_embeddings else None)
 
     def hidden(self, tokens: jax.Array) -> jax.Array:
@@ -281,5 +295,6 @@ class GPT(nnx.Module):
 
 
 def build_model(cfg: GPTConfig, *, seed: int) -> GPT:
-    """A freshly initialised model; the same (cfg, seed) gives bit-identical parameters."""
-    return GPT(cfg, rngs=nnx.Rngs(seed))
+    """A freshly initialised model; the same (cfg, seed) gives bit-identical parameters (and,
+    with dropout, the same masks at every step)."""
+    return GPT(cfg, rngs=nnx.Rngs(seed), seed=seed)

@@ -5,7 +5,8 @@ forward it takes the input from the channel (or the tokens), dispatches the stag
 forward program and hands the output to the channel; for a backward the same with
 gradients. When the tasks hold W's (a split schedule), B dispatches the input-gradient
 program and W the weight-gradient program; both are recorded as ``bwd`` events with
-``part`` "B" or "W". It never waits for a device result it does not need: dispatch is
+``part`` "B" or "W". Every dispatch names the step and the microbatch (the dropout keys derive from them). It
+never waits for a device result it does not need: dispatch is
 asynchronous, and only a receive blocks (for the peer's tensor). Optional watcher threads
 wait for each program's output to record when the work ran; they never hold up dispatch.
 
@@ -141,7 +142,7 @@ class StageRunner:
                 if task.kind == "F":
                     x = tokens[m] if st.first else ch.recv(FWD, m)
                     t0 = time.perf_counter()
-                    y, saved[m] = st.forward(m, x, targets[m] if st.last else None, split=self.split)
+                    y, saved[m] = st.forward(m, x, targets[m] if st.last else None, split=self.split, step=step)
                     ready = self.watcher.watch("fwd", step, m, t0, y) if self.watcher else None
                     if st.last:
                         losses.append(y)
@@ -151,9 +152,9 @@ class StageRunner:
                     dy = self.dloss if st.last else ch.recv(BWD, m)
                     t0 = time.perf_counter()
                     if self.split:
-                        dx, kept[m] = st.input_backward(m, saved.pop(m), targets[m] if st.last else None, dy)
+                        dx, kept[m] = st.input_backward(m, saved.pop(m), targets[m] if st.last else None, dy, step=step)
                     else:
-                        dx = st.backward(m, saved.pop(m), targets[m] if st.last else None, dy)
+                        dx = st.backward(m, saved.pop(m), targets[m] if st.last else None, dy, step=step)
                     ready = self.watcher.watch("bwd", step, m, t0, dx, **part) if self.watcher else None
                     if not st.first:
                         ch.send(BWD, m, dx, ready=ready)

@@ -23,6 +23,14 @@ backward (``h2jax.runtime._split`` explains the split and why it is exact):
 
 The forward and backward programs wrap those two functions; an in-program channel
 (``ffi``) adds its receive and send inside them.
+
+Dropout: every function above takes a last argument ``rng``, uint32 [step, microbatch] (or
+None on a stage without dropout: its programs are exactly the dropout-free ones). The
+stage function runs inside ``h2jax.models._dropout.dropout_step(rng)``, where each dropout
+layer folds its layer and site into a key of (seed, step, microbatch); so the masks are
+those of the sequential model at that step, a recompute redraws the forward's masks, B and
+W see one mask (W needs none: masks only touch activations, which W takes from B), and a
+resumed run draws the uninterrupted run's masks. State other than Params is refused.
 """
 
 from __future__ import annotations
@@ -32,14 +40,36 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from h2jax.models import StageModule, partition_specs
+from h2jax.models._dropout import Dropout, dropout_step
 from h2jax.plan import StageSpec
 from h2jax.runtime._split import SplitJaxpr, analyse
+
+
+def check_params_only(rest: Any, where: str) -> None:
+    """Refuse, in one line naming it, model state that is not an nnx.Param (batch statistics,
+    caches, stored RNG streams): h2jax trains and checkpoints Params only, and dropout keys
+    come from (seed, step, microbatch, layer), never from a stream kept in the model."""
+    flat = nnx.to_flat_state(rest)
+    if not len(flat):
+        return
+    path, var = next(iter(flat))
+    name = "/".join(map(str, path))
+    hint = (
+        " (an nnx.Dropout given rngs keeps its stream there; use h2jax.models.Dropout)"
+        if isinstance(var, nnx.RngState)
+        else ""
+    )
+    raise TypeError(
+        f"{where}: the model holds non-Param state {name} ({type(var).__name__}"
+        f"{f' and {len(flat) - 1} more' if len(flat) > 1 else ''}); h2jax trains Params only{hint}"
+    )
 
 
 def _f32_zeros(tree: Any) -> Any:
@@ -113,9 +143,10 @@ class StageProgram:
         self.label = label
         self.recompute = spec.recompute
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        if jax.tree.leaves(rest):
-            raise TypeError(f"stage {stage_idx}: the model holds non-Param state {rest}; h2jax trains Params only")
+        check_params_only(rest, f"stage {stage_idx}")
         self._graphdef = graphdef
+        # dropout layers draw masks from (seed, step, microbatch, layer): the programs take [step, microbatch]
+        self.dropout = any(isinstance(m, Dropout) and m.rate > 0 for _, m in nnx.iter_graph(module))
         specs = partition_specs(module, tensor=spec.tensor)  # kv heads split only when the degree divides them
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         self.params = jax.device_put(params, self.param_shardings)
@@ -135,38 +166,48 @@ class StageProgram:
         self.build(None)
 
     # -- the stage's maths, defined once --------------------------------------------------------
-    def _apply(self, params: Any, x: jax.Array, targets: jax.Array | None) -> jax.Array:
-        def run(p: Any, x_: jax.Array, t: jax.Array | None) -> jax.Array:
+    def _apply(self, params: Any, x: jax.Array, targets: jax.Array | None, rng: jax.Array | None = None) -> jax.Array:
+        def run(p: Any, x_: jax.Array, t: jax.Array | None, r: jax.Array | None) -> jax.Array:
             module = nnx.merge(self._graphdef, p)
-            return module(x_, t) if self.last else module(x_)
+            with dropout_step(r):
+                return module(x_, t) if self.last else module(x_)
 
         if self.numerics is not None:  # every op re-emitted as this chip type computes it
             from h2jax.align import apply_policy
 
             run = apply_policy(run, self.numerics)
-        y = run(params, x, targets)
+        y = run(params, x, targets, rng)
         if self.last:
             return y
         return jax.lax.with_sharding_constraint(y, self.act_sharding)
 
-    def _vjp(self, params: Any, x: jax.Array, targets: jax.Array | None):
+    def _vjp(self, params: Any, x: jax.Array, targets: jax.Array | None, rng: jax.Array | None):
         if self.first:  # integer tokens: differentiate the parameters only
-            return jax.vjp(lambda p: self._apply(p, x, targets), params)
-        return jax.vjp(lambda p, x_: self._apply(p, x_, targets), params, x)
+            return jax.vjp(lambda p: self._apply(p, x, targets, rng), params)
+        return jax.vjp(lambda p, x_: self._apply(p, x_, targets, rng), params, x)
 
-    def forward_fn(self, params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any]:
+    def forward_fn(
+        self, params: Any, x: jax.Array, targets: jax.Array | None, rng: jax.Array | None = None
+    ) -> tuple[jax.Array, Any]:
         """(output or loss, what the backward needs): the vjp residuals, or with recompute
         the input alone."""
         if self.recompute:
-            return self._apply(params, x, targets), x
-        return self._vjp(params, x, targets)
+            return self._apply(params, x, targets, rng), x
+        return self._vjp(params, x, targets, rng)
 
     def backward_fn(
-        self, params: Any, saved: Any, targets: jax.Array | None, dy: jax.Array, acc: Any
+        self,
+        params: Any,
+        saved: Any,
+        targets: jax.Array | None,
+        dy: jax.Array,
+        acc: Any,
+        rng: jax.Array | None = None,
     ) -> tuple[Any, jax.Array]:
         """(acc + this microbatch's fp32 parameter gradient, input gradient); on the first
-        stage the input gradient is a scalar that becomes ready with the backward."""
-        vjp = self._vjp(params, saved, targets)[1] if self.recompute else saved
+        stage the input gradient is a scalar that becomes ready with the backward. ``rng``
+        is the forward's: a recompute draws its masks again."""
+        vjp = self._vjp(params, saved, targets, rng)[1] if self.recompute else saved
         grads = vjp(dy)
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads[0])
         acc = jax.lax.with_sharding_constraint(acc, self.param_shardings)
@@ -175,30 +216,37 @@ class StageProgram:
         return acc, jax.lax.with_sharding_constraint(grads[1], self.act_sharding)
 
     # -- the backward split into B and W (split schedules) ---------------------------------------
-    def _probed_vjp(self, params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any, list]:
-        """(output, vjp w.r.t. the input and the mixing-output probes, activations W needs)."""
-        self._split = sp = analyse(self._apply, params, x, targets)
+    def _probed_vjp(
+        self, params: Any, x: jax.Array, targets: jax.Array | None, rng: jax.Array | None
+    ) -> tuple[jax.Array, Any, list]:
+        """(output, vjp w.r.t. the input and the mixing-output probes, activations W needs).
+        ``rng`` is an input of the analysed function: the masks it draws are activations."""
+        self._split = sp = analyse(self._apply, params, x, targets, rng)
         p_leaves = jax.tree.leaves(params)
-        t_leaves = [] if targets is None else [targets]
+        rest = jax.tree.leaves((targets, rng))
         probes = sp.probe_zeros()
         if self.first:  # integer tokens: no input gradient
-            return jax.vjp(lambda pr: sp.forward(p_leaves, [x, *t_leaves], pr), probes, has_aux=True)
-        return jax.vjp(lambda x_, pr: sp.forward(p_leaves, [x_, *t_leaves], pr), x, probes, has_aux=True)
+            return jax.vjp(lambda pr: sp.forward(p_leaves, [x, *rest], pr), probes, has_aux=True)
+        return jax.vjp(lambda x_, pr: sp.forward(p_leaves, [x_, *rest], pr), x, probes, has_aux=True)
 
-    def split_forward_fn(self, params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any]:
+    def split_forward_fn(
+        self, params: Any, x: jax.Array, targets: jax.Array | None, rng: jax.Array | None = None
+    ) -> tuple[jax.Array, Any]:
         """(output or loss, what B needs): the probed vjp and W's activations, or with
         recompute the input alone."""
         if self.recompute:
-            self._split = analyse(self._apply, params, x, targets)
-            return self._apply(params, x, targets), x
-        y, vjp, kept = self._probed_vjp(params, x, targets)
+            self._split = analyse(self._apply, params, x, targets, rng)
+            return self._apply(params, x, targets, rng), x
+        y, vjp, kept = self._probed_vjp(params, x, targets, rng)
         return y, (vjp, kept)
 
-    def input_grad_fn(self, params: Any, saved: Any, targets: jax.Array | None, dy: jax.Array) -> tuple[jax.Array, Any]:
+    def input_grad_fn(
+        self, params: Any, saved: Any, targets: jax.Array | None, dy: jax.Array, rng: jax.Array | None = None
+    ) -> tuple[jax.Array, Any]:
         """B: (input gradient, what W needs: the activations and the mixing-output cotangents).
         The parameters are not differentiated here, so no weight-gradient work is traced."""
         if self.recompute:
-            _, vjp, kept = self._probed_vjp(params, saved, targets)
+            _, vjp, kept = self._probed_vjp(params, saved, targets, rng)
         else:
             vjp, kept = saved
         grads = vjp(dy)
@@ -228,31 +276,33 @@ class StageProgram:
         self._in_program = inside
         self._wgt = jax.jit(self.weight_grad_fn, donate_argnums=(2,))  # W never crosses a boundary
         if not inside:
-            self._fwd = jax.jit(lambda p, x, t, base: self.forward_fn(p, x, t))
-            self._bwd = jax.jit(lambda p, s, t, dy, acc, base: self.backward_fn(p, s, t, dy, acc), donate_argnums=(4,))
-            self._fwd_split = jax.jit(lambda p, x, t, base: self.split_forward_fn(p, x, t))
-            self._bwd_in = jax.jit(lambda p, s, t, dy, base: self.input_grad_fn(p, s, t, dy))
+            self._fwd = jax.jit(lambda p, x, t, base, r: self.forward_fn(p, x, t, r))
+            self._bwd = jax.jit(
+                lambda p, s, t, dy, acc, base, r: self.backward_fn(p, s, t, dy, acc, r), donate_argnums=(4,)
+            )
+            self._fwd_split = jax.jit(lambda p, x, t, base, r: self.split_forward_fn(p, x, t, r))
+            self._bwd_in = jax.jit(lambda p, s, t, dy, base, r: self.input_grad_fn(p, s, t, dy, r))
             return
 
         def forward_program(forward_fn):
-            def fwd(params, x, targets, base):
+            def fwd(params, x, targets, base, rng):
                 if not self.first:
                     x = channel.recv_in_program(FWD, base)
-                y, saved = forward_fn(params, x, targets)
+                y, saved = forward_fn(params, x, targets, rng)
                 return (y if self.last else channel.send_in_program(FWD, y, base)), saved
 
             return fwd
 
-        def bwd(params, saved, targets, dy, acc, base):
+        def bwd(params, saved, targets, dy, acc, base, rng):
             if not self.last:
                 dy = channel.recv_in_program(BWD, base)
-            acc, dx = self.backward_fn(params, saved, targets, dy, acc)
+            acc, dx = self.backward_fn(params, saved, targets, dy, acc, rng)
             return acc, (dx if self.first else channel.send_in_program(BWD, dx, base))
 
-        def bwd_in(params, saved, targets, dy, base):
+        def bwd_in(params, saved, targets, dy, base, rng):
             if not self.last:
                 dy = channel.recv_in_program(BWD, base)
-            dx, kept = self.input_grad_fn(params, saved, targets, dy)
+            dx, kept = self.input_grad_fn(params, saved, targets, dy, rng)
             return (dx if self.first else channel.send_in_program(BWD, dx, base)), kept
 
         self._fwd = jax.jit(forward_program(self.forward_fn))
@@ -279,22 +329,23 @@ class StageProgram:
 
     # -- what the runner calls ------------------------------------------------------------------------
     def forward(
-        self, microbatch: int, x: jax.Array | None, targets: jax.Array | None, *, split: bool = False
+        self, microbatch: int, x: jax.Array | None, targets: jax.Array | None, *, split: bool = False, step: int = 0
     ) -> tuple[jax.Array, Any]:
-        """Dispatch the forward of one microbatch; returns (output, loss or send token; what
-        backward needs -- with ``split``, what B needs). ``x`` is None when the program receives it."""
+        """Dispatch the forward of one microbatch of ``step``; returns (output, loss or send
+        token; what backward needs -- with ``split``, what B needs). ``x`` is None when the
+        program receives it."""
         from h2jax.comm import FWD
 
         program = self._fwd_split if split else self._fwd
-        return program(self.params, x, targets, self._base(microbatch, FWD))
+        return program(self.params, x, targets, self._base(microbatch, FWD), self.rng(step, microbatch))
 
     def input_backward(
-        self, microbatch: int, saved: Any, targets: jax.Array | None, dy: jax.Array | None
+        self, microbatch: int, saved: Any, targets: jax.Array | None, dy: jax.Array | None, *, step: int = 0
     ) -> tuple[jax.Array, Any]:
         """Dispatch B of one microbatch: returns (dx as :meth:`backward` does, what W needs)."""
         from h2jax.comm import BWD
 
-        return self._bwd_in(self.params, saved, targets, dy, self._base(microbatch, BWD))
+        return self._bwd_in(self.params, saved, targets, dy, self._base(microbatch, BWD), self.rng(step, microbatch))
 
     def weight_backward(self, microbatch: int, kept: Any) -> jax.Array:
         """Dispatch W of one microbatch; accumulates into ``self.acc``; returns a scalar that is
@@ -302,13 +353,23 @@ class StageProgram:
         self.acc, done = self._wgt(self.params, kept, self.acc)
         return done
 
-    def backward(self, microbatch: int, saved: Any, targets: jax.Array | None, dy: jax.Array | None) -> jax.Array:
-        """Dispatch the backward of one microbatch; accumulates into ``self.acc``; returns dx
-        (on the first stage a scalar, with in-program sends their token), ready with the work."""
+    def backward(
+        self, microbatch: int, saved: Any, targets: jax.Array | None, dy: jax.Array | None, *, step: int = 0
+    ) -> jax.Array:
+        """Dispatch the backward of one microbatch of ``step``; accumulates into ``self.acc``;
+        returns dx (on the first stage a scalar, with in-program sends their token), ready
+        with the work."""
         from h2jax.comm import BWD
 
-        self.acc, dx = self._bwd(self.params, saved, targets, dy, self.acc, self._base(microbatch, BWD))
+        self.acc, dx = self._bwd(
+            self.params, saved, targets, dy, self.acc, self._base(microbatch, BWD), self.rng(step, microbatch)
+        )
         return dx
+
+    def rng(self, step: int, microbatch: int) -> np.ndarray | None:
+        """What the programs take for dropout: uint32 [step, microbatch], or None on a stage
+        without dropout."""
+        return np.array([step, microbatch], np.uint32) if self.dropout else None
 
     def _base(self, microbatch: int, direction: int) -> jax.Array | None:
         if not self._in_program:
@@ -336,7 +397,7 @@ class StageProgram:
         """Per-device memory estimate from array shardings and XLA's compiled memory analysis."""
         params = _tree_bytes_per_device(self.params)
         opt = _tree_bytes_per_device(self.opt_state)
-        lowered = jax.jit(self.forward_fn).lower(self.params, example_x, example_t)
+        lowered = jax.jit(self.forward_fn).lower(self.params, example_x, example_t, self.rng(0, 0))
         fwd_mem = lowered.compile().memory_analysis()
         if self.recompute:
             kept = example_x.sharding.shard_shape(example_x.shape)
