@@ -31,6 +31,18 @@ first two terms of T_pipe are the classic pipeline estimate (fill/drain plus m -
 steady-state slots of the slowest stage); the simulator replays the schedule event by
 event to check it.
 
+ZB-H1 splits each backward into B (input gradient) and W (weight gradient), by each
+part's FLOPs (:func:`weight_grad_share`: W ~ 0.5 of a block's backward; the W program is
+one more call). W leaves the critical path and fills the waits for B, so with h_s the W
+work of stage s that can fill a slot (per part at most the forward it stands in for)::
+
+    T_pipe = (m - 1) * P + sum_s (t_s - 2 h_s) + transfers + max_s (g_s + 2 h_s)
+
+which on equal stages is the paper's m (F + B + W) + (p - 1)(F + B - W) (arXiv 2401.10241)
+and never exceeds 1F1B's T_pipe of the same plan. On 900 random uneven pipelines (stages
+up to 4x apart, p = 2..8, m = p..4p, no transfers) it lay between 0.7 % below and 11 %
+above the event replay, 1.3-2.7 % above on average (1F1B's formula: up to 20 % above).
+
 Shared hosts (``ChipProfile.host``; emulated chips all compute on the job's own machine):
 the stages of host h share its C_h cores. A stage's program keeps `cores` of them busy
 on average while it runs alone (measured by ``h2jax profile``: from how much slower
@@ -79,9 +91,13 @@ separately timed parts would pay it once per part.
 
 Memory per device of stage s: params + grads (fp32) + AdamW moments (2 x fp32) of its
 parts, all divided by the tensor degree where the layout shards them; activations of the
-microbatches in flight (1F1B: min(num_stages - s, m); GPipe: m), or with recompute only
-their inputs plus one microbatch being recomputed; workspace = the largest transient
-buffer. A plan that does not fit is rejected with the numbers.
+microbatches awaiting their backward (the schedule's count, :func:`in_flight` -- 1F1B and
+ZB-H1: min(num_stages - s, m); GPipe: m), or with recompute only their inputs plus one
+microbatch being recomputed; in a split schedule, what W keeps from B's end to its own
+(:func:`weight_grad_keep_bytes`) for the most microbatches awaiting W at once
+(:func:`pending_weight_grads`; ZB-H1: min(s + 1, m)) -- the sum of the two peaks, an
+upper bound; workspace = the largest transient buffer. A plan that does not fit is
+rejected with the numbers.
 """
 
 from __future__ import annotations
@@ -89,7 +105,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from h2jax.plan._plan import Plan, StageSpec
+from h2jax.plan._plan import SCHEDULES, Plan, PlanError, StageSpec
 from h2jax.plan._profiles import (
     GB,
     GIB,
@@ -103,6 +119,7 @@ from h2jax.plan._profiles import (
     ProfileTable,
     local_cores,
 )
+from h2jax.plan._schedule import get_schedule, memory_counts
 
 ADAMW_UPDATE_BYTES_PER_PARAM = 28  # reads p, g, m, v (16 B); writes p, m, v (12 B), all fp32
 
@@ -168,11 +185,19 @@ class StageCost:
     fwd_cores: float = 1.0  # host cores busy while the forward runs alone (average)
     bwd_cores: float = 1.0
     tail_cores: float = 1.0
+    w_s: float = 0.0  # the weight-gradient (W) part of bwd_s in a split schedule (0: unsplit)
+    w_hidden_s: float = 0.0  # the W work that fills the schedule's waits for B (module docstring)
+    pending_w: int = 0  # microbatches whose W has not run after their B (at most at once)
 
     @property
     def t(self) -> float:
         """fwd + bwd seconds of one microbatch."""
         return self.fwd_s + self.bwd_s
+
+    @property
+    def b_s(self) -> float:
+        """The input-gradient (B) task's seconds: the whole backward in an unsplit schedule."""
+        return self.bwd_s - self.w_s
 
     @property
     def tail_s(self) -> float:
@@ -244,9 +269,11 @@ class PlanCost:
 
     @property
     def pipeline_s(self) -> float:
-        m = self.plan.num_microbatches
-        ts = [s.t for s in self.stages]
-        return (m - 1) * max(ts) + sum(ts) + sum(self.transfers_fwd) + sum(self.transfers_bwd)
+        """T_pipe of the plan's schedule without the tails and the shared-host period."""
+        transfers = sum(self.transfers_fwd) + sum(self.transfers_bwd)
+        return pipeline_time(
+            self.stages, self.plan.schedule, self.plan.num_microbatches, transfers=transfers, tails=False
+        )
 
 
 def part_costs(
@@ -281,10 +308,75 @@ def allreduce_s(nbytes: float, n: int, bw_gbps: float, eff: Efficiency) -> float
 
 
 def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage_idx: int) -> int:
-    """Microbatches whose activations stage `stage_idx` holds at once (the schedules' max_in_flight)."""
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(num_stages - stage_idx, num_microbatches)
+    """Microbatches whose activations stage `stage_idx` holds at once awaiting their backward
+    (B): the schedule's own count (GPipe m, 1F1B and ZB-H1 min(p - s, m))."""
+    return memory_counts(schedule, num_stages, num_microbatches)[stage_idx][0]
+
+
+def pending_weight_grads(schedule: str, num_stages: int, num_microbatches: int, stage_idx: int) -> int:
+    """Microbatches whose W stage `stage_idx` holds back after their B at once (0 unsplit;
+    ZB-H1 min(s + 1, m): the lag that lets the later stages' B's run first)."""
+    return memory_counts(schedule, num_stages, num_microbatches)[stage_idx][1]
+
+
+def split_backward(schedule: str) -> bool:
+    """Whether `schedule` runs the backward as separate B and W tasks."""
+    return get_schedule(schedule, 1, 1).split_backward
+
+
+def check_priced(schedule: str) -> None:
+    """Refuse a schedule the runtime does not run (the cost model prices a Plan the runtime
+    can execute; h2jax.plan.simulate replays the others from given durations)."""
+    if schedule not in SCHEDULES:
+        raise PlanError(
+            "plan.schedule",
+            f"schedule={schedule!r}: the cost model and the search price the schedules the runtime runs "
+            f"({', '.join(SCHEDULES)}); h2jax.plan.simulate replays {schedule!r} from given F, B, W durations",
+        )
+
+
+def weight_grad_share(model: ModelShape, *, tensor: int) -> dict[str, float]:
+    """The weight-gradient (W) share of each part's backward, from its FLOPs (the roofline's
+    counts: ``h2jax.plan._profiles.roofline_costs``). A block's backward is 2x its forward
+    matmuls plus the attention's (its scores recomputed): W is the weight-gradient matmul of
+    each of its weights, 2 x tokens x weights, the rest (the input-gradient matmuls and all of
+    the attention's) is B. The embedding has no input gradient (its input is token ids): all
+    W. The head's backward is its logits matmul twice: half each. Tokens cancel, so the share
+    does not depend on the microbatch; XLA's compiled FLOPs of a 4-block stage gave W = 0.494
+    of the backward, B = 0.505 (docs/LOG.md), against 0.496 / 0.504 here."""
+    d, f, s = model.d_model, model.d_ff, model.seq_len
+    hd, kv = d / model.n_heads, model.kv_heads
+    t_kv = tensor if kv % tensor == 0 else 1
+    weights = (2 * d * d + 3 * d * f) / tensor + 2 * d * kv * hd / t_kv  # per token: 2 x weights FLOPs each way
+    attn = 4 * s * d / tensor  # per token: q.k^T and p.v, forward
+    fwd = 2 * weights + attn
+    bwd = 2 * fwd + attn / 2
+    return {"block": 2 * weights / bwd, "embed": 1.0, "head": 0.5}
+
+
+def weight_grad_keep_bytes(model: ModelShape, *, tensor: int, microbatch_per_device: int) -> dict[str, float]:
+    """Bytes per device one microbatch's pending W keeps per part, from B's end to W's end.
+
+    The runtime's W (``h2jax.runtime._split``) transposes every *mixing* equation (an
+    activation meets a parameter) against its output cotangent, with the activation inputs
+    held: so it keeps, per token, those inputs -- the normed input of wq/wk/wv and of
+    w_gate/w_up, the attention output into wo, the SwiGLU product into w_down (compute
+    dtype), the two RMSNorms' normalised inputs (fp32) -- and the cotangents of their outputs
+    (q, k, v, wo's, w_gate's, w_up's, w_down's, the norms'; compute dtype). The embedding
+    keeps the token ids and its output's cotangent; the head the normed input and the fp32
+    logits' cotangent (the largest: vocab / tensor per token).
+    """
+    t, d, f, a = tensor, model.d_model, model.d_ff, model.act_bytes
+    hd, kv = model.head_dim, model.kv_heads
+    t_kv = t if kv % t == 0 else 1
+    tokens = microbatch_per_device * model.seq_len
+    inputs = a * (2 * d + d / t + f / t) + 4 * 2 * d
+    cotangents = a * (d / t + 2 * kv * hd / t_kv + d + 2 * f / t + d + 2 * d)
+    return {
+        "block": tokens * (inputs + cotangents),
+        "embed": tokens * (4 + a * d / t),
+        "head": tokens * ((a + 4) * d + 4 * model.vocab_size / t + a * d),
+    }
 
 
 def stage_cost(
@@ -301,10 +393,15 @@ def stage_cost(
     in_flight: int,
     table: ProfileTable | None = None,
     opts: CostOptions = CostOptions(),
+    split: bool = False,
+    pending_w: int = 0,
 ) -> StageCost:
     """Cost of one stage holding `layers` blocks (plus embedding if `first`, head if `last`).
 
-    `microbatch` is the stage's microbatch in sequences (split over `data` devices).
+    `microbatch` is the stage's microbatch in sequences (split over `data` devices);
+    `in_flight` microbatches await their backward at most at once. `split`: the schedule
+    runs the backward as B and W (:func:`weight_grad_share`; W is a program call of its own),
+    and `pending_w` microbatches keep what W needs (:func:`weight_grad_keep_bytes`) at once.
     """
     table = table if table is not None else _DEFAULT_TABLE
     eff = table.eff
@@ -327,18 +424,33 @@ def stage_cost(
         activations = in_flight * inp + act
     else:
         activations = in_flight * act
+    wgt = hidden = 0.0
+    if split:
+        share = weight_grad_share(model, tensor=tensor)
+        names = ("block", "embed", "head")
+        counted = [(parts[k], n, share[k]) for k, n in zip(names, (layers, int(first), int(last))) if n]
+        wgt = sum(n * sh * p.bwd_s for p, n, sh in counted)
+        # W fills a wait for B at most as long as the forward it stands in for, part by part
+        hidden = sum(n * min(sh * p.bwd_s, p.fwd_s) for p, n, sh in counted)
+        keep = weight_grad_keep_bytes(model, tensor=tensor, microbatch_per_device=max(1, microbatch // data))
+        activations += pending_w * sum(n * keep[k] for k, n in zip(names, (layers, int(first), int(last))))
     prog = parts.get(PROGRAM)
     if prog is not None:  # one call per program, whatever it fuses
         fwd += prog.fwd_s
         bwd += prog.bwd_s
         fwd_w += prog.fwd_s * _cores(prog.fwd_cores)
         bwd_w += prog.bwd_s * _cores(prog.bwd_cores)
+        if split:  # W is a second backward program
+            bwd += prog.bwd_s
+            wgt += prog.bwd_s
+            bwd_w += prog.bwd_s * _cores(prog.bwd_cores)
     z = data * tensor
     bw = chip.intra_node_gbps if z <= chip.devices_per_node else chip.inter_node_gbps
     sync = allreduce_s(pbytes, data, bw, eff)
     if opts.grad_sync == "microbatch":
         bwd += sync
         bwd_w += sync
+        wgt += sync if split else 0.0  # the weight gradients are W's
         sync = 0.0
     measured_update = all(p.update_s > 0 for p, _ in used)
     if measured_update:
@@ -356,6 +468,8 @@ def stage_cost(
         cap = host_cores(chip, table)
         fwd *= max(1.0, data * fwd_c / cap)
         bwd *= max(1.0, data * bwd_c / cap)
+        wgt *= max(1.0, data * bwd_c / cap)
+        hidden *= max(1.0, data * bwd_c / cap)
         update *= max(1.0, data * tail_c / cap)
         fwd_c = data * fwd_w / fwd if fwd > 0 else 1.0
         bwd_c = data * bwd_w / bwd if bwd > 0 else 1.0
@@ -376,6 +490,9 @@ def stage_cost(
         fwd_cores=fwd_c,
         bwd_cores=bwd_c,
         tail_cores=tail_c,
+        w_s=wgt,
+        w_hidden_s=hidden,
+        pending_w=pending_w,
     )
 
 
@@ -408,6 +525,34 @@ def transfer_s(
     return t
 
 
+def schedule_terms(stage: StageCost, schedule: str) -> tuple[float, float]:
+    """(fill, end) of one stage in T_pipe = (m - 1) P + sum_s fill_s + transfers + max_s end_s
+    (module docstring): (t, tail) unsplit; ZB-H1 (t - 2 h, tail + 2 h) with h its W work
+    that fills the waits for B (``w_hidden_s``), which gives the paper's (p - 1)(F + B - W)
+    bubble on equal stages."""
+    if split_backward(schedule):
+        return stage.t - 2 * stage.w_hidden_s, stage.tail_s + 2 * stage.w_hidden_s
+    return stage.t, stage.tail_s
+
+
+def pipeline_time(
+    stages: Sequence[StageCost],
+    schedule: str,
+    num_microbatches: int,
+    *,
+    transfers: float,
+    period: float | None = None,
+    tails: bool = True,
+) -> float:
+    """T_pipe of `schedule` over these stages (module docstring), the period P = max t unless
+    given (shared hosts: :func:`steady_period`); `tails` False leaves the tails out."""
+    check_priced(schedule)
+    terms = [schedule_terms(s, schedule) for s in stages]
+    p = max(s.t for s in stages) if period is None else period
+    end = max(e if tails else e - s.tail_s for (_, e), s in zip(terms, stages))
+    return (num_microbatches - 1) * p + sum(f for f, _ in terms) + transfers + end
+
+
 def iteration_time(
     ts: Sequence[float], transfers: float, tails: Sequence[float], num_microbatches: int, *, period: float | None = None
 ) -> float:
@@ -434,6 +579,8 @@ def estimate(
     table = table if table is not None else _DEFAULT_TABLE
     n, m = plan.num_stages, plan.num_microbatches
     mb = plan.microbatch_size
+    check_priced(plan.schedule)
+    split = split_backward(plan.schedule)
     reasons: list[str] = []
     stages: list[StageCost] = []
     for i, s in enumerate(plan.stages):
@@ -451,12 +598,16 @@ def estimate(
             in_flight=in_flight(plan.schedule, n, m, i),
             table=table,
             opts=opts,
+            split=split,
+            pending_w=pending_weight_grads(plan.schedule, n, m, i),
         )
         stages.append(sc)
         if not sc.fits:
             reasons.append(
                 f"stage {i} ({s.chip} {s.data}x{s.tensor}, {s.num_layers} layers, recompute "
-                f"{'on' if s.recompute else 'off'}, {sc.in_flight} microbatches in flight) needs "
+                f"{'on' if s.recompute else 'off'}, {sc.in_flight} microbatches in flight"
+                + (f", {sc.pending_w} awaiting W" if sc.pending_w else "")
+                + ") needs "
                 f"{sc.memory.describe()} per device; {s.chip} has {sc.memory_limit / GIB:.2f} GiB"
             )
     fwd_x, bwd_x = boundary_transfers(plan.stages, model, profiles, microbatch=mb, eff=table.eff, table=table)
@@ -464,10 +615,7 @@ def estimate(
     cores = shared_host_cores(plan.stages, [s.host for s in stages], profiles, table)
     moves = transfer_jobs(plan.stages, model, profiles, fwd_x, bwd_x, microbatch=mb, table=table)
     period = steady_period(stages, cores, m, extra=step_cpu, transfers=moves)
-    t_pipe = (
-        iteration_time([s.t for s in stages], sum(fwd_x) + sum(bwd_x), [s.tail_s for s in stages], m, period=period)
-        + step_s
-    )
+    t_pipe = pipeline_time(stages, plan.schedule, m, transfers=sum(fwd_x) + sum(bwd_x), period=period) + step_s
     per_step = {h: step_cpu.get(h, 0.0) + m * sum(w for w, _ in moves.get(h, ())) for h in cores}
     bounds, work = host_bounds(stages, m, cores, extra=per_step)
     t = max([t_pipe, *bounds.values()])
@@ -506,7 +654,7 @@ def with_driver(stages: list[StageCost], table: ProfileTable) -> tuple[list[Stag
             out.append(s)
             continue
         extra_f = d.op_cpu_s + (d.transfer_cpu_s if i < n - 1 else 0.0)
-        extra_b = d.op_cpu_s + (d.transfer_cpu_s if i > 0 else 0.0)
+        extra_b = d.op_cpu_s * (2 if s.w_s > 0 else 1) + (d.transfer_cpu_s if i > 0 else 0.0)  # B and W: two ops
         out.append(
             replace(
                 s,
