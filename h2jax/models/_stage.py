@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -106,18 +107,48 @@ def partition_specs(module: nnx.Module, *, tensor: int | None = None) -> nnx.Sta
     return jax.tree.map(resolve, params, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def shared_parameters(model: nnx.Module, plan: Any) -> list[tuple[str, list[int]]]:
-    """Parameters that two stages of ``plan`` would both hold (e.g. an embedding table the
-    head reuses): (a path of the parameter, the stages) for each."""
-    where: dict[int, tuple[str, set[int]]] = {}
+@dataclass(frozen=True)
+class SharedParam:
+    """A parameter that several stages of a plan hold (e.g. an embedding table the head reuses).
+
+    ``name``: its path in the whole model (the key ``nnx.split(model, nnx.Param)`` gives it,
+    which checkpoints and the sequential reference use); ``paths``: (stage, its path in that
+    stage's StageModule) for every holding stage, ascending -- the first holder owns it."""
+
+    name: str
+    paths: tuple[tuple[int, str], ...]
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(s for s, _ in self.paths)
+
+    @property
+    def owner(self) -> int:
+        return self.paths[0][0]
+
+
+def shared_parameters(model: nnx.Module, plan: Any) -> list[SharedParam]:
+    """The parameters that two or more stages of ``plan`` would both hold, in model-path order."""
+    name_of = {
+        id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Param)
+    }
+    held: dict[int, list[tuple[int, str]]] = {}
+    nodes: dict[int, nnx.Param] = {}
     n = plan.num_stages
     for s, spec in enumerate(plan.stages):
         module = StageModule(model, layers=spec.layers, first=s == 0, last=s == n - 1)
-        for path, node in nnx.iter_graph(module):
+        for path, node in nnx.iter_graph(module):  # each node once, at the path nnx.split gives it
             if isinstance(node, nnx.Param):
-                name, stages = where.setdefault(id(node), ("/".join(map(str, path)), set()))
-                stages.add(s)
-    return [(name, sorted(st)) for name, st in where.values() if len(st) > 1]
+                held.setdefault(id(node), []).append((s, "/".join(map(str, path))))
+                nodes[id(node)] = node
+    out = [
+        SharedParam(name_of[i], tuple(paths), tuple(nodes[i].shape), nodes[i].dtype)
+        for i, paths in held.items()
+        if len(paths) > 1
+    ]
+    return sorted(out, key=lambda sp: sp.name)
 
 
 def boundary_shapes(model: nnx.Module, plan: Any, token_shape: tuple[int, int]) -> list[jax.ShapeDtypeStruct]:

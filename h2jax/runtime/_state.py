@@ -25,7 +25,7 @@ import optax
 
 from h2jax.checkpoint import CheckpointError, CheckpointStore
 from h2jax.config import ExperimentConfig, config_to_dict
-from h2jax.runtime._layout import model_layout, opt_state_layout, opt_state_names, opt_state_trees, stage_trees
+from h2jax.runtime._layout import flatten, model_layout, opt_state_names, to_model_key
 from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
 from h2jax.runtime._stage import StageProgram
 
@@ -93,22 +93,67 @@ class StepStats:
 CHECKPOINT_FORMAT = 1
 
 
-def stage_state_by_layer(stages: list[StageProgram], plan: Any, *, stage_wide: bool = True) -> dict[str, jax.Array]:
+def _no_ties(stage: int, key: str) -> tuple[str, bool]:
+    return key, True
+
+
+def _naming(ties: Any) -> Any:
+    """(stage, model key) -> (model path, owned): a tied parameter's copies are all named by
+    its path in the whole model, and one of them (its owner's) counts (h2jax.runtime._tied)."""
+    return ties.name if ties else _no_ties
+
+
+def param_names(stage: StageProgram, spec: Any, ties: Any = None) -> list[tuple[str, bool]]:
+    """(model path, owned) of every parameter leaf of ``stage``, in leaf order."""
+    name = _naming(ties)
+    return [name(stage.stage_idx, to_model_key(key, spec)) for key in flatten(stage.params)]
+
+
+def opt_names(stage: StageProgram, spec: Any, ties: Any = None) -> list[tuple[str, bool, bool]]:
+    """(model-layout name, per-parameter, owned) of every optimizer-state leaf of ``stage``, in
+    leaf order; stage-wide leaves (step counts) are not per-parameter."""
+    name = _naming(ties)
+    out = []
+    for leaf_name, param in opt_state_names(stage.opt_state, stage.params, spec):
+        if param is None:
+            out.append((leaf_name, False, True))
+            continue
+        path, owned = name(stage.stage_idx, param)
+        out.append((leaf_name[: len(leaf_name) - len(param)] + path, True, owned))
+    return out
+
+
+def by_model_path(stages: list[StageProgram], plan: Any, trees: list[Any], ties: Any = None) -> dict[str, Any]:
+    """Per-stage trees shaped like the stages' parameters (the parameters, their gradients)
+    as one dict keyed by model path; a tied parameter once, from its owner."""
+    out: dict[str, Any] = {}
+    for st, spec, tree in zip(stages, plan.stages, trees):
+        for (name, owned), leaf in zip(param_names(st, spec, ties), jax.tree.leaves(tree)):
+            if not owned:
+                continue
+            if name in out:
+                raise ValueError(f"parameter {name} appears in two stages")
+            out[name] = leaf
+    return out
+
+
+def stage_state_by_layer(
+    stages: list[StageProgram], plan: Any, *, stage_wide: bool = True, ties: Any = None
+) -> dict[str, jax.Array]:
     """Parameters and optimizer state of ``stages`` (the stages of ``plan``, in order), keyed by
-    model path (plan-independent). ``stage_wide=False`` leaves out the optimizer leaves every
-    stage holds alike (step counts): in a multi-process run stage 0 alone saves them."""
-    params = [st.params for st in stages]
-    out = {f"params/{k}": v for k, v in model_layout(params, plan).items()}
-    opt = opt_state_layout([st.opt_state for st in stages], params, plan)
-    if not stage_wide:
-        wide = {
-            name
-            for st, spec in zip(stages, plan.stages)
-            for name, param in opt_state_names(st.opt_state, st.params, spec)
-            if param is None
-        }
-        opt = {k: v for k, v in opt.items() if k not in wide}
-    out.update({f"opt_state/{k}": v for k, v in opt.items()})
+    model path (plan-independent); a tied parameter and its optimizer state once, from its
+    owner. ``stage_wide=False`` leaves out the optimizer leaves every stage holds alike (step
+    counts): in a multi-process run stage 0 alone saves them."""
+    out = {f"params/{k}": v for k, v in by_model_path(stages, plan, [st.params for st in stages], ties).items()}
+    for st, spec in zip(stages, plan.stages):
+        for (name, per_param, owned), leaf in zip(opt_names(st, spec, ties), jax.tree.leaves(st.opt_state)):
+            key = f"opt_state/{name}"
+            if per_param and owned:
+                if key in out:
+                    raise ValueError(f"optimizer state {name} appears in two stages")
+                out[key] = leaf
+            elif not per_param and stage_wide:
+                out.setdefault(key, leaf)  # every stage updates on every step (or on none): they agree
     return out
 
 
@@ -123,39 +168,52 @@ def opt_state_shardings(stage: StageProgram, spec: Any) -> Any:
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stage.opt_state), leaves)
 
 
-def restore_targets(stages: list[StageProgram], plan: Any, *, params_only: bool) -> dict[str, jax.ShapeDtypeStruct]:
+def restore_targets(
+    stages: list[StageProgram], plan: Any, *, params_only: bool, ties: Any = None
+) -> dict[str, jax.ShapeDtypeStruct]:
     """What a restore onto ``stages`` reads: every array with its shape, dtype and target
-    sharding (stage-wide optimizer leaves onto the first of ``stages``; load_state_by_layer
-    copies them to the others)."""
-    params = [st.params for st in stages]
-    sh = model_layout([st.param_shardings for st in stages], plan)
-    out = {
-        f"params/{k}": jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
-        for k, v in model_layout(params, plan).items()
-    }
-    if not params_only:
-        opt_sh = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
-        sh = opt_state_layout(opt_sh, params, plan)
-        for k, v in opt_state_layout([st.opt_state for st in stages], params, plan).items():
-            out[f"opt_state/{k}"] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k])
+    sharding. An array several of ``stages`` hold (stage-wide optimizer leaves, a tied
+    parameter's copies) is read once, onto the first of them; load_state_by_layer places it
+    on the others."""
+    out: dict[str, jax.ShapeDtypeStruct] = {}
+    for st, spec in zip(stages, plan.stages):
+        for (name, _), leaf, sh in zip(
+            param_names(st, spec, ties), jax.tree.leaves(st.params), jax.tree.leaves(st.param_shardings)
+        ):
+            out.setdefault(f"params/{name}", jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh))
+        if params_only:
+            continue
+        shardings = jax.tree.leaves(opt_state_shardings(st, spec))
+        for (name, _, _), leaf, sh in zip(opt_names(st, spec, ties), jax.tree.leaves(st.opt_state), shardings):
+            out.setdefault(f"opt_state/{name}", jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh))
     return out
 
 
+def _tree_from(flat: dict[str, Any], template: Any, names: list[str], what: str) -> Any:
+    missing = [n for n in names if n not in flat]
+    if missing:
+        raise KeyError(f"{what}: {len(missing)} entries missing from the model layout, e.g. {missing[:3]}")
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), [flat[n] for n in names])
+
+
 def load_state_by_layer(
-    stages: list[StageProgram], plan: Any, flat: dict[str, jax.Array], *, params_only: bool = False
+    stages: list[StageProgram], plan: Any, flat: dict[str, jax.Array], *, params_only: bool = False, ties: Any = None
 ) -> None:
-    """Place a model-layout state (``stage_state_by_layer``'s keys) onto ``stages``; the
-    accumulated gradients start from zero."""
+    """Place a model-layout state (``stage_state_by_layer``'s keys) onto ``stages`` (every
+    copy of a tied parameter gets the same values); the accumulated gradients start from zero."""
     params = {k[len("params/") :]: v for k, v in flat.items() if k.startswith("params/")}
-    new_params = stage_trees(params, [st.params for st in stages], plan)
-    if not params_only:
-        opt = {k[len("opt_state/") :]: v for k, v in flat.items() if k.startswith("opt_state/")}
-        new_opt = opt_state_trees(opt, [st.opt_state for st in stages], [st.params for st in stages], plan)
-        opt_shardings = [opt_state_shardings(st, spec) for st, spec in zip(stages, plan.stages)]
-    for s, st in enumerate(stages):
+    opt = {k[len("opt_state/") :]: v for k, v in flat.items() if k.startswith("opt_state/")}
+    new_params, new_opt = [], []  # every stage's trees first: a missing entry changes no stage
+    for s, (st, spec) in enumerate(zip(stages, plan.stages)):
+        names = [n for n, _ in param_names(st, spec, ties)]
+        new_params.append(_tree_from(params, st.params, names, f"stage {s}"))
+        if not params_only:
+            names = [n for n, _, _ in opt_names(st, spec, ties)]
+            new_opt.append(_tree_from(opt, st.opt_state, names, f"optimizer state of stage {s}"))
+    for s, (st, spec) in enumerate(zip(stages, plan.stages)):
         st.params = jax.device_put(new_params[s], st.param_shardings)
         if not params_only:
-            st.opt_state = jax.device_put(new_opt[s], opt_shardings[s])
+            st.opt_state = jax.device_put(new_opt[s], opt_state_shardings(st, spec))
         st.acc = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=st.param_shardings)(st.acc)
 
 

@@ -40,13 +40,14 @@ from h2jax.config import ConfigError, ExperimentConfig, check_inputs, format_byt
 from h2jax.data import load_dataset, step_batch
 from h2jax.models import StageModule, boundary_shapes, build_model, check_stageable, shared_parameters
 from h2jax.plan import get_schedule, stage_tasks
-from h2jax.runtime._layout import flatten, model_layout
+from h2jax.runtime._layout import flatten
 from h2jax.runtime._metrics import METRICS_FILENAME, MetricsLogger, read_metrics
 from h2jax.runtime._procgroup import fetch, global_array, local_value
 from h2jax.runtime._runner import StageFailure, StageRunner, run_stages
 from h2jax.runtime._stage import StageMemory, StageProgram
 from h2jax.runtime._state import (
     StepStats,
+    by_model_path,
     check_checkpoint,
     checkpoint_meta,
     clip_scale,
@@ -60,6 +61,7 @@ from h2jax.runtime._state import (
     stage_state_by_layer,
     truncate_metrics,
 )
+from h2jax.runtime._tied import TiedParams, check_tieable
 from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
 from h2jax.runtime._world import JobError, MpiWorld, World, make_world
 
@@ -141,15 +143,8 @@ class Trainer:
         if model is None:
             model = build_model(cfg.model, seed=cfg.seed)
         self.model = model
-        shared = shared_parameters(model, plan)
-        if shared:
-            name, stages = shared[0]
-            raise ConfigError(
-                "plan.stages",
-                f"parameter {name} is used by stages {' and '.join(map(str, stages))}: a parameter two stages "
-                "share (e.g. a head tied to the embedding) would train as two untied copies; h2jax refuses it "
-                "(use a plan whose one stage holds both, or untie it)",
-            )
+        shared = shared_parameters(model, plan)  # e.g. a head tied to the embedding: trained as one (_tied)
+        check_tieable(shared)
         n = plan.num_stages
         mb = plan.microbatch_size
         self.boundaries = boundary_shapes(model, plan, (mb, cfg.model.seq_len))
@@ -197,6 +192,7 @@ class Trainer:
                     numerics=cfg.cluster.chips[spec.chip].numerics,
                 )
             )
+        self.tied = TiedParams(shared, plan, self.stages, w)
         self.schedule = get_schedule(plan.schedule, n, plan.num_microbatches)
         grid = self.schedule.tasks()
         # one time origin for every process's events (perf_counter is the host's monotonic clock)
@@ -297,8 +293,9 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> jax.Array | None:
         """Every forward and backward of ``step`` on this process's stages; gradients
-        accumulate in the stages. Returns the step's loss (mean over microbatches) as a
-        device scalar where the last stage runs, else None."""
+        accumulate in the stages (a tied parameter's in its owner: h2jax.runtime._tied).
+        Returns the step's loss (mean over microbatches) as a device scalar where the last
+        stage runs, else None."""
         tokens, targets = self.device_batch(step)
         try:
             losses = run_stages(self.runners, step, tokens, targets, hub=self.hub if self._own_hub else None)
@@ -307,6 +304,7 @@ class Trainer:
             if err is None:
                 raise
             raise StageFailure(err.stage, step, err.what, err.cause) from err
+        self.tied.sum_grads()
         return jnp.mean(jnp.stack(losses)) if losses else None
 
     def _grad_sqnorms(self) -> list[float]:
@@ -325,6 +323,7 @@ class Trainer:
         scale = clip_scale(grad_norm, self.cfg.optimizer.clip_norm)
         for st in self.stages:
             st.apply_update(scale)
+        self.tied.sync()  # every copy of a tied parameter takes its owner's new value
 
     def train_step(self) -> StepStats:
         cfg, step = self.cfg, self.step
@@ -628,7 +627,9 @@ class Trainer:
     def state_by_layer(self) -> dict[str, jax.Array]:
         """Parameters and optimizer state of this process's stages by model path (the
         optimizer leaves every stage holds alike, from stage 0 only)."""
-        return stage_state_by_layer(self.stages, local_plan(self.cfg.plan, self.local), stage_wide=0 in self.local)
+        return stage_state_by_layer(
+            self.stages, local_plan(self.cfg.plan, self.local), stage_wide=0 in self.local, ties=self.tied
+        )
 
     def save_checkpoint(self) -> None:
         """Start saving this process's part of checkpoint ``self.step`` (async if configured;
@@ -656,7 +657,9 @@ class Trainer:
         return plan["step"]
 
     def _model_keys(self) -> list[str]:
-        mine = sorted(restore_targets(self.stages, local_plan(self.cfg.plan, self.local), params_only=False))
+        mine = sorted(
+            restore_targets(self.stages, local_plan(self.cfg.plan, self.local), params_only=False, ties=self.tied)
+        )
         return sorted(set().union(*self.world.allgather(mine)))
 
     def _lead_plan_read(self, directory: str | Path, step: int | None, *, params_only: bool) -> dict[str, Any]:
@@ -686,9 +689,9 @@ class Trainer:
         def read() -> None:
             store = CheckpointStore(plan["dir"])
             try:
-                targets = restore_targets(self.stages, lp, params_only=plan["params_only"])
+                targets = restore_targets(self.stages, lp, params_only=plan["params_only"], ties=self.tied)
                 state = store.restore(plan["step"], targets)
-                load_state_by_layer(self.stages, lp, state, params_only=plan["params_only"])
+                load_state_by_layer(self.stages, lp, state, params_only=plan["params_only"], ties=self.tied)
             finally:
                 store.close()
 
@@ -777,11 +780,16 @@ class Trainer:
 
     # -- what a user (and a test) reads back ------------------------------------------------------
     def params_by_layer(self) -> dict[str, Any]:
-        """This process's parameters by model path (device arrays)."""
-        return model_layout([st.params for st in self.stages], local_plan(self.cfg.plan, self.local))
+        """This process's parameters by model path (device arrays); a tied parameter from the
+        process of its owner."""
+        lp = local_plan(self.cfg.plan, self.local)
+        return by_model_path(self.stages, lp, [st.params for st in self.stages], self.tied)
 
     def grads_by_layer(self) -> dict[str, Any]:
-        return model_layout([st.grads() for st in self.stages], local_plan(self.cfg.plan, self.local))
+        """The accumulated gradients as :meth:`params_by_layer` names them (a tied parameter's
+        summed over its stages once the step's backward is done)."""
+        lp = local_plan(self.cfg.plan, self.local)
+        return by_model_path(self.stages, lp, [st.grads() for st in self.stages], self.tied)
 
     def gathered_params(self) -> dict[str, np.ndarray]:
         """Every parameter of the model by model path, as numpy, on every process (collective)."""

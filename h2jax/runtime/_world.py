@@ -5,7 +5,9 @@ The trainer is the same in one process and under mpirun; what differs sits here:
 - which stages this process runs (``local_stages``) and on which meshes;
 - per-stage scalars in stage order on every process (:meth:`World.stage_values`: the
   squared gradient norms, so the global norm is the single-process one to the bit);
-- one stage's value on every process (:meth:`World.from_stage`: the loss);
+- one stage's value on every process (:meth:`World.from_stage`: the loss), or on the
+  processes of some stages only (:meth:`World.from_stage_to`: the arrays of a parameter
+  several stages hold, h2jax.runtime._tied);
 - the step boundary (:meth:`World.step_boundary`: whether any process got a stop signal,
   and the newest step every process has committed);
 - decisions taken once (:meth:`World.lead`: rank 0 reads the checkpoint directory and tells
@@ -14,14 +16,15 @@ The trainer is the same in one process and under mpirun; what differs sits here:
 
 :class:`LocalWorld` owns every stage (one process). :class:`MpiWorld` runs one stage per
 process group over an mpi4py-like communicator; its agreement logic uses only
-``allgather``, ``bcast``, ``gather`` and ``barrier``, so :class:`ThreadComm` (ranks as threads
-of one process) runs it without mpirun -- the tests check the stop agreement, the
+``allgather``, ``bcast``, ``gather``, ``barrier`` and point-to-point ``send``/``recv``, so
+:class:`ThreadComm` (ranks as threads of one process) runs it without mpirun -- the tests check the stop agreement, the
 non-finite policy and the resume decisions that way.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,6 +44,7 @@ class JobError(Exception):
 
 
 _AGREED = (CheckpointError, ConfigError, OSError, KeyError, ValueError)
+STAGE_TO_TAG = 30_001  # World.from_stage_to's messages on the world communicator (channels use their own)
 
 
 class World:
@@ -61,6 +65,14 @@ class World:
         raise NotImplementedError
 
     def from_stage(self, stage: int, value: Any) -> Any:
+        raise NotImplementedError
+
+    def from_stage_to(self, stage: int, stages: Sequence[int], value: Any) -> Any:
+        """``value`` of ``stage`` (given on each of its processes) on every process of
+        ``stages``: returned there and on ``stage``'s own processes, None elsewhere. Only
+        those processes take part (point to point, no collective); every one of them calls it
+        in the same order. Across processes ``value`` must pickle (host arrays); in one
+        process it is handed over as it is."""
         raise NotImplementedError
 
     def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
@@ -93,6 +105,9 @@ class LocalWorld(World):
         return [float(values[s]) for s in range(self.num_stages)]
 
     def from_stage(self, stage: int, value: Any) -> Any:
+        return value
+
+    def from_stage_to(self, stage: int, stages: Sequence[int], value: Any) -> Any:
         return value
 
     def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
@@ -146,6 +161,18 @@ class MpiWorld(World):
     def from_stage(self, stage: int, value: Any) -> Any:
         return self.comm.bcast(value, root=self.leaders[stage])
 
+    def from_stage_to(self, stage: int, stages: Sequence[int], value: Any) -> Any:
+        to = set(stages) - {stage}
+        if self.stage_idx == stage:
+            if self.is_leader:
+                for r, s in enumerate(self.stage_of_rank):
+                    if s in to:
+                        self.comm.send(value, dest=r, tag=STAGE_TO_TAG)
+            return value
+        if self.stage_idx in to:
+            return self.comm.recv(source=self.leaders[stage], tag=STAGE_TO_TAG)
+        return None
+
     def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
         got = self.comm.allgather((stop, -1 if committed is None else committed))
         stops = sorted({s for s, _ in got if s})
@@ -194,7 +221,7 @@ class MpiWorld(World):
 
 class ThreadComm:
     """An mpi4py-like communicator whose ranks are threads of this process (the object
-    collectives :class:`MpiWorld` uses: allgather, bcast, gather, barrier). Make one
+    collectives :class:`MpiWorld` uses: allgather, bcast, gather, barrier; and send/recv). Make one
     :class:`ThreadGroup` and give each thread ``group.comm(rank)``."""
 
     def __init__(self, group: ThreadGroup, rank: int):
@@ -219,6 +246,17 @@ class ThreadComm:
     def barrier(self) -> None:
         self._g.exchange(self._rank, None)
 
+    def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        self._g.mailbox(self._rank, dest, tag).put(obj)
+
+    def recv(self, source: int, tag: int = 0) -> Any:
+        try:
+            return self._g.mailbox(source, self._rank, tag).get(timeout=self._g.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"rank {self._rank}: no message from rank {source} tag {tag} in {self._g.timeout_s:g} s"
+            ) from None
+
 
 class ThreadGroup:
     """The shared state of a :class:`ThreadComm` world of ``size`` ranks."""
@@ -228,6 +266,11 @@ class ThreadGroup:
         self._barrier = threading.Barrier(size, timeout=timeout_s)
         self._slots: list[Any] = [None] * size
         self._lock = threading.Lock()
+        self._mail: dict[tuple[int, int, int], queue.Queue] = {}  # (source, dest, tag): in send order, as MPI
+
+    def mailbox(self, source: int, dest: int, tag: int) -> queue.Queue:
+        with self._lock:
+            return self._mail.setdefault((source, dest, tag), queue.Queue())
 
     def comm(self, rank: int) -> ThreadComm:
         return ThreadComm(self, rank)

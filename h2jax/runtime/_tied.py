@@ -1,0 +1,206 @@
+"""Parameters that several pipeline stages hold (a head tied to the embedding table), trained as one.
+
+A LLaMA-family model with ``model.tie_embeddings=true`` uses one table twice: the first stage
+looks tokens up in it, the last stage computes the logits with it. Split over stages, each
+holding stage keeps a copy on its own mesh -- possibly another chip type, another process,
+another tensor degree -- and the backward leaves each copy only its own uses' share of the
+gradient. :class:`TiedParams` makes the copies one parameter again (the first holder, in
+stage order, *owns* it; the others hold *mirrors*):
+
+- **Gradient.** After a step's backward every mirror sends its share to the owner, which adds
+  them in stage order (owner + next holder + ...): the gradient autodiff of the whole model
+  gives. The mirrors' shares are then zeroed, so each stage's squared norm, hence the global
+  norm that clipping uses and the non-finite check, count the parameter once, with its summed
+  gradient (a non-finite share makes the sum non-finite; the owner's stage reports it).
+- **Update.** The owner alone computes the parameter's update (its AdamW moments included);
+  after every update each mirror takes the owner's new value and moments. Megatron instead
+  all-reduces the gradient and lets every holder apply the same update. That keeps the
+  copies equal only where every holder computes the update with the same arithmetic; here
+  the holders sit on different chip types, whose compilers may round the update (square
+  root, division, fused multiply-adds) differently in the last bit, and such differences
+  would compound step after step into two different tables. Taking the owner's bits makes
+  the copies identical (``==``) after every update on any mix of chips, and the optimizer
+  state of the copies with them. The cost per step: each mirror's share of the gradient
+  travels once to the owner, and the value and its two moments once back (one process:
+  ``jax.device_put`` between the stage meshes, which also reshards when the stages' tensor
+  degrees differ; multi-process: through the host, with :meth:`World.from_stage_to`).
+- **Checkpoints.** A tied parameter and its optimizer state are saved once, by the owner,
+  under the parameter's path in the whole model (``embed/embedding``); a restore gives every
+  holder the same values (``h2jax.runtime._state``), under any plan -- also one whose single
+  stage holds every use, where there is nothing to tie.
+
+A skipped step (``train.nonfinite=skip``) updates no copy, so they stay equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from h2jax.config import ConfigError
+from h2jax.models._stage import SharedParam
+from h2jax.runtime._layout import flatten, opt_state_names, to_model_key
+from h2jax.runtime._procgroup import fetch, global_array
+from h2jax.runtime._world import World
+
+
+def check_tieable(shared: Sequence[SharedParam]) -> None:
+    """Refuse what cannot be trained as one parameter: gradients of a non-float parameter
+    (e.g. an integer table) cannot be summed."""
+    for sp in shared:
+        if not jnp.issubdtype(sp.dtype, jnp.inexact):
+            stages = " and ".join(map(str, sp.stages))
+            raise ConfigError(
+                "plan.stages",
+                f"parameter {sp.name} ({jnp.dtype(sp.dtype).name}) is held by stages {stages}: only a floating-point "
+                "parameter's gradients can be summed across stages (use a plan whose one stage holds every use)",
+            )
+
+
+def _replace(tree: Any, values: dict[int, Any]) -> Any:
+    """``tree`` with the leaves at the given leaf indices replaced."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    for i, v in values.items():
+        leaves[i] = v
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _place(value: Any, like: jax.Array) -> jax.Array:
+    """``value`` (a device array of another mesh, or a host array) laid out as ``like``."""
+    if isinstance(value, np.ndarray):
+        return global_array(value, like.sharding)
+    return jax.device_put(value, like.sharding)
+
+
+class TiedParams:
+    """The tied parameters of a plan, for the stages of this process (module docstring).
+
+    ``shared``: every parameter several stages hold (``h2jax.models.shared_parameters``);
+    ``stages``: this process's StageProgram objects; ``plan``: the whole plan."""
+
+    def __init__(self, shared: Sequence[SharedParam], plan: Any, stages: Sequence[Any], world: World):
+        self.shared = tuple(shared)
+        self.world = world
+        self.local = {st.stage_idx: st for st in stages}
+        self._specs = plan.stages
+        # stage -> model key as that stage names the parameter -> (path in the whole model, owned)
+        self._names: dict[int, dict[str, tuple[str, bool]]] = {}
+        for sp in self.shared:
+            for s, path in sp.paths:
+                self._names.setdefault(s, {})[to_model_key(path, plan.stages[s])] = (sp.name, s == sp.owner)
+        self._programs: dict[tuple[str, Any], Any] = {}
+        self._index: dict[tuple[str, str, int], Any] = {}  # leaf positions (the trees keep their structure)
+
+    def __bool__(self) -> bool:
+        return bool(self.shared)
+
+    def name(self, stage: int, key: str) -> tuple[str, bool]:
+        """(the model path, whether ``stage`` owns it) of the parameter that ``stage`` names
+        ``key`` (a model key: ``to_model_key`` of its stage-local path)."""
+        return self._names.get(stage, {}).get(key, (key, True))
+
+    # -- the leaves of one holder ---------------------------------------------------------------
+    def _path(self, sp: SharedParam, stage: int) -> str:
+        return dict(sp.paths)[stage]
+
+    def _param_index(self, sp: SharedParam, stage: int) -> int:
+        key = ("param", sp.name, stage)
+        if key not in self._index:
+            self._index[key] = list(flatten(self.local[stage].params)).index(self._path(sp, stage))
+        return self._index[key]
+
+    def _moment_indices(self, sp: SharedParam, stage: int) -> dict[str, int]:
+        """Optimizer-state leaves of the parameter on ``stage``: {prefix (e.g. ``0/mu/``): leaf index}."""
+        key = ("moments", sp.name, stage)
+        if key not in self._index:
+            st = self.local[stage]
+            model_key = to_model_key(self._path(sp, stage), self._specs[stage])
+            self._index[key] = {
+                name[: len(name) - len(param)]: i
+                for i, (name, param) in enumerate(opt_state_names(st.opt_state, st.params, self._specs[stage]))
+                if param == model_key
+            }
+        return self._index[key]
+
+    def _program(self, kind: str, like: jax.Array) -> Any:
+        """A jitted add or zeros whose output keeps ``like``'s sharding (the next step's programs
+        see the layout they were compiled for)."""
+        key = (kind, like.sharding)
+        if key not in self._programs:
+            fn = jnp.add if kind == "add" else jnp.zeros_like
+            self._programs[key] = jax.jit(fn, out_shardings=like.sharding)
+        return self._programs[key]
+
+    def _host(self, x: Any) -> Any:
+        """What crosses to another stage: the array itself in one process, else a host copy
+        (collective over the stage's processes when it is sharded across them)."""
+        return fetch(x) if self.world.multiprocess else x
+
+    # -- one step ------------------------------------------------------------------------------
+    def sum_grads(self) -> None:
+        """Every tied parameter's gradient summed into its owner's accumulator, in stage order;
+        the mirrors' accumulators of it zeroed (call after the step's backward)."""
+        for sp in self.shared:
+            owner, mirrors = sp.owner, sp.stages[1:]
+            for m in mirrors:
+                share = None
+                if m in self.local:
+                    st = self.local[m]
+                    i = self._param_index(sp, m)
+                    leaf = jax.tree.leaves(st.acc)[i]
+                    share = self._host(leaf)
+                    st.acc = _replace(st.acc, {i: self._program("zeros", leaf)(leaf)})
+                got = self.world.from_stage_to(m, [owner], share)
+                if owner in self.local:
+                    st = self.local[owner]
+                    i = self._param_index(sp, owner)
+                    leaf = jax.tree.leaves(st.acc)[i]
+                    st.acc = _replace(st.acc, {i: self._program("add", leaf)(leaf, _place(got, leaf))})
+
+    def sync(self) -> None:
+        """Every mirror takes its owner's value and optimizer moments of each tied parameter
+        (call after every update)."""
+        for sp in self.shared:
+            owner, mirrors = sp.owner, sp.stages[1:]
+            local_mirrors = [m for m in mirrors if m in self.local]
+            if owner not in self.local and not local_mirrors:
+                continue
+            sent = None
+            if owner in self.local:
+                st = self.local[owner]
+                moments = self._moment_indices(sp, owner)
+                opt = jax.tree.leaves(st.opt_state)
+                sent = self._host(
+                    {
+                        "param": jax.tree.leaves(st.params)[self._param_index(sp, owner)],
+                        "moments": {prefix: opt[i] for prefix, i in moments.items()},
+                    }
+                )
+            got = self.world.from_stage_to(owner, mirrors, sent)
+            for m in local_mirrors:
+                st = self.local[m]
+                i = self._param_index(sp, m)
+                st.params = _replace(st.params, {i: _place(got["param"], jax.tree.leaves(st.params)[i])})
+                moments = self._moment_indices(sp, m)
+                if sorted(moments) != sorted(got["moments"]):
+                    raise RuntimeError(
+                        f"stage {m}: optimizer state of {sp.name} has {sorted(moments)}, its owner {sorted(got['moments'])}"
+                    )
+                opt = jax.tree.leaves(st.opt_state)
+                st.opt_state = _replace(
+                    st.opt_state, {j: _place(got["moments"][prefix], opt[j]) for prefix, j in moments.items()}
+                )
+
+    def copies(self) -> dict[str, dict[int, Any]]:
+        """Each tied parameter's copies on this process's stages: {model path: {stage: array}}
+        (for tests and tools: they are equal after every update)."""
+        out: dict[str, dict[int, Any]] = {}
+        for sp in self.shared:
+            for s in sp.stages:
+                if s in self.local:
+                    out.setdefault(sp.name, {})[s] = jax.tree.leaves(self.local[s].params)[self._param_index(sp, s)]
+        return out

@@ -1,0 +1,213 @@
+"""Tied embeddings across stages: the LLaMA-family model whose head reuses the embedding table
+(``model.tie_embeddings=true``, grouped-query attention) split so that the first and the last
+stage -- on different chip types, with different tensor degrees -- both hold the table.
+
+pipeline == sequential as in test_pipeline_equivalence.py (its experiment, tolerance and
+optimizer, whose docstring explains eps): the loss and every gradient of each step within
+1e-5 of ``jax.value_and_grad`` of the whole model (the table's gradient is the sum of both
+uses), the parameters after 3 steps within 1e-5 of a sequential optax loop, and after every
+update both copies of the table, and their optimizer moments, identical (``==``). Then the
+same through MpiWorld's logic with ranks as threads, and checkpoints that hold the table once
+and restore under other plans (one where a single stage holds both uses). The mpirun runs are
+in test_tied_mpirun.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from h2jax.comm import LocalHub
+from h2jax.config import ConfigError
+from h2jax.models import build_model, shared_parameters
+from h2jax.runtime import MpiWorld, ThreadGroup, Trainer, flatten, make_optimizer, reference_loss_and_grads
+from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg
+
+TIED = {"model.n_kv_heads": "2", "model.tie_embeddings": "true"}
+TABLE = "embed/embedding"
+
+PLANS = {
+    # 2 stages: tensor 2 (x data 2) on sim_a, tensor 4 on sim_b (the kv heads replicated there):
+    # the copies of the table are split into 2 and into 4 vocabulary slices
+    "2st-1f1b": (4, "1f1b", [S("sim_a", (0, 3), 2, 2), S("sim_b", (3, 4), 1, 4)]),
+    # 3 stages on 3 chip types, recompute in the middle, GPipe; the table on sim_a (data 2) and sim_c (2x2)
+    "3st-gpipe": (5, "gpipe", [S("sim_a", (0, 1), 2, 1), S("sim_b", (1, 3), 1, 2, True), S("sim_c", (3, 5), 2, 2)]),
+}
+
+
+def make_cfg(name: str, **extra: str):
+    n_layers, schedule, stages = PLANS[name]
+    return plan_cfg(n_layers, schedule, stages, **TIED, **extra)
+
+
+def assert_copies_identical(trainers):
+    """Every copy of the table, and of its optimizer moments, on every stage of ``trainers``: equal bits."""
+    copies, moments = {}, {}
+    for tr in trainers:
+        copies.update(tr.tied.copies()[TABLE])
+        (sp,) = tr.tied.shared
+        for st in tr.stages:
+            if st.stage_idx in sp.stages:
+                for prefix, i in tr.tied._moment_indices(sp, st.stage_idx).items():
+                    moments.setdefault(prefix, {})[st.stage_idx] = jax.tree.leaves(st.opt_state)[i]
+    assert len(copies) >= 2, copies.keys()
+    arrays = [np.asarray(c) for c in copies.values()]
+    for a in arrays[1:]:
+        assert np.array_equal(a, arrays[0]), "the copies of the tied table differ"
+    assert sorted(moments) == ["0/mu/", "0/nu/"], sorted(moments)
+    for by_stage in moments.values():
+        got = [np.asarray(m) for m in by_stage.values()]
+        assert len(got) == len(copies) and all(np.array_equal(g, got[0]) for g in got[1:])
+
+
+def test_the_tied_table_is_found_on_the_first_and_last_stage():
+    cfg = make_cfg("3st-gpipe")
+    (sp,) = shared_parameters(build_model(cfg.model, seed=cfg.seed), cfg.plan)
+    assert sp.name == TABLE and sp.stages == (0, 2) and sp.owner == 0
+    assert dict(sp.paths) == {0: "embed/embedding", 2: "head/embedding"}
+
+
+@pytest.mark.parametrize("name", ["2st-1f1b", pytest.param("3st-gpipe", marks=pytest.mark.slow)])
+def test_tied_pipeline_equals_sequential(name, tmp_path):
+    cfg = make_cfg(name)
+    reference_model = build_model(cfg.model, seed=cfg.seed)
+    trainer = Trainer(cfg, run_dir=tmp_path)
+    stages = trainer.tied.shared[0].stages
+    assert cfg.plan.stages[stages[0]].chip != cfg.plan.stages[stages[-1]].chip
+    assert cfg.plan.stages[stages[0]].tensor != cfg.plan.stages[stages[-1]].tensor or name != "2st-1f1b"
+
+    tx, _ = make_optimizer(cfg)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)
+    graphdef, params = nnx.split(reference_model, nnx.Param)
+    params = jax.device_put(params, jax.devices("cpu")[0])
+    opt_state = tx.init(params)
+    for step in range(3):
+        loss = float(trainer.forward_backward(step))
+        tokens, targets = trainer.batch(step)
+        ref_loss, ref_grads = reference_loss_and_grads(nnx.merge(graphdef, params), tokens, targets)
+        assert abs(loss - ref_loss) <= TOL, (step, loss, ref_loss)
+        got, want = trainer.grads_by_layer(), flatten(ref_grads)
+        assert sorted(got) == sorted(want), "the pipeline must hold the model's parameters, the table once"
+        bad = {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
+        assert not bad, f"gradients of step {step} differ: {bad}"
+        # the table's gradient is the sum of both uses: neither use alone is within tolerance
+        assert float(np.max(np.abs(np.asarray(want[TABLE])))) > 100 * TOL
+        # the global norm counts the table once, with its summed gradient
+        ref_norm = float(optax.tree.norm(ref_grads))
+        grad_norm = trainer.finish_step()
+        assert abs(grad_norm - ref_norm) <= TOL * max(1.0, ref_norm), (step, grad_norm, ref_norm)
+        updates, opt_state = tx.update(ref_grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        assert_copies_identical([trainer])
+    got, want = trainer.params_by_layer(), flatten(params)
+    bad = {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
+    assert not bad, f"parameters after 3 steps differ: {bad}"
+    trainer.close()
+
+
+def test_tied_thread_ranks_equal_one_process(tmp_path):
+    """MpiWorld's logic (one stage per rank, the table's gradient and value exchanged with
+    World.from_stage_to) with ranks as threads: the same losses, norms and parameters as one
+    process, and the copies identical on the two ranks."""
+    cfg = make_cfg("2st-1f1b", **{"train.steps": "3", "checkpoint.enabled": "false"})
+    local = Trainer(cfg, run_dir=tmp_path / "local")
+    want_hist = local.run()
+    want = {k: np.asarray(v) for k, v in local.gathered_params().items()}
+    local.close()
+
+    group, hub = ThreadGroup(2), LocalHub(2)
+    out: list = [None, None]
+    errors: list = []
+
+    def rank(r: int) -> None:
+        try:
+            tr = Trainer(cfg, run_dir=tmp_path / "ranks", world=MpiWorld(group.comm(r), [0, 1]), hub=hub)
+            out[r] = (tr, tr.run(), {k: np.asarray(v) for k, v in tr.gathered_params().items()})
+            tr.close()
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    hub.close()
+    assert not errors, errors
+    for _, history, gathered in out:
+        assert [h.loss for h in history] == pytest.approx([h.loss for h in want_hist], abs=1e-6)
+        assert [h.grad_norm for h in history] == pytest.approx([h.grad_norm for h in want_hist], abs=1e-6)
+        assert sorted(gathered) == sorted(want)
+        for k in want:
+            np.testing.assert_allclose(gathered[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+    assert TABLE in out[0][0].params_by_layer() and TABLE not in out[1][0].params_by_layer()  # the owner reports it
+    assert_copies_identical([tr for tr, _, _ in out])
+
+
+def _state(trainer) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in trainer.state_by_layer().items()}
+
+
+def test_tied_checkpoint_holds_the_table_once_and_restores_under_other_plans(tmp_path):
+    cfg = make_cfg("2st-1f1b", **{"train.steps": "2", "checkpoint.enabled": "true"})
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
+    trainer.run()
+    saved = _state(trainer)
+    trainer.close()
+    assert "params/embed/embedding" in saved and not [k for k in saved if "head/embedding" in k]
+    assert {"opt_state/0/mu/embed/embedding", "opt_state/0/nu/embed/embedding"} <= set(saved)
+    ckpt = tmp_path / "run" / "checkpoints"
+
+    def restored(plan_stages, n_layers=4):
+        other = plan_cfg(n_layers, "1f1b", plan_stages, **TIED, **{"train.steps": "2"})
+        tr = Trainer(other, run_dir=tmp_path / "other")
+        step = tr.restore(ckpt)
+        state = _state(tr)
+        return tr, step, state
+
+    # the same plan: every array back, bit for bit, both copies from the one saved table
+    for stages in (
+        PLANS["2st-1f1b"][2],
+        [S("sim_b", (0, 1), 1, 4), S("sim_c", (1, 2), 2, 1), S("sim_a", (2, 4), 1, 2)],  # 3 stages, other chips
+        [S("sim_a", (0, 4), 2, 2)],  # one stage holds the embedding and the head: nothing to tie
+    ):
+        tr, step, state = restored(stages)
+        assert step == 2 and sorted(state) == sorted(saved)
+        for k, v in saved.items():
+            assert np.array_equal(state[k], v), k
+        if tr.tied:
+            assert_copies_identical([tr])
+        else:
+            assert len(stages) == 1
+        tr.close()
+
+    # and back: a checkpoint of the one-stage plan restores onto both copies of a split plan
+    one = plan_cfg(4, "1f1b", [S("sim_a", (0, 4), 2, 2)], **TIED, **{"train.steps": "1", "checkpoint.enabled": "true"})
+    tr = Trainer(one, run_dir=tmp_path / "one")
+    tr.run()
+    want = _state(tr)
+    tr.close()
+    split = Trainer(cfg, run_dir=tmp_path / "split")
+    split.restore(tmp_path / "one" / "checkpoints")
+    got = _state(split)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    assert_copies_identical([split])
+    split.close()
+
+
+def test_a_shared_integer_parameter_is_refused(tmp_path):
+    """What cannot be summed keeps a one-line refusal naming the parameter and the stages."""
+    import jax.numpy as jnp
+
+    cfg = make_cfg("2st-1f1b")
+    model = build_model(cfg.model, seed=cfg.seed)
+    shared = nnx.Param(jnp.zeros((4,), jnp.int32))
+    model.embed.ids = shared
+    model.head.ids = shared
+    with pytest.raises(ConfigError, match=r"plan\.stages: parameter embed/ids \(int32\) is held by stages 0 and 1"):
+        Trainer(cfg, model=model, run_dir=tmp_path)
