@@ -3,7 +3,10 @@
 Checkpoint step N is the state after N optimizer steps: parameters, optimizer state,
 the data position (the next step; a batch is a pure function of (seed, step,
 microbatch)), the seed, and the count of skipped steps -- all keyed by model path, never
-by stage, so a checkpoint of any plan restores under any other.
+by stage, so a checkpoint of any plan restores under any other. A parameter several stages
+hold (a tied embedding table) is one entry, under its path in the whole model, with its
+owner's optimizer state (h2jax.runtime._tied): the same entry a plan whose one stage holds
+every use writes.
 
 The helpers take the stages this process runs and the plan they belong to
 (:func:`local_plan`: every stage in one process, one stage under mpirun), so every world

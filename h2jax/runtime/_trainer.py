@@ -13,6 +13,10 @@ checkpoint, under this trainer's plan, whichever mode wrote it.
 
 Non-finite steps follow ``train.nonfinite`` on every process alike: the loss and every
 stage's gradient norm are known to all of them, so they all abort or all skip.
+
+A parameter several stages hold (a head tied to the embedding table, on other chip types
+or in other processes) trains as one parameter: its gradient is the sum of every holder's,
+counted once by the global norm, and its copies stay bit-identical (h2jax.runtime._tied).
 """
 
 from __future__ import annotations
@@ -193,6 +197,7 @@ class Trainer:
                 )
             )
         self.tied = TiedParams(shared, plan, self.stages, w)
+        self._lp = local_plan(plan, self.local)  # this process's stages, for naming their trees by model path
         self.schedule = get_schedule(plan.schedule, n, plan.num_microbatches)
         grid = self.schedule.tasks()
         # one time origin for every process's events (perf_counter is the host's monotonic clock)
@@ -780,16 +785,12 @@ class Trainer:
 
     # -- what a user (and a test) reads back ------------------------------------------------------
     def params_by_layer(self) -> dict[str, Any]:
-        """This process's parameters by model path (device arrays); a tied parameter from the
-        process of its owner."""
-        lp = local_plan(self.cfg.plan, self.local)
-        return by_model_path(self.stages, lp, [st.params for st in self.stages], self.tied)
+        """This process's parameters by model path (device arrays); a tied one from its owner's."""
+        return by_model_path(self.stages, self._lp, [st.params for st in self.stages], self.tied)
 
     def grads_by_layer(self) -> dict[str, Any]:
-        """The accumulated gradients as :meth:`params_by_layer` names them (a tied parameter's
-        summed over its stages once the step's backward is done)."""
-        lp = local_plan(self.cfg.plan, self.local)
-        return by_model_path(self.stages, lp, [st.grads() for st in self.stages], self.tied)
+        """The accumulated gradients, named so (a tied parameter's: every holder's, summed)."""
+        return by_model_path(self.stages, self._lp, [st.grads() for st in self.stages], self.tied)
 
     def gathered_params(self) -> dict[str, np.ndarray]:
         """Every parameter of the model by model path, as numpy, on every process (collective)."""
