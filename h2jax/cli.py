@@ -193,7 +193,13 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    # `h2jax train exp.yaml --init-from DIR key=value`: overrides may also follow the options
+    if rest and hasattr(args, "config") and not any(a.startswith("-") for a in rest):
+        args.config = [*args.config, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _quiet_libraries()
     return args.func(args)
 

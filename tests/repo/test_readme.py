@@ -102,7 +102,7 @@ def test_the_readme_has_the_two_commands_first():
 
 @pytest.mark.timeout(3600)  # some twenty commands, each a short run (about 8 minutes on a quiet machine)
 def test_every_readme_command_runs_in_order(tmp_path):
-    for name in ("configs", "benchmarks"):
+    for name in ("configs", "benchmarks", "examples"):
         (tmp_path / name).symlink_to(REPO / name)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONUNBUFFERED"] = "1"
