@@ -228,3 +228,37 @@ def test_bit_exact_resume_after_sigkill_with_dropout(tmp_path):
     assert sa.keys() == sb.keys() and any(k.startswith("opt_state/") for k in sa)
     for k in sa:
         assert np.array_equal(sa[k], sb[k]), k
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_dropout_under_mpirun_with_in_program_transfers_equals_one_process(tmp_path):
+    """2 ranks, one stage each, the ffi channel's transfers traced into the stage programs
+    beside the dropout keys: the same losses and final parameters (<= 1e-6) as one process."""
+    import json
+
+    from h2jax.config import load_config
+    from tests.runtime.test_multiproc import BASE, MPIRUN, _mpirun, final_params
+
+    if MPIRUN is None:
+        pytest.skip("mpirun not installed")
+    plan = [
+        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
+        f"model.dropout={RATE}",
+        "plan.stages=[{chip: sim_a, data: 2, tensor: 2, layers: [0, 3]}, "
+        "{chip: sim_b, data: 4, tensor: 1, layers: [3, 4], recompute: true}]",
+    ]
+    trainer = Trainer(load_config(None, BASE + plan), run_dir=tmp_path / "single")
+    want_losses = [h.loss for h in trainer.run()]
+    want_params = {k: np.asarray(v) for k, v in trainer.params_by_layer().items()}
+    trainer.close()
+    proc = _mpirun(2, [*BASE, *plan, "train.transport=ffi", "--run-dir", str(tmp_path / "run")], tmp_path)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["transport"] == "ffi"
+    np.testing.assert_allclose(summary["losses"], want_losses, atol=1e-6, rtol=0)
+    got = final_params(tmp_path / "run")
+    assert sorted(got) == sorted(want_params)
+    for k, v in want_params.items():
+        np.testing.assert_allclose(got[k], v, atol=1e-6, rtol=0, err_msg=k)
