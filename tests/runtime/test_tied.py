@@ -76,18 +76,10 @@ def test_the_tied_table_is_found_on_the_first_and_last_stage():
     assert dict(sp.paths) == {0: "embed/embedding", 2: "head/embedding"}
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["2st-1f1b", pytest.param("3st-gpipe", marks=pytest.mark.slow), pytest.param("2st-zb-h1", marks=pytest.mark.slow)],
-)
-def test_tied_pipeline_equals_sequential(name, tmp_path):
-    cfg = make_cfg(name)
+def check_three_steps(cfg, trainer):
+    """Each of 3 steps against the sequential model: loss, every gradient, the global norm;
+    after each update both copies (and moments) identical; then the parameters."""
     reference_model = build_model(cfg.model, seed=cfg.seed)
-    trainer = Trainer(cfg, run_dir=tmp_path)
-    stages = trainer.tied.shared[0].stages
-    assert cfg.plan.stages[stages[0]].chip != cfg.plan.stages[stages[-1]].chip
-    assert cfg.plan.stages[stages[0]].tensor != cfg.plan.stages[stages[-1]].tensor or name != "2st-1f1b"
-
     tx, _ = make_optimizer(cfg)
     tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)
     graphdef, params = nnx.split(reference_model, nnx.Param)
@@ -114,6 +106,37 @@ def test_tied_pipeline_equals_sequential(name, tmp_path):
     got, want = trainer.params_by_layer(), flatten(params)
     bad = {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
     assert not bad, f"parameters after 3 steps differ: {bad}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["2st-1f1b", pytest.param("3st-gpipe", marks=pytest.mark.slow), pytest.param("2st-zb-h1", marks=pytest.mark.slow)],
+)
+def test_tied_pipeline_equals_sequential(name, tmp_path):
+    cfg = make_cfg(name)
+    trainer = Trainer(cfg, run_dir=tmp_path)
+    (sp,) = trainer.tied.shared
+    first, last = cfg.plan.stages[sp.stages[0]], cfg.plan.stages[sp.stages[-1]]
+    assert first.chip != last.chip and (first.tensor != last.tensor or name != "2st-1f1b")
+    check_three_steps(cfg, trainer)
+    trainer.close()
+
+
+@pytest.mark.gpu
+def test_tied_table_on_a_gpu_stage_and_an_emulated_stage(tmp_path):
+    """The first stage on a CUDA GPU, the last on the emulated CPU chip sim_a: two compilers,
+    two arithmetics, one table (the config of test_gpu.py, tied, with grouped-query attention)."""
+    try:
+        dev = jax.devices("cuda")[0]
+    except RuntimeError:
+        pytest.skip("no CUDA device")
+    chip = f"cuda:{dev.device_kind.split()[-1]}"
+    cluster = f'{{"{chip}": {{profile: h200, nodes: 1, devices_per_node: 1, memory_gib: 100}}, sim_a: {{nodes: 1}}}}'
+    cfg = plan_cfg(4, "1f1b", [S(chip, (0, 2)), S("sim_a", (2, 4), 2, 1)], **TIED, **{"cluster.chips": cluster})
+    trainer = Trainer(cfg, run_dir=tmp_path)
+    copies = trainer.tied.copies()[TABLE]
+    assert [next(iter(copies[s].devices())).platform for s in (0, 1)] == ["gpu", "cpu"]
+    check_three_steps(cfg, trainer)
     trainer.close()
 
 
