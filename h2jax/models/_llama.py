@@ -224,7 +224,7 @@ class Block(nnx.Module):
     [b, s, d] -> same. ``layer``: its index in the model (the dropout keys' layer); the
     dropouts exist only when ``cfg.dropout`` > 0 (site 0 after attention, 1 after the MLP)."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, layer: int = 0, seed: int = 0):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, layer: int, seed: int = 0):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
