@@ -15,6 +15,7 @@ import yaml
 
 EXIT_CONFIG = 2
 DEFAULT_TIME_BUDGET_S = 3.0  # h2jax.plan._search.DEFAULT_TIME_BUDGET_S (not imported: keeps --help fast)
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "zb-h1")  # h2jax.plan.SCHEDULES: those the runtime runs (ditto)
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +34,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="also report the ratio when the heterogeneous run uses this global batch",
     )
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.add_argument(
+        "--schedule",
+        default=None,
+        choices=SCHEDULE_CHOICES,
+        help="pin the pipeline schedule (default: the search chooses among them, as one more dimension)",
+    )
     p.add_argument(
         "--time-budget",
         type=float,
@@ -154,7 +160,7 @@ def _fmt_s(x: float) -> str:
 def search_options(
     cluster,
     *,
-    schedule: str = "1f1b",
+    schedule: str | None = None,
     group_size: int | None = None,
     beam: int | None = None,
     max_orders: int = 120,
@@ -176,6 +182,19 @@ def search_options(
         stage_in_node=_stage_in_node(cluster),
         cost=CostOptions(grad_sync=grad_sync),
     )
+
+
+def _schedules_line(res, model, cluster, table, opts) -> str:
+    """The chosen schedule, and the same stages priced under the others."""
+    from h2jax.plan._cost import schedule_estimates
+
+    how = "pinned by --schedule" if opts.schedule is not None else "chosen"
+    others = []
+    for name, c in schedule_estimates(res.plan, model, cluster, table=table, opts=opts.cost).items():
+        if name != res.plan.schedule:
+            fit = "" if c.fits else ", does not fit"
+            others.append(f"{name} {_fmt_s(c.iteration_s)} ({100 * (c.iteration_s / res.iteration_s - 1):+.1f} %{fit})")
+    return f"schedule {res.plan.schedule} ({how}); the same stages under " + ", ".join(others)
 
 
 def heteros_speedup(cluster, model, *, global_batch: int, hetero_tps: float, table, opts) -> tuple[float, dict]:
@@ -332,6 +351,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"(gap {100 * res.gap:.1f} %)"
     )
     console.print(_search_line(res))
+    console.print(_schedules_line(res, model, cluster, table, opts))
     console.print(f"stage order {'is' if res.memory_descending else 'is not'} memory-descending")
     for chip in cluster.names:
         n = cluster.devices(chip)

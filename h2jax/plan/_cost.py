@@ -102,10 +102,11 @@ rejected with the numbers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from h2jax.plan._plan import SCHEDULES, Plan, PlanError, StageSpec
+from h2jax.plan._plan import SCHEDULES, Plan, PlanError, StageSpec, assign_devices
 from h2jax.plan._profiles import (
     GB,
     GIB,
@@ -319,6 +320,7 @@ def pending_weight_grads(schedule: str, num_stages: int, num_microbatches: int, 
     return memory_counts(schedule, num_stages, num_microbatches)[stage_idx][1]
 
 
+@functools.cache
 def split_backward(schedule: str) -> bool:
     """Whether `schedule` runs the backward as separate B and W tasks."""
     return get_schedule(schedule, 1, 1).split_backward
@@ -333,6 +335,36 @@ def check_priced(schedule: str) -> None:
             f"schedule={schedule!r}: the cost model and the search price the schedules the runtime runs "
             f"({', '.join(SCHEDULES)}); h2jax.plan.simulate replays {schedule!r} from given F, B, W durations",
         )
+
+
+def searched_schedules(schedule: str | None, schedules: Sequence[str]) -> tuple[str, ...]:
+    """The schedules a search prices: `schedule` alone, or (None) each of `schedules` --
+    less GPipe beside 1F1B, which this model gives 1F1B's time and at least 1F1B's memory.
+    Schedules the runtime does not run are refused (:func:`check_priced`)."""
+    names = (schedule,) if schedule is not None else tuple(dict.fromkeys(schedules))
+    if not names:
+        raise PlanError("schedules", "no schedule to search; expected one or more of " + ", ".join(SCHEDULES))
+    for name in names:
+        check_priced(name)
+    if "1f1b" in names and len(names) > 1:
+        names = tuple(n for n in names if n != "gpipe")
+    return names
+
+
+def part_fill_s(model: ModelShape, name: str, part: LayerCost, *, tensor: int, schedules: Sequence[str]) -> float:
+    """The least one part ("embed", "block", "head") adds to sum_s fill_s (:func:`schedule_terms`)
+    under any of `schedules`: fwd + bwd, less twice the W it hides in a split schedule (the
+    search's lower bounds)."""
+    full = part.fwd_s + part.bwd_s
+    if any(split_backward(s) for s in schedules):
+        share = weight_grad_share(model, tensor=tensor)[name]
+        return full - 2 * min(share * part.bwd_s, part.fwd_s)
+    return full
+
+
+def layer_fill_s(model: ModelShape, block: LayerCost, *, tensor: int, schedules: Sequence[str]) -> float:
+    """:func:`part_fill_s` of one block."""
+    return part_fill_s(model, "block", block, tensor=tensor, schedules=schedules)
 
 
 def weight_grad_share(model: ModelShape, *, tensor: int) -> dict[str, float]:
@@ -614,7 +646,9 @@ def estimate(
     stages, step_s, step_cpu = with_driver(stages, table)
     cores = shared_host_cores(plan.stages, [s.host for s in stages], profiles, table)
     moves = transfer_jobs(plan.stages, model, profiles, fwd_x, bwd_x, microbatch=mb, table=table)
-    period = steady_period(stages, cores, m, extra=step_cpu, transfers=moves)
+    nodes = {p.name: k for p, k in cluster.chips} if isinstance(cluster, Cluster) else None
+    clients = shared_clients(plan, profiles, nodes) if opts.host_contention else []
+    period = steady_period(stages, cores, m, extra=step_cpu, transfers=moves, clients=clients)
     t_pipe = pipeline_time(stages, plan.schedule, m, transfers=sum(fwd_x) + sum(bwd_x), period=period) + step_s
     per_step = {h: step_cpu.get(h, 0.0) + m * sum(w for w, _ in moves.get(h, ())) for h in cores}
     bounds, work = host_bounds(stages, m, cores, extra=per_step)
@@ -640,6 +674,20 @@ def estimate(
         host_cores=cores,
         driver_step_s=step_s,
     )
+
+
+def schedule_estimates(
+    plan: Plan,
+    model: ModelShape,
+    cluster: Cluster | Mapping[str, ChipProfile],
+    *,
+    table: ProfileTable | None = None,
+    opts: CostOptions = CostOptions(),
+    schedules: Sequence[str] = SCHEDULES,
+) -> dict[str, PlanCost]:
+    """The same stages and batch priced under each of `schedules` (``h2jax plan`` prints them
+    beside the one it chose): the time each schedule takes, and whether it still fits."""
+    return {s: estimate(replace(plan, schedule=s), model, cluster, table=table, opts=opts) for s in schedules}
 
 
 def with_driver(stages: list[StageCost], table: ProfileTable) -> tuple[list[StageCost], float, dict[str, float]]:
@@ -709,16 +757,28 @@ def steady_period(
     *,
     extra: Mapping[str, float] | None = None,
     transfers: Mapping[str, Sequence[tuple[float, float]]] | None = None,
+    clients: Sequence[Sequence[int]] = (),
 ) -> float:
     """The steady-state period P of the pipeline (module docstring): max_s t_s, and on every
     shared host h the time its cores take to run one microbatch's forward and backward of
     each of its stages started together (:func:`fluid_makespan`; a stage uses at most its
     own average cores, ``work_s / t``), with the driver's per-step CPU ``extra[h]`` spread
     over the m periods as one more job of at most one core (a Python thread), and the
-    boundary tensors moved through the host's memory, ``transfers[h]`` (:func:`transfer_jobs`)."""
-    period = max(s.t for s in stages)
+    boundary tensors moved through the host's memory, ``transfers[h]`` (:func:`transfer_jobs`).
+    Stages of one group of `clients` (:func:`shared_clients`) run one after another: the
+    group is one job of their summed seconds and work, and P is at least its seconds."""
+    grouped = {i for g in clients for i in g}
+    period = max([s.t for s in stages] + [sum(stages[i].t for i in g) for g in clients])
     for h, c in cores.items():
-        jobs = [(s.work_s, s.work_s / s.t) for s in stages if s.host == h and s.t > 0 and s.work_s > 0]
+        jobs = [
+            (s.work_s, s.work_s / s.t)
+            for i, s in enumerate(stages)
+            if i not in grouped and s.host == h and s.t > 0 and s.work_s > 0
+        ]
+        for g in clients:
+            work, secs = sum(stages[i].work_s for i in g), sum(stages[i].t for i in g)
+            if stages[g[0]].host == h and secs > 0 and work > 0:
+                jobs.append((work, work / secs))
         jobs += list((transfers or {}).get(h, ()))
         drv = (extra or {}).get(h, 0.0)
         if drv > 0:
@@ -726,6 +786,32 @@ def steady_period(
         if jobs:
             period = max(period, fluid_makespan(jobs, c))
     return period
+
+
+def shared_clients(
+    plan: Plan, profiles: Mapping[str, ChipProfile], nodes: Mapping[str, int] | None = None
+) -> list[tuple[int, ...]]:
+    """Groups of two or more stages on one node of an emulated chip type: one PJRT client,
+    whose programs run one after another (a stage's forward waits for the other stage's
+    backward), placed as the runtime places them (:func:`h2jax.plan._plan.assign_devices`).
+    `nodes`: nodes per chip type (default: each profile's). Real chips: none (a process each)."""
+    emulated = {s.chip for s in plan.stages if profiles[s.chip].emulated}
+    if not emulated or len(plan.stages) == len({s.chip for s in plan.stages}):
+        return []
+    chips = {s.chip for s in plan.stages}
+    try:
+        where = assign_devices(
+            plan,
+            nodes={n: (nodes or {}).get(n, profiles[n].nodes) for n in chips},
+            devices_per_node={n: profiles[n].devices_per_node for n in chips},
+        )
+    except PlanError:
+        return []  # a plan the runtime cannot place in one process; check_plan says why
+    by_node: dict[tuple[str, int], list[int]] = {}
+    for i, (s, (node, _)) in enumerate(zip(plan.stages, where)):
+        if s.chip in emulated:
+            by_node.setdefault((s.chip, node), []).append(i)
+    return [tuple(g) for g in by_node.values() if len(g) > 1]
 
 
 def fluid_makespan(jobs: Sequence[tuple[float, float]], cores: float) -> float:

@@ -13,8 +13,15 @@ The space (the exhaustive enumerator in this module walks exactly the same one):
   defaults search without it);
 - per stage: its number of layers (>= 1, summing to the model's) and its recompute flag.
 
+- the schedule, among those the runtime runs (``SearchOptions.schedules``; GPipe only where
+  1F1B is not offered: same time, more memory): ZB-H1's split backward shortens the fill
+  and drain but keeps more activations alive, so where memory is tight 1F1B wins.
+
 Objective: the cost model's iteration time (:mod:`h2jax.plan._cost`); constraint: every
-stage fits its chip's memory.
+stage fits its chip's memory. Per configuration and order each schedule is solved in turn
+(split ones first, so the faster sets the bar); ZB-H1's T_pipe has the same shape
+(``(m - 1) max t + sum fill + max end``, fill and end affine in the layer count), so the
+exact round below covers it unchanged, with the bounds taken over each block's least fill.
 
 Why the exact round is exact. For a fixed (mb, per-chip choice, order) every stage's time,
 tail and memory are affine in its layer count, and time and tail grow with it, so the exact
@@ -85,8 +92,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from h2jax.plan._cost import CostOptions, PlanCost, estimate, in_flight, part_costs, stage_cost, transfer_s
-from h2jax.plan._plan import Plan, StageSpec
+from h2jax.plan._cost import (
+    CostOptions,
+    PlanCost,
+    estimate,
+    in_flight,
+    layer_fill_s,
+    part_costs,
+    part_fill_s,
+    pending_weight_grads,
+    schedule_terms,
+    searched_schedules,
+    split_backward,
+    stage_cost,
+    transfer_s,
+)
+from h2jax.plan._plan import SCHEDULES, Plan, StageSpec
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 
 INF = math.inf
@@ -102,7 +123,12 @@ LOCAL_STARTS = 3  # coordinate descent starts from the best configuration and th
 class SearchOptions:
     """The space HeteroAuto searches, and how.
 
-    schedule: "1f1b" or "gpipe" (same time, GPipe holds every microbatch's activations).
+    schedule: one schedule the plans use ("gpipe", "1f1b", "zb-h1"); None: the search
+        chooses among `schedules` as one more dimension of the space.
+    schedules: the schedules a free search chooses among: those the runtime runs
+        (``h2jax.plan.SCHEDULES``; interleaved and zb-v are refused until it runs them).
+        GPipe is skipped beside 1F1B: the cost model gives it 1F1B's time with at least
+        1F1B's memory, so it never wins.
     microbatch_sizes: candidate microbatch sizes (sequences); None: every divisor of the
         global batch up to `max_microbatch`.
     max_stages_per_chip: cap on k_c; None: up to the layer count.
@@ -134,7 +160,8 @@ class SearchOptions:
         (hours on 10,000 chips).
     """
 
-    schedule: str = "1f1b"
+    schedule: str | None = None
+    schedules: tuple[str, ...] = SCHEDULES
     microbatch_sizes: tuple[int, ...] | None = None
     max_microbatch: int | None = None
     max_stages_per_chip: int | None = None
@@ -162,6 +189,13 @@ class ChipChoice:
     layer_rc_s: float = INF  # the same with recompute (one more forward)
     max_layers: tuple[float, ...] = ()  # per stage j (j + 1 in flight, no embed/head): most blocks without recompute
     max_layers_rc: tuple[float, ...] = ()  # ... with recompute
+    layer_fill_s: float = INF  # a block's least share of the fill-and-drain sum over the searched schedules
+
+    @property
+    def fill_s(self) -> float:
+        """What one block adds at least to sum_s fill_s (``h2jax.plan._cost.schedule_terms``):
+        its fwd + bwd, less the W it hides in a split schedule."""
+        return min(self.layer_s, self.layer_fill_s)
 
     @property
     def capability(self) -> float:
@@ -284,7 +318,7 @@ def _memory_caps(
         slope_j = (a11 - a10) - c_j  # per block and microbatch in flight
         base = a00 - c_j  # j = 0, l = 0
         slope_l = a10 - a00 - slope_j  # per block at j = 0
-        if opts.schedule != "1f1b":
+        if searched_schedules(opts.schedule, opts.schedules) == ("gpipe",):
             js_ = np.ones_like(js)  # GPipe: the count is not known per choice; bound with 1
         else:
             js_ = js
@@ -354,8 +388,11 @@ def chip_choices(
                 caps_n, caps_r = caps_cache[key]
                 if caps_r[0] < 1:
                     continue  # not even one block fits a stage of this shape
+                fill = layer_fill_s(model, blk, tensor=t, schedules=searched_schedules(opts.schedule, opts.schedules))
                 for k in ks:
-                    choices.append(ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps_n[:k], caps_r[:k]))
+                    choices.append(
+                        ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps_n[:k], caps_r[:k], fill)
+                    )
         choices.sort(key=lambda c: (-c.capability, c.stages, c.tensor))
         out[chip.name] = choices
     if opts.max_options_per_chip:
@@ -389,11 +426,12 @@ class _Held:
             self.ln[i, : c.stages] = c.max_layers
             self.lr[i, : c.stages] = c.max_layers_rc
         self.a = np.array([rows[key].layer_s for key in keys])[:, None]
+        self.fill = np.array([rows[key].fill_s for key in keys])[:, None]  # bounds sum_s fill_s
         self.arc = np.array([rows[key].layer_rc_s for key in keys])[:, None]
         where = {key: i for i, key in enumerate(keys)}
         self.row = np.array([where[(c.data, c.tensor)] for c in choices])
         self.col = np.array([c.stages - 1 for c in choices])
-        self.amin = float(self.a.min())
+        self.amin = float(self.fill.min())
 
     def _per_stage(self, b: float) -> np.ndarray:
         xn = np.floor(b / self.a * (1 + 1e-9))
@@ -472,8 +510,9 @@ def is_memory_descending(plan: Plan, cluster: Cluster) -> bool:
 @dataclass
 class _StageArrays:
     t: np.ndarray  # [L + 1] seconds of fwd+bwd per microbatch with l layers; inf: does not fit
-    g: np.ndarray  # [L + 1] tail seconds (gradient sync + update)
+    g: np.ndarray  # [L + 1] end term: tail seconds (gradient sync + update), + 2 h with a split backward
     recompute: np.ndarray  # [L + 1] bool: the cheapest fitting choice recomputes
+    fill: np.ndarray | None = None  # [L + 1] the stage's share of sum_s fill_s; None: t (unsplit schedules)
 
 
 class _Solver:
@@ -489,43 +528,89 @@ class _Solver:
         prev = n - lidx
         self._idx = np.where(prev >= 0, prev, L + 1)  # L + 1 -> an inf slot
         self._arrays: dict[tuple, _StageArrays] = {}
+        self._affine_cache: dict[tuple, dict] = {}
         self._xfer: dict[tuple, float] = {}
         self.dp_solves = 0
 
-    def arrays(self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, infl: int) -> _StageArrays:
-        key = (chip, data, tensor, mb, first, last, infl)
+    def arrays(
+        self,
+        chip: str,
+        data: int,
+        tensor: int,
+        mb: int,
+        first: bool,
+        last: bool,
+        infl: int,
+        schedule: str = "1f1b",
+        pending: int = 0,
+    ) -> _StageArrays:
+        """One stage's time, fill, end and fit for every layer count l (affine in l) under
+        `schedule`, with `infl` microbatches awaiting B and `pending` awaiting W."""
+        split = split_backward(schedule)
+        key = (chip, data, tensor, mb, first, last, infl, split, pending)
         hit = self._arrays.get(key)
         if hit is not None:
             return hit
-        prof = self.cluster.profile(chip)
-        kw = dict(
-            first=first,
-            last=last,
-            data=data,
-            tensor=tensor,
-            microbatch=mb,
-            in_flight=infl,
-            table=self.table,
-            opts=self.opts.cost,
-        )
-        l = self.layers
-        t_ = {}
+        comp = self._affine(chip, data, tensor, mb, first, last, schedule)
+        fits = {}
         for rc in (False, True):
-            c0 = stage_cost(self.model, prof, layers=0, recompute=rc, **kw)
-            c1 = stage_cost(self.model, prof, layers=1, recompute=rc, **kw)
-            t = c0.t + l * (c1.t - c0.t)
-            mem = c0.memory.total + l * (c1.memory.total - c0.memory.total)
-            g = c0.tail_s + l * (c1.tail_s - c0.tail_s)
-            t_[rc] = (t, mem <= c0.memory_limit, g)
-        t_n, fit_n, g = t_[False]
-        t_r, fit_r, _ = t_[True]
+            _, _, _, mem1, per_j, per_q, limit = comp[rc]
+            fits[rc] = mem1 + (infl - 1) * per_j + pending * per_q <= limit
+        (t_n, f_n, g, *_), (t_r, f_r, *_) = comp[False], comp[True]
+        fit_n, fit_r = fits[False], fits[True]
         if not self.opts.allow_recompute:
             fit_r = np.zeros_like(fit_r)
         t = np.where(fit_n, t_n, np.where(fit_r, t_r, INF))
         t[0] = INF
-        arr = _StageArrays(t=t, g=g, recompute=~fit_n)
+        fill = None
+        if split:
+            fill = np.where(fit_n, f_n, np.where(fit_r, f_r, INF))
+            fill[0] = INF
+        arr = _StageArrays(t=t, g=g, recompute=~fit_n, fill=fill)
         self._arrays[key] = arr
         return arr
+
+    def _affine(self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, schedule: str) -> dict:
+        """Per recompute flag: time, fill and end over l, and the memory over l as
+        mem(l, j, q) = mem1 + (j - 1) per_j + q per_q -- affine in the microbatches awaiting B
+        (j) and W (q), from six priced corners, so every stage position shares one pricing."""
+        split = split_backward(schedule)
+        base = (chip, data, tensor, mb, first, last, split)
+        hit = self._affine_cache.get(base)
+        if hit is not None:
+            return hit
+        prof = self.cluster.profile(chip)
+        kw = dict(
+            first=first, last=last, data=data, tensor=tensor, microbatch=mb, table=self.table, opts=self.opts.cost
+        )
+        l = self.layers
+        out = {}
+        for rc in (False, True):
+            c = {
+                (n, j, q): stage_cost(
+                    self.model, prof, layers=n, recompute=rc, in_flight=j, split=split, pending_w=q, **kw
+                )
+                for n in (0, 1)
+                for j, q in ((1, 0), (2, 0), (1, 1))
+            }
+            c0, c1 = c[0, 1, 0], c[1, 1, 0]
+
+            def over_l(v0: float, v1: float) -> np.ndarray:
+                return v0 + l * (v1 - v0)
+
+            (f0, g0), (f1, g1) = schedule_terms(c0, schedule), schedule_terms(c1, schedule)
+            mem = {k: v.memory.total for k, v in c.items()}
+            out[rc] = (
+                over_l(c0.t, c1.t),
+                over_l(f0, f1),
+                over_l(g0, g1),
+                over_l(mem[0, 1, 0], mem[1, 1, 0]),
+                over_l(mem[0, 2, 0] - mem[0, 1, 0], mem[1, 2, 0] - mem[1, 1, 0]),
+                over_l(mem[0, 1, 1] - mem[0, 1, 0], mem[1, 1, 1] - mem[1, 1, 0]),
+                c0.memory_limit,
+            )
+        self._affine_cache[base] = out
+        return out
 
     def transfer(self, a: tuple[str, int, int], b: tuple[str, int, int], mb: int) -> float:
         key = (a, b, mb)
@@ -576,6 +661,7 @@ class _Solver:
             return None
         ts = [s.t for s in stages]
         gs = [s.g for s in stages]
+        fills = [s.t if s.fill is None else s.fill for s in stages]  # what sum_s adds up (1F1B: t)
         T = np.stack(ts)[:, 1:]  # [S, L]: row s, column l - 1; non-decreasing, inf where it does not fit
         G = np.stack(gs)[:, 1:]
         full = np.isfinite(T).sum(axis=1)  # most layers each stage can hold
@@ -598,10 +684,10 @@ class _Solver:
         if lo >= len(cand_b):
             return None
         b0 = float(cand_b[lo])
-        base = float(T[:, 0].sum())
+        base = float(np.stack(fills)[:, 1].sum())
         if (m - 1) * b0 + base + g_floor + transfers >= best:
             return None
-        free = self._dp(ts, full)
+        free = self._dp(fills, full)
         if free is None:
             return None
         sum_free = free[0]
@@ -631,13 +717,14 @@ class _Solver:
                     continue
                 key = tuple(caps.tolist())
                 if key not in seen:
-                    seen[key] = self._dp(ts, caps)
+                    seen[key] = self._dp(fills, caps)
                 res = seen[key]
                 if res is None:
                     continue
                 _, layers = res
                 tt = [float(t[l_]) for t, l_ in zip(ts, layers)]
-                value = (m - 1) * max(tt) + sum(tt) + transfers + max(float(g[l_]) for g, l_ in zip(gs, layers))
+                ff = [float(f[l_]) for f, l_ in zip(fills, layers)]
+                value = (m - 1) * max(tt) + sum(ff) + transfers + max(float(g[l_]) for g, l_ in zip(gs, layers))
                 if value < best:
                     best = value
                     found = (value, layers)
@@ -679,7 +766,7 @@ class _Bounds:
         self.suffix_amin = [INF] * (n + 1)
         for i in range(n - 1, -1, -1):
             self.suffix[i] = self.suffix[i + 1] + np.max(self.grids[i], axis=0)
-            self.suffix_amin[i] = min(self.suffix_amin[i + 1], min(c.layer_s for c in self.lists[i]))
+            self.suffix_amin[i] = min(self.suffix_amin[i + 1], min(c.fill_s for c in self.lists[i]))
         self.root = self.bound(self.suffix[0], self.suffix_amin[0])
 
     def bound(self, held: np.ndarray, amin: float) -> float:
@@ -718,7 +805,7 @@ def root_bound(choices: dict[str, list[ChipChoice]], *, m: int, L: int, fixed_s:
     counts = np.arange(L + 1, dtype=np.float64)
     prev = counts[:, None] - counts[None, :]
     idx = np.where(prev >= 0, prev, L + 1).astype(np.intp)
-    per_choice_a = [h.a[h.row, 0] for h in helds]
+    per_choice_a = [h.fill[h.row, 0] for h in helds]
 
     def fill(b: float) -> float:
         v = None
@@ -757,17 +844,24 @@ def root_bound(choices: dict[str, list[ChipChoice]], *, m: int, L: int, fixed_s:
 
 
 def _fixed_parts_s(
-    cluster: Cluster, model: ModelShape, choices: dict[str, list[ChipChoice]], mb: int, table: ProfileTable | None
+    cluster: Cluster,
+    model: ModelShape,
+    choices: dict[str, list[ChipChoice]],
+    mb: int,
+    table: ProfileTable | None,
+    schedules: Sequence[str] = ("1f1b",),
 ) -> float:
-    """The cheapest embedding plus the cheapest head (fwd + bwd) over every choice: stage 0
-    and the last stage run them besides their blocks, whatever the plan."""
+    """The cheapest embedding plus the cheapest head (fwd + bwd, less the W a split schedule
+    hides) over every choice: stage 0 and the last stage run them besides their blocks,
+    whatever the plan."""
     emb, head = INF, INF
     for name, cs in choices.items():
         chip = cluster.profile(name)
         for t, d in {(c.tensor, c.data) for c in cs}:
             parts = part_costs(model, chip, table, tensor=t, microbatch_per_device=max(1, mb // d))
-            emb = min(emb, parts["embed"].fwd_s + parts["embed"].bwd_s)
-            head = min(head, parts["head"].fwd_s + parts["head"].bwd_s)
+            for part in ("embed", "head"):
+                fill = part_fill_s(model, part, parts[part], tensor=t, schedules=schedules)
+                emb, head = (min(emb, fill), head) if part == "embed" else (emb, min(head, fill))
     return (emb if math.isfinite(emb) else 0.0) + (head if math.isfinite(head) else 0.0)
 
 
@@ -794,6 +888,8 @@ class _Run:
         self.L = model.n_layers
         self.names = cluster.names
         self.solver = _Solver(model, cluster, table, opts)
+        # split schedules first: the fastest of a configuration sets the bar the others must beat
+        self.schedules = sorted(searched_schedules(opts.schedule, opts.schedules), key=lambda s: not split_backward(s))
         self.shared = opts.cost.host_contention and has_shared_host(cluster)
         self.best = INF
         self.best_plan: tuple | None = None
@@ -837,7 +933,7 @@ class _Run:
         """:func:`root_bound` over every microbatch size (each kept: a size whose bound
         cannot beat the best plan so far is skipped by every round)."""
         for mb, choices in self.space.items():
-            fixed = _fixed_parts_s(self.cluster, self.model, choices, mb, self.table)
+            fixed = _fixed_parts_s(self.cluster, self.model, choices, mb, self.table, self.schedules)
             self.mb_bound[mb] = root_bound(choices, m=self.gb // mb, L=self.L, fixed_s=fixed)
             if timed:
                 self.tick()
@@ -1022,7 +1118,7 @@ class _Run:
                 return
             for c, grid in zip(bd.lists[i], bd.grids[i]):
                 chosen.append(c)
-                visit(i + 1, held + grid, min(amin, c.layer_s), nstages + c.stages)
+                visit(i + 1, held + grid, min(amin, c.fill_s), nstages + c.stages)
                 chosen.pop()
 
         visit(0, np.zeros_like(bd.grid), INF, 0)
@@ -1050,40 +1146,52 @@ class _Run:
             S = len(seq)
             if S > L:
                 return own, own_order
-            arrays = [
-                solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == S - 1, in_flight(opts.schedule, S, m, i))
-                for i, c in enumerate(seq)
-            ]
             xfer = sum(
                 solver.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
                 for a, b in zip(seq, seq[1:])
             )
-            self.stats["orders"] += 1
-            res = solver.solve(arrays, m, xfer, limit)
-            if res is None or res[0] >= limit:
-                continue
-            value, layers, recompute = res[0], list(res[1]), list(res[2])
-            if self.shared:  # contention on the host: price in full, then improve the split
-                value, layers, recompute = polish_split(
-                    seq,
-                    layers,
-                    recompute,
-                    lambda ls, rc, seq=seq: _full_time(
-                        build_plan(seq, ls, rc, global_batch=self.gb, num_microbatches=m, schedule=opts.schedule),
-                        self.model,
-                        self.cluster,
-                        self.table,
-                        opts.cost,
-                    ),
-                    allow_recompute=opts.allow_recompute,
-                )
-                if value >= limit:
+            for schedule in self.schedules:  # the schedule: one more dimension, split ones first
+                limit = min(own, self.best if cutoff is None else max(cutoff, self.best))
+                arrays = [
+                    solver.arrays(
+                        c.chip,
+                        c.data,
+                        c.tensor,
+                        mb,
+                        i == 0,
+                        i == S - 1,
+                        in_flight(schedule, S, m, i),
+                        schedule,
+                        pending_weight_grads(schedule, S, m, i),
+                    )
+                    for i, c in enumerate(seq)
+                ]
+                self.stats["orders"] += 1
+                res = solver.solve(arrays, m, xfer, limit)
+                if res is None or res[0] >= limit:
                     continue
-            own, own_order = value, tuple(order)
-            if value < self.best:
-                self.best = value
-                self.best_plan = (list(seq), layers, recompute, mb, m)
-                self.best_config = (tuple(config), mb)
+                value, layers, recompute = res[0], list(res[1]), list(res[2])
+                if self.shared:  # contention on the host: price in full, then improve the split
+                    value, layers, recompute = polish_split(
+                        seq,
+                        layers,
+                        recompute,
+                        lambda ls, rc, seq=seq, schedule=schedule: _full_time(
+                            build_plan(seq, ls, rc, global_batch=self.gb, num_microbatches=m, schedule=schedule),
+                            self.model,
+                            self.cluster,
+                            self.table,
+                            opts.cost,
+                        ),
+                        allow_recompute=opts.allow_recompute,
+                    )
+                    if value >= limit:
+                        continue
+                own, own_order = value, tuple(order)
+                if value < self.best:
+                    self.best = value
+                    self.best_plan = (list(seq), layers, recompute, mb, m, schedule)
+                    self.best_config = (tuple(config), mb)
         return own, own_order
 
 
@@ -1222,8 +1330,8 @@ def search(
             exhaustive=exhaustive_,
             rounds=tuple(done),
         )
-    seq, layers, recompute, mb, m = run.best_plan
-    plan = build_plan(seq, layers, recompute, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule)
+    seq, layers, recompute, mb, m, schedule = run.best_plan
+    plan = build_plan(seq, layers, recompute, global_batch=global_batch, num_microbatches=m, schedule=schedule)
     cost = estimate(plan, model, cluster, table=table, opts=opts.cost)
     elapsed = time.perf_counter() - t0
     return SearchResult(
@@ -1327,12 +1435,15 @@ def exhaustive(
 ) -> tuple[Plan | None, float, int]:
     """Brute force over the search space: (best plan, its estimated time, plans priced).
 
-    Every (microbatch, order, per-chip choice, layer split, recompute flags) is built as a
-    Plan and priced by :func:`estimate`; nothing is pruned. For tests on small instances.
+    Every (microbatch, order, per-chip choice, layer split, recompute flags, schedule) is
+    built as a Plan and priced by :func:`estimate`; nothing is pruned (GPipe included where
+    the search skips it). For tests on small instances.
     """
     L = model.n_layers
     best, best_plan, count = INF, None, 0
     flags = (False, True) if opts.allow_recompute else (False,)
+    schedules = (opts.schedule,) if opts.schedule is not None else tuple(dict.fromkeys(opts.schedules))
+    searched_schedules(opts.schedule, opts.schedules)  # refuses what the runtime does not run
     for mb in microbatch_sizes(global_batch, opts):
         m = global_batch // mb
         choices = chip_choices(cluster, model, mb, opts, table)
@@ -1346,9 +1457,9 @@ def exhaustive(
                 if S > L:
                     continue
                 for split in _compositions(L, S):
-                    for rc in itertools.product(flags, repeat=S):
+                    for rc, schedule in itertools.product(itertools.product(flags, repeat=S), schedules):
                         plan = build_plan(
-                            seq, split, rc, global_batch=global_batch, num_microbatches=m, schedule=opts.schedule
+                            seq, split, rc, global_batch=global_batch, num_microbatches=m, schedule=schedule
                         )
                         cost = estimate(plan, model, cluster, table=table, opts=opts.cost)
                         count += 1

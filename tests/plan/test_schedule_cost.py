@@ -17,6 +17,7 @@ from h2jax.plan import (
     ProfileTable,
     StageSpec,
     estimate,
+    get_schedule,
     simulate_plan,
 )
 from h2jax.plan._cost import (
@@ -28,6 +29,7 @@ from h2jax.plan._cost import (
     weight_grad_share,
 )
 from h2jax.plan._profiles import PROGRAM
+from h2jax.plan._schedule import backward_peaks
 
 MODEL = ModelShape(n_layers=4, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=16, act_bytes=4)
 SPEC = dict(memory_gib=1.0, peak_tflops=0.1, mem_bw_gbps=40, intra_node_gbps=10, inter_node_gbps=5, devices_per_node=4)
@@ -94,6 +96,14 @@ def test_memory_counts_of_each_schedule(p, m):
         # ZB-H1 holds 1F1B's activations awaiting B, and up to s + 1 microbatches awaiting W
         assert in_flight("zb-h1", p, m, s) == min(p - s, m)
         assert pending_weight_grads("zb-h1", p, m, s) == min(s + 1, m)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_closed_form_counts_equal_the_walk_of_the_op_lists(name):
+    for p in range(1, 9):
+        for m in range(1, 33):
+            sched = get_schedule(name, p, m)
+            assert sched.backward_counts() == tuple(backward_peaks(sched.stage_ops(s)) for s in range(p)), (p, m)
 
 
 def test_zb_h1_time_and_memory_hand_computed():
