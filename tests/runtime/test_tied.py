@@ -167,6 +167,7 @@ def test_copies_stay_identical_when_a_holder_rounds_its_update_differently(tmp_p
     trainer.close()
 
 
+@pytest.mark.slow
 def test_tied_thread_ranks_equal_one_process(tmp_path):
     """MpiWorld's logic (one stage per rank, the table's gradient and value exchanged with
     World.from_stage_to) with ranks as threads: the same losses, norms and parameters as one
@@ -210,6 +211,7 @@ def _state(trainer) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in trainer.state_by_layer().items()}
 
 
+@pytest.mark.slow
 def test_tied_checkpoint_holds_the_table_once_and_restores_under_other_plans(tmp_path):
     cfg = make_cfg("2st-1f1b", **{"train.steps": "2", "checkpoint.enabled": "true"})
     trainer = Trainer(cfg, run_dir=tmp_path / "run")
