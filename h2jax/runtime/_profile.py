@@ -390,9 +390,13 @@ def profile_chip(
     seed: int = 0,
 ) -> dict[tuple[int, int], dict[str, LayerCost]]:
     """{(tensor, microbatch): {"embed" | "block" | "head" | "program" [| "transfer"]: LayerCost}}
-    measured on ``chip_name``: `repeats` rounds back to back, one (tensor, microbatch) row
-    at a time (so only one row's programs are held at once); `statistic` of each program's
-    rounds kept (module docstring).
+    measured on ``chip_name``: every row's programs built first, then `repeats` rounds, each
+    timing every row once (round-robin), so that a slow or quiet phase of the machine (other
+    work on a shared host) hits every row alike; `statistic` of each program's rounds kept
+    (module docstring). The rows are compared with each other by the planner, which picks
+    the cheapest: a row timed alone in a quiet phase would look cheaper than it is and be
+    picked for that (timed one row at a time, a tensor-2 row came out at a third of what
+    the same programs took a few minutes later, and the plan built on it lost).
 
     The host's core count (what ``fwd_cores`` / ``bwd_cores`` are out of) is
     :func:`h2jax.plan._profiles.local_cores`; record it with ``ProfileTable.add(...,
@@ -406,14 +410,16 @@ def profile_chip(
     out: dict[tuple[int, int], dict[str, LayerCost]] = {}
     rows = [(t, b) for t in tensor_degrees for b in microbatches]
     with Progress(f"profile {chip_name}", total=len(rows) * (repeats + 1)) as progress:
+        profs = []
         for t, b in rows:
-            prof = ChipProfiler(chip_name, chip, model, tensor_degrees=[t], microbatches=[b], seed=seed)
+            profs.append(ChipProfiler(chip_name, chip, model, tensor_degrees=[t], microbatches=[b], seed=seed))
             progress.advance(note=f"tensor {t}, microbatch {b}: programs built")
-            for r in range(repeats):
+        for r in range(repeats):
+            for (t, b), prof in zip(rows, profs):
                 prof.round()
-                progress.advance(note=f"tensor {t}, microbatch {b}: round {r + 1}/{repeats}")
+                progress.advance(note=f"round {r + 1}/{repeats}: tensor {t}, microbatch {b}")
+        for prof in profs:
             out |= prof.rows(statistic)
-            del prof
     return out
 
 
