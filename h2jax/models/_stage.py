@@ -51,7 +51,9 @@ class StageModule(nnx.Module):
     `layers = (start, stop)` (half-open, indices into `model.blocks`) as an nnx.List, and
     `head` if `last`. Absent parts are None. Splitting one model into stages whose layer
     ranges tile [0, n_layers) therefore partitions its parameters: each one lives in
-    exactly one stage.
+    exactly one stage -- except a parameter two parts share (a head tied to the embedding),
+    which every stage holding one of those parts holds (`shared_parameters`; the runtime
+    trains the copies as one, h2jax.runtime._tied).
     """
 
     def __init__(self, model: nnx.Module, *, layers: tuple[int, int], first: bool, last: bool):
