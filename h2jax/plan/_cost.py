@@ -72,7 +72,10 @@ on a shared host runs `data` copies of the measured per-device program at once, 
 work is `data` times theirs and, alone, it is stretched by max(1, data x cores / C_h).
 The simulator models the sharing event by event instead (processor sharing: when the
 programs running on a host want more cores than it has, each runs slower by C_h / sum of
-their cores). Chips with hosts of their own (every real chip profile) are unaffected.
+their cores). Stages of one emulated node share one PJRT client, whose programs run one
+after another: the period is at least their summed seconds, and they join the fluid
+sharing as one job (``shared_clients``, placed as the runtime places them). Chips with
+hosts of their own (every real chip profile) are unaffected.
 ``CostOptions(host_contention=False)`` turns the term off. The search
 (``h2jax.plan._search``) prices each configuration's T_pipe-optimal split (P = max t)
 with this estimate, contention included, and improves the split by it
