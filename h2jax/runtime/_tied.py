@@ -11,7 +11,8 @@ stage order, *owns* it; the others hold *mirrors*):
   them in stage order (owner + next holder + ...): the gradient autodiff of the whole model
   gives. The mirrors' shares are then zeroed, so each stage's squared norm, hence the global
   norm that clipping uses and the non-finite check, count the parameter once, with its summed
-  gradient (a non-finite share makes the sum non-finite; the owner's stage reports it).
+  gradient (a non-finite share makes the sum non-finite, and stays so on its own stage, so
+  an abort names both stages).
 - **Update.** The owner alone computes the parameter's update (its AdamW moments included);
   after every update each mirror takes the owner's new value and moments. Megatron instead
   all-reduces the gradient and lets every holder apply the same update. That keeps the
@@ -127,11 +128,12 @@ class TiedParams:
         return self._index[key]
 
     def _program(self, kind: str, like: jax.Array) -> Any:
-        """A jitted add or zeros whose output keeps ``like``'s sharding (the next step's programs
-        see the layout they were compiled for)."""
+        """A jitted add, or a times-zero (finite elements become 0, non-finite ones stay NaN, so
+        a stage whose share was non-finite still reports it), whose output keeps ``like``'s
+        sharding (the next step's programs see the layout they were compiled for)."""
         key = (kind, like.sharding)
         if key not in self._programs:
-            fn = jnp.add if kind == "add" else jnp.zeros_like
+            fn = jnp.add if kind == "add" else lambda a: a * jnp.zeros((), a.dtype)
             self._programs[key] = jax.jit(fn, out_shardings=like.sharding)
         return self._programs[key]
 
@@ -153,7 +155,7 @@ class TiedParams:
                     i = self._param_index(sp, m)
                     leaf = jax.tree.leaves(st.acc)[i]
                     share = self._host(leaf)
-                    st.acc = _replace(st.acc, {i: self._program("zeros", leaf)(leaf)})
+                    st.acc = _replace(st.acc, {i: self._program("times_zero", leaf)(leaf)})
                 got = self.world.from_stage_to(m, [owner], share)
                 if owner in self.local:
                     st = self.local[owner]

@@ -167,6 +167,30 @@ def test_copies_stay_identical_when_a_holder_rounds_its_update_differently(tmp_p
     trainer.close()
 
 
+def test_a_non_finite_share_is_counted_and_named(tmp_path):
+    """A non-finite gradient in the last stage's use of the table: the global norm is
+    non-finite and the abort names the stage it came from (and the owner, whose sum it spoiled)."""
+    from h2jax.runtime._state import nonfinite_error
+
+    trainer = Trainer(make_cfg("2st-1f1b"), run_dir=tmp_path)
+    tied, mirror = trainer.tied, trainer.stages[1]
+    i = tied._param_index(tied.shared[0], 1)
+    sum_grads = tied.sum_grads
+
+    def poisoned_head_share() -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(mirror.acc)
+        leaves[i] = leaves[i].at[0, 0].set(np.inf)
+        mirror.acc = jax.tree_util.tree_unflatten(treedef, leaves)
+        sum_grads()
+
+    tied.sum_grads = poisoned_head_share
+    loss = float(trainer.forward_backward(0))
+    sq = trainer._grad_sqnorms()
+    assert np.isfinite(loss) and not np.isfinite(sum(sq))
+    assert nonfinite_error(0, loss, float(np.sqrt(sum(sq))), sq).stages == [0, 1]
+    trainer.close()
+
+
 @pytest.mark.slow
 def test_tied_thread_ranks_equal_one_process(tmp_path):
     """MpiWorld's logic (one stage per rank, the table's gradient and value exchanged with
