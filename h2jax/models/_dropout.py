@@ -20,7 +20,7 @@ A user's own stageable model gets the same guarantees by using this Dropout (any
 and site numbering that is unique within the model). NNX's stateful streams
 (``nnx.Dropout(rate, rngs=rngs)`` holding an ``nnx.Rngs`` fork) carry their key and a call
 counter in the model, which the pipeline cannot keep in step across stages and restarts;
-the runtime refuses them by name.
+the stage programs and the reference refuse them in one line naming the state.
 """
 
 from __future__ import annotations
