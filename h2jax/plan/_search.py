@@ -96,11 +96,9 @@ from h2jax.plan._cost import (
     CostOptions,
     PlanCost,
     estimate,
-    in_flight,
     layer_fill_s,
     part_costs,
     part_fill_s,
-    pending_weight_grads,
     schedule_terms,
     searched_schedules,
     split_backward,
@@ -109,6 +107,7 @@ from h2jax.plan._cost import (
 )
 from h2jax.plan._plan import SCHEDULES, Plan, StageSpec
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
+from h2jax.plan._schedule import memory_counts
 
 INF = math.inf
 DEFAULT_TIME_BUDGET_S = 3.0  # what `h2jax plan` allows the search without --time-budget
@@ -541,16 +540,16 @@ class _Solver:
         first: bool,
         last: bool,
         infl: int,
-        schedule: str = "1f1b",
         pending: int = 0,
+        schedule: str = "1f1b",
     ) -> _StageArrays:
         """One stage's time, fill, end and fit for every layer count l (affine in l) under
         `schedule`, with `infl` microbatches awaiting B and `pending` awaiting W."""
-        split = split_backward(schedule)
-        key = (chip, data, tensor, mb, first, last, infl, split, pending)
+        key = (chip, data, tensor, mb, first, last, infl, pending, schedule)
         hit = self._arrays.get(key)
         if hit is not None:
             return hit
+        split = split_backward(schedule)
         comp = self._affine(chip, data, tensor, mb, first, last, schedule)
         fits = {}
         for rc in (False, True):
@@ -591,7 +590,7 @@ class _Solver:
                     self.model, prof, layers=n, recompute=rc, in_flight=j, split=split, pending_w=q, **kw
                 )
                 for n in (0, 1)
-                for j, q in ((1, 0), (2, 0), (1, 1))
+                for j, q in ((1, 0), (2, 0), (1, 1))[: 3 if split else 2]  # nothing awaits W unsplit
             }
             c0, c1 = c[0, 1, 0], c[1, 1, 0]
 
@@ -606,7 +605,7 @@ class _Solver:
                 over_l(g0, g1),
                 over_l(mem[0, 1, 0], mem[1, 1, 0]),
                 over_l(mem[0, 2, 0] - mem[0, 1, 0], mem[1, 2, 0] - mem[1, 1, 0]),
-                over_l(mem[0, 1, 1] - mem[0, 1, 0], mem[1, 1, 1] - mem[1, 1, 0]),
+                over_l(mem[0, 1, 1] - mem[0, 1, 0], mem[1, 1, 1] - mem[1, 1, 0]) if split else np.zeros_like(l),
                 c0.memory_limit,
             )
         self._affine_cache[base] = out
@@ -898,7 +897,8 @@ class _Run:
         self.ticks = 0
         self._keyed_cache: dict[int, dict] = {}
         self.mb_bound: dict[int, float] = {}
-        self.starts: list[tuple[float, tuple[ChipChoice, ...], int, tuple[str, ...]]] = []
+        self.starts: list[tuple[float, tuple[ChipChoice, ...], int, tuple[str, ...], str]] = []
+        self.last_schedule = ""  # the schedule of evaluate's result
         self._ranked_cache: dict[int, dict] = {}
         space_opts = SearchOptions(**{**_fields(opts), "max_options_per_chip": None})
         self.space: dict[int, dict[str, list[ChipChoice]]] = {}
@@ -1005,7 +1005,7 @@ class _Run:
                 cutoff = self.best * SEED_SLACK
                 value, order = self.evaluate(config, mb, self.gb // mb, list(orders), cutoff=cutoff)
                 if order is not None:
-                    self.starts.append((value, config, mb, order))
+                    self.starts.append((value, config, mb, order, self.last_schedule))
 
     def best_order(self) -> tuple[str, ...] | None:
         if self.best_plan is None:
@@ -1046,16 +1046,16 @@ class _Run:
         changes at once would be needed, e.g. both chip types' stage counts and the order),
         then the order of the best one (:meth:`reorder`)."""
         self.reorder(orders)
-        starts: dict[tuple, tuple[float, tuple[str, ...]]] = {}
+        starts: dict[tuple, tuple[float, tuple[str, ...], str]] = {}
         if self.best_config is not None:
-            starts[self.best_config] = (self.best, self.best_order())
-        for value, config, mb, order in sorted(self.starts, key=lambda r: r[0]):
+            starts[self.best_config] = (self.best, self.best_order(), self.best_plan[5])
+        for value, config, mb, order, schedule in sorted(self.starts, key=lambda r: r[0]):
             if len(starts) >= LOCAL_STARTS:
                 break
-            starts.setdefault((config, mb), (value, order))
+            starts.setdefault((config, mb), (value, order, schedule))
         self.starts = []
-        for (config, mb), (value, order) in starts.items():
-            self._climb(config, mb, value, order, orders)
+        for (config, mb), (value, order, schedule) in starts.items():
+            self._climb(config, mb, value, order, orders, schedule)
         self.reorder(orders)
 
     def _climb(
@@ -1065,12 +1065,14 @@ class _Run:
         value: float,
         order: tuple[str, ...],
         orders: Sequence[tuple[str, ...]],
+        schedule: str,
     ) -> None:
         """Steepest descent from one configuration: change one chip type's stage count (by
         up to 2, half or double) and tensor degree (any) together, or the microbatch size
         (halved or doubled, every type keeping its stages and tensor degree), in its order
         and the first of `orders` (all of them when they are at most 4), while a move beats
-        where it stands."""
+        where it stands. Moves keep the schedule; where none helps, the other schedules of
+        the same configuration are one more move."""
         tried: set = set()
         while True:
             moves: list[tuple[tuple[ChipChoice, ...], int]] = []
@@ -1093,11 +1095,20 @@ class _Run:
                 tried.add(move)
                 self.stats["configs"] += 1
                 try_orders = list(dict.fromkeys([order, *(orders if len(orders) <= 4 else orders[:1])]))
-                v, o = self.evaluate(move[0], move[1], self.gb // move[1], try_orders, cutoff=value)
+                v, o = self.evaluate(move[0], move[1], self.gb // move[1], try_orders, cutoff=value, only=schedule)
                 if v < value:
                     value, step = v, (move, o)
             if step is None:
-                return
+                others = [s for s in self.schedules if s != schedule]
+                v, o = (
+                    self.evaluate(config, mb, self.gb // mb, [order], cutoff=value, only=others)
+                    if others
+                    else (INF, None)
+                )
+                if v >= value:
+                    return
+                value, order, schedule = v, o, self.last_schedule
+                continue
             (config, mb), order = step
 
     def _dfs(self, bd: _Bounds, orders: list[tuple[str, ...]], quick: bool) -> None:
@@ -1130,11 +1141,14 @@ class _Run:
         m: int,
         orders: list[tuple[str, ...]],
         cutoff: float | None = None,
+        only: str | Sequence[str] | None = None,
     ) -> tuple[float, tuple[str, ...] | None]:
-        """Solve `config` in each of `orders`; keep it if it beats the best plan. Returns its
-        best time and order among those below `cutoff` (default: the best plan's time; a
-        higher cutoff prices configurations that cannot win yet, for local search to start
-        from), else (inf, None)."""
+        """Solve `config` in each of `orders` (and each schedule, or `only` these); keep it if it
+        beats the best plan. Returns its best time and order among those below `cutoff`
+        (default: the best plan's time; a higher cutoff prices configurations that cannot win
+        yet, for local search to start from), else (inf, None); `last_schedule` says which
+        schedule gave that time."""
+        schedules = self.schedules if only is None else [only] if isinstance(only, str) else list(only)
         opts, solver, L = self.opts, self.solver, self.L
         self.stats["solved"] += 1
         by_chip = {c.chip: c for c in config}
@@ -1150,20 +1164,11 @@ class _Run:
                 solver.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
                 for a, b in zip(seq, seq[1:])
             )
-            for schedule in self.schedules:  # the schedule: one more dimension, split ones first
+            for schedule in schedules:  # the schedule: one more dimension, split ones first
                 limit = min(own, self.best if cutoff is None else max(cutoff, self.best))
+                counts = memory_counts(schedule, S, m)  # (awaiting B, awaiting W) per stage
                 arrays = [
-                    solver.arrays(
-                        c.chip,
-                        c.data,
-                        c.tensor,
-                        mb,
-                        i == 0,
-                        i == S - 1,
-                        in_flight(schedule, S, m, i),
-                        schedule,
-                        pending_weight_grads(schedule, S, m, i),
-                    )
+                    solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == S - 1, *counts[i], schedule)
                     for i, c in enumerate(seq)
                 ]
                 self.stats["orders"] += 1
@@ -1188,6 +1193,7 @@ class _Run:
                     if value >= limit:
                         continue
                 own, own_order = value, tuple(order)
+                self.last_schedule = schedule
                 if value < self.best:
                     self.best = value
                     self.best_plan = (list(seq), layers, recompute, mb, m, schedule)
