@@ -113,10 +113,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         fail_fast = FailFast(launch)
         fail_fast.start()  # first: every thread created later inherits the blocked stop signals
     cfg = _load(args)
-    from h2jax.config import ConfigError, config_to_dict, model_from_file
+    from h2jax.config import ConfigError, config_to_dict, model_factory
 
     try:  # a gin file may select the user's own model class (experiment.model = @module.Class)
-        model = model_from_file(_split_args(args.config)[0], cfg, processes=launch.size if launch else 1)
+        model = model_factory(_split_args(args.config)[0], cfg)
     except ConfigError as e:
         console.print(f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG

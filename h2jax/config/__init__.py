@@ -7,7 +7,7 @@ against itself) and :func:`check_inputs` (against the files the run reads and wr
 """
 
 from h2jax.config._errors import ConfigError
-from h2jax.config._gin import model_from_file, read_gin
+from h2jax.config._gin import model_factory, read_gin
 from h2jax.config._inputs import check_inputs, format_bytes, format_count
 from h2jax.config._load import config_to_dict, load_config, load_raw, save_config, validate
 from h2jax.config._schema import (
@@ -35,7 +35,7 @@ __all__ = [
     "format_count",
     "load_config",
     "load_raw",
-    "model_from_file",
+    "model_factory",
     "read_gin",
     "save_config",
     "validate",

@@ -210,13 +210,14 @@ def is_gin(path: str | Path | None) -> bool:
     return path is not None and str(path).endswith(".gin")
 
 
-def model_from_file(path: str | Path | None, cfg: ExperimentConfig, *, processes: int = 1) -> Any:
-    """The user's model a gin file selects (``experiment.model = @module.Class``), built with
-    ``nnx.Rngs(cfg.seed)``; None for a YAML file or a gin file that selects none (the built-in model).
+def model_factory(path: str | Path | None, cfg: ExperimentConfig) -> Callable[[], Any] | None:
+    """A zero-argument builder of the user's model a gin file selects (``experiment.model =
+    @module.Class``, called with ``nnx.Rngs(cfg.seed)``); None for a YAML file or a gin file that
+    selects none (the built-in model).
 
-    The chip types are registered first (building the model starts JAX, and emulated backends
-    must exist before it does); under a launcher (``processes`` > 1) the process group registers
-    them later, so a selected class is refused there for now.
+    A builder, not a model: building starts JAX, and the chip types (emulated backends in one
+    process, the stage's process group under a launcher) must be registered first -- the
+    trainer calls it once they are.
     """
     if not is_gin(path):
         return None
@@ -225,15 +226,11 @@ def model_from_file(path: str | Path | None, cfg: ExperimentConfig, *, processes
     factory = read_gin(find_config(path)).model_factory()
     if factory is None:
         return None
-    if processes > 1:
-        raise ConfigError(
-            f"{TOP}.model",
-            f"a model class selected in a gin file trains in one process for now ({processes} started); "
-            "under a launcher build it in a driver script: h2jax.train(cfg, model=MyModel(...))",
-        )
-    from flax import nnx
+    seed = cfg.seed
 
-    from h2jax.runtime._cluster import setup_backends
+    def build() -> Any:
+        from flax import nnx
 
-    setup_backends(cfg.cluster)
-    return factory(nnx.Rngs(cfg.seed))
+        return factory(nnx.Rngs(seed))
+
+    return build

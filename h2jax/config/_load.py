@@ -150,6 +150,8 @@ def check_model_values(values: dict[str, Any], key: str = "model") -> None:
         )
     if values["dtype"] not in MODEL_DTYPES:
         raise ConfigError(f"{key}.dtype", f"dtype={values['dtype']!r}; expected one of {list(MODEL_DTYPES)}")
+    if "dropout" in values and not 0 <= values["dropout"] < 1:
+        raise ConfigError(f"{key}.dropout", f"dropout={values['dropout']!r}; expected a probability 0 <= dropout < 1")
 
 
 VALUE_CHECKS[GPTConfig] = check_model_values

@@ -233,7 +233,8 @@ def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int) -> dic
             "global_batch": cfg.plan.global_batch,
             "num_microbatches": cfg.plan.num_microbatches,
         },
-        # the model has no stochastic layers: the seed made the initial parameters and the data
+        # the seed made the initial parameters, the data and every dropout mask (keys from seed, step,
+        # microbatch, layer): nothing random is carried in the model
         "rng": {"seed": cfg.seed},
         "model": config_to_dict(cfg)["model"],
         "plan": cfg.plan.to_dict(),

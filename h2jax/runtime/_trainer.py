@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from h2jax.runtime._layout import flatten
 from h2jax.runtime._metrics import METRICS_FILENAME, MetricsLogger, read_metrics
 from h2jax.runtime._procgroup import fetch, global_array, local_value
 from h2jax.runtime._runner import StageFailure, StageRunner, run_stages
-from h2jax.runtime._stage import StageMemory, StageProgram
+from h2jax.runtime._stage import StageMemory, StageProgram, check_params_only
 from h2jax.runtime._state import (
     StepStats,
     by_model_path,
@@ -95,7 +96,7 @@ class Trainer:
         self,
         cfg: ExperimentConfig,
         *,
-        model: nnx.Module | None = None,
+        model: nnx.Module | Callable[[], nnx.Module] | None = None,
         run_dir: str | Path | None = None,
         console: Console | None = None,
         world: World | None = None,
@@ -103,12 +104,8 @@ class Trainer:
         fail_fast: Any = None,
     ):
         cfg = check_inputs(validate(cfg), run_dir=run_dir)  # what the run reads and writes, before devices
-        if model is not None:
-            check_stageable(model)
-            if len(model.blocks) != cfg.model.n_layers:  # the plan was checked against model.n_layers
-                raise ConfigError(
-                    "model.n_layers", f"n_layers={cfg.model.n_layers} but the model has {len(model.blocks)} blocks"
-                )
+        if isinstance(model, nnx.Module):
+            _check_model(model, cfg)
         self.cfg = cfg
         plan = cfg.plan
         self.console = console or Console(stderr=True)
@@ -146,6 +143,9 @@ class Trainer:
             )
         if model is None:
             model = build_model(cfg.model, seed=cfg.seed)
+        elif not isinstance(model, nnx.Module):  # a builder (e.g. a gin-selected class): the chip types exist now
+            model = model()
+            _check_model(model, cfg)
         self.model = model
         shared = shared_parameters(model, plan)  # e.g. a head tied to the embedding: trained as one (_tied)
         check_tieable(shared)
@@ -326,8 +326,11 @@ class Trainer:
 
     def _apply(self, grad_norm: float) -> None:
         scale = clip_scale(grad_norm, self.cfg.optimizer.clip_norm)
-        for st in self.stages:
+        for st, runner in zip(self.stages, self.runners, strict=True):
+            t0 = time.perf_counter()
             st.apply_update(scale)
+            if runner.watcher is not None:  # the timeline's `update` event: when the optimizer step ran
+                runner.watcher.watch("update", self.step, None, t0, st.params)
         self.tied.sync()  # every copy of a tied parameter takes its owner's new value
 
     def train_step(self) -> StepStats:
@@ -822,16 +825,26 @@ class Trainer:
             self.hub.close()
 
 
+def _check_model(model: nnx.Module, cfg: ExperimentConfig) -> None:
+    check_stageable(model)
+    check_params_only(nnx.split(model, nnx.Param, ...)[2], type(model).__name__)  # one line, naming the state
+    if len(model.blocks) != cfg.model.n_layers:  # the plan was checked against model.n_layers
+        raise ConfigError(
+            "model.n_layers", f"n_layers={cfg.model.n_layers} but the model has {len(model.blocks)} blocks"
+        )
+
+
 def train(
     cfg: ExperimentConfig,
     *,
-    model: nnx.Module | None = None,
+    model: nnx.Module | Callable[[], nnx.Module] | None = None,
     run_dir: str | Path | None = None,
     restore_step: int | None = None,
     init_from: str | Path | None = None,
     console: Console | None = None,
 ) -> TrainResult:
-    """Train ``model`` (default: the GPT of ``cfg.model``) as ``cfg`` says, continuing from the
+    """Train ``model`` (default: the GPT of ``cfg.model``; a zero-argument builder of one is
+    called once the chip types are registered) as ``cfg`` says, continuing from the
     run's latest checkpoint if there is one. Under mpirun/srun every process calls it (the
     launcher is detected; each process runs its stage). Returns the model with the trained
     parameters in place -- the same module object, on every process -- with the summary

@@ -14,7 +14,7 @@ import pytest
 
 import h2jax
 from h2jax.cli import main
-from h2jax.config import ConfigError, model_from_file, read_gin
+from h2jax.config import ConfigError, model_factory, read_gin
 from h2jax.runtime import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_user_model_class_is_selected_with_its_arguments(tmp_path, monkeypatch):
     assert exp.raw["train"] == {"steps": 2, "progress": False, "tensorboard": False}
     assert exp.raw["plan"]["stages"][1]["layers"] == [1, 2]  # gin's tuple is YAML's list
     cfg = h2jax.load_config(tmp_path / "exp.gin")
-    model = h2jax.config.model_from_file(tmp_path / "exp.gin", cfg)
+    model = h2jax.config.model_factory(tmp_path / "exp.gin", cfg)()
     assert isinstance(model, MyModel) and model.width == 40 and len(model.blocks) == 2
 
 
@@ -118,9 +118,36 @@ def test_cli_trains_a_user_model_from_a_gin_file(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(HERE))
         cfg = h2jax.load_config(gin)
-        trainer = Trainer(cfg, model=model_from_file(gin, cfg), run_dir=run_dir)
+        trainer = Trainer(cfg, model=model_factory(gin, cfg), run_dir=run_dir)
     assert "step 2" in trainer.resume()
     params = {k: v.shape for k, v in trainer.gathered_params().items()}
     trainer.close()
     assert params["embed/table"] == (256, 40), params
     assert sorted(k for k in params if k.startswith("blocks/")) == ["blocks/0/lin/kernel", "blocks/1/lin/kernel"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_gin_selected_model_trains_under_mpirun(tmp_path):
+    """One process per stage: each rank builds the gin-selected class once its stage's chip type
+    is registered; the run equals the one-process run of the same file (losses to 1e-6)."""
+    from h2jax.launch import find_mpirun
+
+    if find_mpirun() is None:
+        pytest.skip("mpirun not installed")
+    (tmp_path / "exp.gin").write_text(USER_GIN)
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "H2JAX_CONFIG_DIR", "XLA_FLAGS")}
+    losses = {}
+    for name, prefix, extra in (
+        ("one", [], []),
+        ("mpi", [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "2"], ["train.transport=host"]),
+    ):
+        run_dir = tmp_path / name
+        cmd = [*prefix, sys.executable, "-m", "h2jax.cli", "train", str(tmp_path / "exp.gin"), "--run-dir"]
+        proc = subprocess.run(
+            [*cmd, str(run_dir), *extra], cwd=HERE, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        losses[name] = json.loads((run_dir / "summary.json").read_text())["losses"]
+    assert len(losses["mpi"]) == 2
+    assert losses["mpi"] == pytest.approx(losses["one"], abs=1e-6)
