@@ -1,8 +1,8 @@
 """The Plan: the serialisable contract between the planner and the runtime.
 
 A Plan says, for every pipeline stage, which chip type runs it, its mesh shape
-(data x tensor), which layers it holds and whether it recomputes activations; plus the
-schedule and batch sizes. The planner writes one, the runtime executes it, a person can
+(data x tensor), which layers it holds (one range, or under ``interleaved`` / ``zb-v`` several
+layer chunks) and whether it recomputes activations; plus the schedule and batch sizes. The planner writes one, the runtime executes it, a person can
 read and edit it as YAML. Everything here is plain Python: validation happens before any
 device is touched, and every error names the dotted key, the value and what was expected.
 """
@@ -19,11 +19,18 @@ import numpy as np
 import yaml
 
 from h2jax._strict import ConfigError, read_yaml
+from h2jax.plan._schedule import get_schedule
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zb-h1")
+"""Schedules of one layer range per stage: the runtime runs them and the planner prices them."""
+CHUNKED_SCHEDULES: tuple[str, ...] = ("interleaved", "zb-v")
+"""Schedules whose stages hold several layer chunks (``chunks``): the runtime runs them; the
+cost model and the search do not price them yet (they refuse them with a line)."""
+RUN_SCHEDULES: tuple[str, ...] = SCHEDULES + CHUNKED_SCHEDULES
+"""Every schedule a plan may name (what :func:`check_plan` accepts and the runtime runs)."""
 
-_STAGE_KEYS = ("chip", "layers", "data", "tensor", "recompute")
-_STAGE_REQUIRED = ("chip", "layers")
+_STAGE_KEYS = ("chip", "layers", "data", "tensor", "recompute", "chunks")
+_STAGE_REQUIRED = ("chip",)
 _PLAN_KEYS = ("model", "global_batch", "num_microbatches", "schedule", "stages")
 _PLAN_REQUIRED = ("global_batch", "num_microbatches", "stages")
 
@@ -47,23 +54,39 @@ class PlanError(ConfigError):
 
 @dataclass(frozen=True)
 class StageSpec:
-    """One pipeline stage: a contiguous layer range on a (data x tensor) mesh of one chip type.
+    """One pipeline stage: a contiguous layer range (or several layer chunks) on a
+    (data x tensor) mesh of one chip type.
 
-    `layers` is half-open [start, end) in model layer indices. `data` and `tensor` are
-    mesh axis sizes in devices. `recompute` trades one extra forward per microbatch for
+    `layers` is half-open [start, end) in model layer indices. Under the `interleaved` and
+    `zb-v` schedules a stage holds several non-contiguous chunks instead, `chunks` (each
+    half-open, in chunk order; the schedule says where in the model chunk c sits), and
+    `layers` is its first chunk. Code that walks a stage's layers reads `layer_chunks`, which
+    is `(layers,)` for a one-chunk stage. `data` and `tensor` are mesh axis sizes in devices.
+    `recompute` (every chunk of the stage) trades one extra forward per microbatch for
     keeping only the stage input in memory.
     """
 
     chip: str
-    layers: tuple[int, int]
+    layers: tuple[int, int] | None = None
     data: int = 1
     tensor: int = 1
     recompute: bool = False
+    chunks: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        # Accept a list (as read from YAML) but store a tuple so specs stay hashable.
-        if isinstance(self.layers, list):
-            object.__setattr__(self, "layers", tuple(self.layers))
+        # Accept lists (as read from YAML) but store tuples so specs stay hashable.
+        chunks = tuple(tuple(c) for c in self.chunks)
+        layers = tuple(self.layers) if self.layers is not None else None
+        if len(chunks) == 1:  # one chunk is a plain layer range
+            layers, chunks = layers or chunks[0], ()
+        if layers is None and not chunks:
+            raise ValueError(f"stage on {self.chip}: give layers (one range) or chunks (several)")
+        if chunks:
+            if layers is not None and layers != chunks[0]:
+                raise ValueError(f"stage on {self.chip}: layers={layers} is not the first of chunks={chunks}")
+            layers = chunks[0]
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "chunks", chunks)
 
     @property
     def num_devices(self) -> int:
@@ -71,8 +94,23 @@ class StageSpec:
         return self.data * self.tensor
 
     @property
+    def layer_chunks(self) -> tuple[tuple[int, int], ...]:
+        """The stage's layer ranges in chunk order: `chunks`, or `(layers,)` for one range."""
+        return self.chunks or (self.layers,)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.layer_chunks)
+
+    @property
     def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
+        """Blocks the stage holds, over all its chunks."""
+        return sum(b - a for a, b in self.layer_chunks)
+
+    def chunk_spec(self, chunk: int) -> StageSpec:
+        """The one-chunk stage of chunk `chunk` (same chip, mesh and recompute): what the
+        runtime builds one stage program from."""
+        return StageSpec(self.chip, self.layer_chunks[chunk], self.data, self.tensor, self.recompute)
 
 
 @dataclass(frozen=True)
@@ -104,25 +142,39 @@ class Plan:
         """Sequences per microbatch (global_batch // num_microbatches)."""
         return self.global_batch // self.num_microbatches
 
+    @property
+    def num_chunks(self) -> int:
+        """Layer chunks per stage (virtual stages): 1 unless the schedule is chunked
+        (:func:`check_plan` makes it the same on every stage)."""
+        return max((s.num_chunks for s in self.stages), default=1)
+
+    def positions(self) -> tuple[tuple[int, int], ...]:
+        """(stage_idx, chunk) at each model position 0..num_stages*num_chunks-1 (position 0
+        holds the embedding, the last the head), as the schedule places the chunks; for a
+        one-chunk schedule simply (s, 0) per stage. Needs a plan :func:`check_plan` accepts."""
+        v = self.num_chunks
+        if self.schedule not in CHUNKED_SCHEDULES:
+            return tuple((s, 0) for s in range(self.num_stages))
+        sched = get_schedule(self.schedule, self.num_stages, self.num_microbatches, num_chunks=v)
+        at = {sched.virtual_stage(s, c): (s, c) for s in range(self.num_stages) for c in range(v)}
+        return tuple(at[q] for q in range(len(at)))
+
+    def position_specs(self) -> tuple[StageSpec, ...]:
+        """The one-chunk StageSpec of every model position (see :meth:`positions`): the plan
+        read as a pipeline of num_stages*num_chunks virtual stages."""
+        return tuple(self.stages[s].chunk_spec(c) for s, c in self.positions())
+
     # -- serialisation ---------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of YAML-able values; `layers` becomes a 2-element list."""
+        """Plain dict of YAML-able values; `layers` becomes a 2-element list, `chunks` (a
+        stage of several chunks, written instead of `layers`) a list of them."""
         return {
             "model": self.model,
             "global_batch": self.global_batch,
             "num_microbatches": self.num_microbatches,
             "schedule": self.schedule,
-            "stages": [
-                {
-                    "chip": s.chip,
-                    "data": s.data,
-                    "tensor": s.tensor,
-                    "layers": [s.layers[0], s.layers[1]],
-                    "recompute": s.recompute,
-                }
-                for s in self.stages
-            ],
+            "stages": [_stage_dict(s) for s in self.stages],
         }
 
     @classmethod
@@ -151,7 +203,7 @@ class Plan:
         if not isinstance(schedule, str):
             raise PlanError(
                 f"{key_prefix}.schedule",
-                f"expected a string (one of {', '.join(SCHEDULES)}), got {type(schedule).__name__} {schedule!r}",
+                f"expected a string (one of {', '.join(RUN_SCHEDULES)}), got {type(schedule).__name__} {schedule!r}",
             )
         return cls(
             stages=stages,
@@ -174,6 +226,19 @@ class Plan:
             "# h2jax plan: written by `h2jax plan`, read by `h2jax train`; editable by hand.",
             f"# {self.num_stages} stages, {total_layers} layers, {total_devices} devices.",
             "# stages[i].layers is half-open [start, end); data x tensor = devices of the stage.",
+        ]
+        if any(s.chunks for s in self.stages):
+            lines.append(
+                f"# stages[i].chunks: the stage's layer chunks in chunk order ({self.schedule} places chunk c "
+                + ("of stage s at model position c * num_stages + s)." if self.schedule == "interleaved" else "")
+                + (
+                    "0 of stage s at model position s, chunk 1 at 2 * num_stages - 1 - s)."
+                    if self.schedule == "zb-v"
+                    else ""
+                )
+                + (")." if self.schedule not in CHUNKED_SCHEDULES else "")
+            )
+        lines += [
             _commented(f"model: {_scalar(self.model)}", "model config this plan was made for"),
             _commented(f"global_batch: {_scalar(self.global_batch)}", "sequences per optimizer step"),
         ]
@@ -183,7 +248,7 @@ class Plan:
             else "microbatches per step"
         )
         lines.append(_commented(f"num_microbatches: {_scalar(self.num_microbatches)}", mb))
-        lines.append(_commented(f"schedule: {_scalar(self.schedule)}", " | ".join(SCHEDULES)))
+        lines.append(_commented(f"schedule: {_scalar(self.schedule)}", " | ".join(RUN_SCHEDULES)))
         lines.append(_commented("stages:", "ordered: stage 0 = embedding side"))
         for stage in self.to_dict()["stages"]:
             lines.append(f"  - {_scalar(stage)}")
@@ -230,19 +295,42 @@ def _as_int(value: Any, key: str) -> int:
     return int(value)
 
 
+def _stage_dict(s: StageSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"chip": s.chip, "data": s.data, "tensor": s.tensor}
+    if s.chunks:
+        out["chunks"] = [[a, b] for a, b in s.chunks]
+    else:
+        out["layers"] = [s.layers[0], s.layers[1]]
+    out["recompute"] = s.recompute
+    return out
+
+
+def _layer_range(value: Any, key: str) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise PlanError(key, f"expected [start, end] (2 ints, end exclusive), got {value!r}")
+    return _as_int(value[0], f"{key}[0]"), _as_int(value[1], f"{key}[1]")
+
+
 def _stage_from_dict(d: Any, key: str) -> StageSpec:
     _check_keys(d, key, _STAGE_KEYS, _STAGE_REQUIRED)
     chip = d["chip"]
     if not isinstance(chip, str):
         raise PlanError(f"{key}.chip", f"expected a string, got {type(chip).__name__} {chip!r}")
-    layers = d["layers"]
-    if not isinstance(layers, (list, tuple)) or len(layers) != 2:
+    if ("layers" in d) == ("chunks" in d):
         raise PlanError(
             f"{key}.layers",
-            f"expected [start, end] (2 ints, end exclusive), got {layers!r}",
+            "give exactly one of layers ([start, end]) and chunks ([[start, end], ...], interleaved / zb-v)"
+            + ("; got both" if "layers" in d else "; required key is missing"),
         )
-    start = _as_int(layers[0], f"{key}.layers[0]")
-    end = _as_int(layers[1], f"{key}.layers[1]")
+    chunks: tuple[tuple[int, int], ...] = ()
+    if "chunks" in d:
+        raw = d["chunks"]
+        if not isinstance(raw, (list, tuple)) or not raw:
+            raise PlanError(f"{key}.chunks", f"expected a non-empty list of [start, end] ranges, got {raw!r}")
+        chunks = tuple(_layer_range(c, f"{key}.chunks[{i}]") for i, c in enumerate(raw))
+        start, end = chunks[0]
+    else:
+        start, end = _layer_range(d["layers"], f"{key}.layers")
     recompute = d.get("recompute", False)
     if not isinstance(recompute, (bool, np.bool_)):
         raise PlanError(
@@ -255,6 +343,7 @@ def _stage_from_dict(d: Any, key: str) -> StageSpec:
         data=_as_int(d.get("data", 1), f"{key}.data"),
         tensor=_as_int(d.get("tensor", 1), f"{key}.tensor"),
         recompute=bool(recompute),
+        chunks=chunks,
     )
 
 
@@ -290,29 +379,10 @@ def check_plan(
             if size < 1:
                 raise PlanError(f"{p}.stages[{i}].{axis}", f"{axis}={size}; expected >= 1")
 
-    # layers: [0, num_layers) covered exactly once, contiguous, in stage order
-    expected_start = 0
-    for i, s in enumerate(plan.stages):
-        start, end = s.layers
-        where = f"stages must cover [0, {num_layers}) contiguously in order; got {_ranges(plan)}"
-        if start >= end:
-            raise PlanError(
-                f"{p}.stages[{i}].layers",
-                f"layers [{start}, {end}) hold no layer; each stage needs at least one; {where}",
-            )
-        if start != expected_start:
-            after = "the model starts at layer 0" if i == 0 else f"stage {i - 1} ends at layer {expected_start}"
-            raise PlanError(
-                f"{p}.stages[{i}].layers",
-                f"stage {i} starts at layer {start}, expected {expected_start} ({after}); {where}",
-            )
-        expected_start = end
-    if expected_start != num_layers:
-        raise PlanError(
-            f"{p}.stages",
-            f"stages end at layer {expected_start}, the model has num_layers={num_layers}; "
-            f"stages must cover [0, {num_layers}) contiguously in order; got {_ranges(plan)}",
-        )
+    if plan.schedule in CHUNKED_SCHEDULES:
+        _check_chunks(plan, num_layers, p)
+    else:
+        _check_layers(plan, num_layers, p)
 
     # devices first: a stage that cannot be placed is the most basic problem
     for inventory in (chip_devices, devices_per_node):
@@ -365,8 +435,93 @@ def check_plan(
             if size % s.tensor:
                 raise PlanError(f"{p}.stages[{i}].tensor", f"tensor={s.tensor} does not divide {name}={size}")
 
-    if plan.schedule not in SCHEDULES:
-        raise PlanError(f"{p}.schedule", f"schedule={plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if plan.schedule not in RUN_SCHEDULES:
+        raise PlanError(f"{p}.schedule", f"schedule={plan.schedule!r} is not one of {', '.join(RUN_SCHEDULES)}")
+
+
+def _check_layers(plan: Plan, num_layers: int, p: str) -> None:
+    """One layer range per stage: [0, num_layers) covered exactly once, contiguous, in stage order."""
+    for i, s in enumerate(plan.stages):
+        if s.chunks:
+            raise PlanError(
+                f"{p}.stages[{i}].chunks",
+                f"stage {i} holds {s.num_chunks} layer chunks; schedule {plan.schedule!r} runs one layer range "
+                f"per stage (chunks need schedule {' or '.join(CHUNKED_SCHEDULES)})",
+            )
+    expected_start = 0
+    for i, s in enumerate(plan.stages):
+        start, end = s.layers
+        where = f"stages must cover [0, {num_layers}) contiguously in order; got {_ranges(plan)}"
+        if start >= end:
+            raise PlanError(
+                f"{p}.stages[{i}].layers",
+                f"layers [{start}, {end}) hold no layer; each stage needs at least one; {where}",
+            )
+        if start != expected_start:
+            after = "the model starts at layer 0" if i == 0 else f"stage {i - 1} ends at layer {expected_start}"
+            raise PlanError(
+                f"{p}.stages[{i}].layers",
+                f"stage {i} starts at layer {start}, expected {expected_start} ({after}); {where}",
+            )
+        expected_start = end
+    if expected_start != num_layers:
+        raise PlanError(
+            f"{p}.stages",
+            f"stages end at layer {expected_start}, the model has num_layers={num_layers}; "
+            f"stages must cover [0, {num_layers}) contiguously in order; got {_ranges(plan)}",
+        )
+
+
+def _chunk_text(plan: Plan) -> str:
+    return "; ".join(
+        f"stage {i}: " + ", ".join(f"[{a}, {b})" for a, b in s.layer_chunks) for i, s in enumerate(plan.stages)
+    )
+
+
+def _check_chunks(plan: Plan, num_layers: int, p: str) -> None:
+    """Several chunks per stage: the same count v on every stage (zb-v: 2), the schedule's own
+    constraints on the microbatches, and the chunks in model-position order (the schedule
+    places chunk c of stage s) covering [0, num_layers) exactly, contiguously."""
+    name, v = plan.schedule, plan.stages[0].num_chunks
+    need = "exactly 2 (its V: chunk 0 down, chunk 1 back up)" if name == "zb-v" else f"{v} (as many as stage 0)"
+    for i, s in enumerate(plan.stages):
+        if (name == "zb-v" and s.num_chunks != 2) or s.num_chunks != v:
+            raise PlanError(
+                f"{p}.stages[{i}].chunks",
+                f"stage {i} holds {s.num_chunks} layer chunk(s); schedule {name} needs {need} on every stage "
+                "(stages[i].chunks: [[start, end], ...])",
+            )
+    if plan.num_microbatches < 1:
+        raise PlanError(f"{p}.num_microbatches", f"num_microbatches={plan.num_microbatches}; expected >= 1")
+    try:
+        get_schedule(name, plan.num_stages, plan.num_microbatches, num_chunks=v)
+    except ValueError as e:
+        raise PlanError(f"{p}.num_microbatches", str(e)) from None
+    rule = (
+        "chunk c of stage s at c * num_stages + s"
+        if name == "interleaved"
+        else "chunk 0 of stage s at s, chunk 1 at 2 * num_stages - 1 - s"
+    )
+    where = f"{name} places {rule}; the chunks in position order must cover [0, {num_layers}) contiguously; got {_chunk_text(plan)}"
+    expected = 0
+    for q, (i, c) in enumerate(plan.positions()):
+        start, end = plan.stages[i].layer_chunks[c]
+        key = f"{p}.stages[{i}].chunks[{c}]" if plan.stages[i].chunks else f"{p}.stages[{i}].layers"
+        if start >= end:
+            raise PlanError(key, f"chunk [{start}, {end}) holds no layer; each chunk needs at least one; {where}")
+        if start != expected:
+            raise PlanError(
+                key,
+                f"chunk {c} of stage {i} sits at model position {q} and starts at layer {start}, expected "
+                f"{expected} ("
+                + ("the model starts at layer 0" if q == 0 else f"position {q - 1} ends there")
+                + f"); {where}",
+            )
+        expected = end
+    if expected != num_layers:
+        raise PlanError(
+            f"{p}.stages", f"the chunks end at layer {expected}, the model has num_layers={num_layers}; {where}"
+        )
 
 
 def _stages_by_chip(plan: Plan) -> dict[str, list[int]]:

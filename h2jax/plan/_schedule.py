@@ -418,15 +418,21 @@ _SCHEDULES: dict[str, type[Schedule]] = {
     "zb-v": ZeroBubbleV,
 }
 ALL_SCHEDULES: tuple[str, ...] = tuple(_SCHEDULES)
-"""Every schedule with a task grid here (the runtime runs those in `h2jax.plan.SCHEDULES`)."""
+"""Every schedule with a task grid here (the runtime runs them all: `h2jax.plan.RUN_SCHEDULES`)."""
 
 
-def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """The schedule called `name` (gpipe, 1f1b, zb-h1, interleaved with 2 chunks, zb-v) for
-    this pipeline shape. The runtime runs those in `h2jax.plan.SCHEDULES`."""
+def get_schedule(name: str, num_stages: int, num_microbatches: int, *, num_chunks: int | None = None) -> Schedule:
+    """The schedule called `name` (gpipe, 1f1b, zb-h1, interleaved with `num_chunks` chunks --
+    default 2 --, zb-v) for this pipeline shape. `num_chunks` other than the schedule's own
+    (1; zb-v: 2) is a ValueError. The runtime runs every one (`h2jax.plan.RUN_SCHEDULES`)."""
     if name not in _SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(_SCHEDULES)}")
-    return _SCHEDULES[name](num_stages, num_microbatches)
+    cls = _SCHEDULES[name]
+    if cls is Interleaved:
+        return cls(num_stages, num_microbatches, **({} if num_chunks is None else {"num_chunks": num_chunks}))
+    if num_chunks is not None and num_chunks != cls.num_chunks:
+        raise ValueError(f"{name}: num_chunks={num_chunks}; its stages hold {cls.num_chunks} layer chunk(s) each")
+    return cls(num_stages, num_microbatches)
 
 
 def backward_peaks(ops: Sequence[Task]) -> tuple[int, int]:

@@ -108,6 +108,10 @@ class Trainer:
             _check_model(model, cfg)
         self.cfg = cfg
         plan = cfg.plan
+        if plan.num_chunks > 1 or plan.schedule in ("interleaved", "zb-v"):
+            raise ConfigError(
+                "plan.schedule", f"schedule={plan.schedule!r}: the runtime does not run chunked plans yet"
+            )
         self.console = console or Console(stderr=True)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
         self.world = world if world is not None else make_world(cfg, fail_fast=fail_fast)

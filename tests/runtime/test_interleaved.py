@@ -1,0 +1,167 @@
+"""Chunked schedules (interleaved, zb-v): the plan schema and its validation.
+
+A stage of an ``interleaved`` or ``zb-v`` plan holds several layer chunks on its mesh
+(``chunks: [[0, 2], [4, 6]]`` in place of ``layers``); the schedule says where chunk c of
+stage s sits in the model (interleaved: c * p + s; zb-v: s, then 2p - 1 - s).
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from h2jax.config import ConfigError, load_config
+from h2jax.plan import Plan, PlanError, StageSpec, check_plan
+
+INTERLEAVED = {
+    "global_batch": 8,
+    "num_microbatches": 4,
+    "schedule": "interleaved",
+    "stages": [
+        {"chip": "sim_a", "data": 1, "tensor": 1, "chunks": [[0, 2], [4, 5]], "recompute": False},
+        {"chip": "sim_b", "data": 2, "tensor": 1, "chunks": [[2, 4], [5, 8]], "recompute": True},
+    ],
+}
+ZBV = {
+    "global_batch": 8,
+    "num_microbatches": 4,
+    "schedule": "zb-v",
+    "stages": [
+        {"chip": "sim_a", "data": 1, "tensor": 1, "chunks": [[0, 1], [5, 8]], "recompute": False},
+        {"chip": "sim_b", "data": 1, "tensor": 2, "chunks": [[1, 3], [3, 5]], "recompute": False},
+    ],
+}
+
+
+def _error(plan: dict, num_layers: int = 8) -> PlanError:
+    with pytest.raises(PlanError) as info:
+        check_plan(Plan.from_dict(plan), num_layers=num_layers)
+    return info.value
+
+
+# -- schema ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", [INTERLEAVED, ZBV], ids=["interleaved", "zb-v"])
+def test_chunks_round_trip_dict_and_yaml(raw, tmp_path):
+    plan = Plan.from_dict({**raw, "model": None})
+    check_plan(plan, num_layers=8)
+    assert plan.to_dict() == {**raw, "model": None}
+    assert Plan.from_dict(plan.to_dict()) == plan
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    assert Plan.from_yaml(path) == plan
+    assert "chunks: [[" in path.read_text() and "layers:" not in path.read_text().split("stages:")[1]
+
+
+def test_one_chunk_stage_writes_layers():
+    spec = StageSpec("sim_a", chunks=[[0, 3]])
+    assert spec == StageSpec("sim_a", (0, 3)) and spec.chunks == () and spec.layer_chunks == ((0, 3),)
+    plan = Plan((StageSpec("sim_a", (0, 3)), StageSpec("sim_b", (3, 4))), 8, 4, "1f1b")
+    assert [sorted(s) for s in plan.to_dict()["stages"]] == [["chip", "data", "layers", "recompute", "tensor"]] * 2
+    assert plan.num_chunks == 1 and plan.positions() == ((0, 0), (1, 0))
+
+
+def test_positions_follow_the_schedule():
+    inter = Plan.from_dict(INTERLEAVED)
+    assert inter.num_chunks == 2
+    assert inter.positions() == ((0, 0), (1, 0), (0, 1), (1, 1))  # c * p + s
+    assert [s.layers for s in inter.position_specs()] == [(0, 2), (2, 4), (4, 5), (5, 8)]
+    assert inter.stages[0].num_layers == 3 and inter.stages[1].num_layers == 5
+    zbv = Plan.from_dict(ZBV)
+    assert zbv.positions() == ((0, 0), (1, 0), (1, 1), (0, 1))  # the V: s, then 2p - 1 - s
+    assert [s.layers for s in zbv.position_specs()] == [(0, 1), (1, 3), (3, 5), (5, 8)]
+    assert all(s.tensor == 2 for s in zbv.position_specs()[1:3])
+
+
+# -- validation: one line naming the key ----------------------------------------------------
+
+
+def _stages(*chunks, schedule="interleaved", m=4, gb=8):
+    return {
+        "global_batch": gb,
+        "num_microbatches": m,
+        "schedule": schedule,
+        "stages": [{"chip": c, "chunks": [list(r) for r in ch]} for c, ch in zip(("sim_a", "sim_b", "sim_a"), chunks)],
+    }
+
+
+@pytest.mark.parametrize(
+    "plan,key,texts",
+    [
+        # chunks laid out contiguously per stage, as a one-chunk plan would: wrong model positions
+        (
+            _stages([(0, 2), (2, 4)], [(4, 6), (6, 8)]),
+            "plan.stages[1].chunks[0]",
+            ["chunk 0 of stage 1 sits at model position 1", "starts at layer 4, expected 2", "c * num_stages + s"],
+        ),
+        # zb-v: chunk 1 of the last stage comes right after its chunk 0 (the turn of the V)
+        (
+            _stages([(0, 1), (6, 8)], [(1, 3), (5, 6)], schedule="zb-v"),
+            "plan.stages[1].chunks[1]",
+            ["chunk 1 of stage 1 sits at model position 2 and starts at layer 5, expected 3"],
+        ),
+        # the chunks stop short of the model
+        (_stages([(0, 2), (4, 5)], [(2, 4), (5, 7)]), "plan.stages", ["end at layer 7", "num_layers=8"]),
+        # an empty chunk
+        (_stages([(0, 2), (4, 4)], [(2, 4), (4, 8)]), "plan.stages[0].chunks[1]", ["holds no layer"]),
+        # v differs between stages
+        (_stages([(0, 2), (4, 5)], [(2, 4), (5, 6), (6, 8)]), "plan.stages[1].chunks", ["holds 3 layer chunk(s)"]),
+        # zb-v needs exactly 2 chunks
+        (
+            _stages([(0, 1), (2, 3), (4, 5)], [(1, 2), (3, 4), (5, 8)], schedule="zb-v"),
+            "plan.stages[0].chunks",
+            ["holds 3 layer chunk(s); schedule zb-v needs exactly 2"],
+        ),
+        # interleaved: microbatches in groups of num_stages
+        (
+            _stages([(0, 2), (4, 5)], [(2, 4), (5, 8)], m=3, gb=6),
+            "plan.num_microbatches",
+            ["num_microbatches=3 is not a multiple of num_stages=2"],
+        ),
+        # zb-v: the V's warm-up needs 2p - 1 microbatches
+        (
+            _stages([(0, 1), (5, 8)], [(1, 3), (3, 5)], schedule="zb-v", m=2),
+            "plan.num_microbatches",
+            ["num_microbatches=2 < 2 * num_stages - 1 = 3"],
+        ),
+        # chunks under a one-chunk schedule
+        (
+            _stages([(0, 2), (4, 5)], [(2, 4), (5, 8)], schedule="1f1b"),
+            "plan.stages[0].chunks",
+            ["schedule '1f1b' runs one layer range per stage", "interleaved or zb-v"],
+        ),
+    ],
+)
+def test_chunk_errors(plan, key, texts):
+    err = _error(plan)
+    assert err.key == key, str(err)
+    for text in texts:
+        assert text in err.message, str(err)
+    assert "\n" not in str(err)
+
+
+def test_layers_and_chunks_are_exclusive():
+    raw = {**INTERLEAVED, "stages": [{**INTERLEAVED["stages"][0], "layers": [0, 2]}, INTERLEAVED["stages"][1]]}
+    with pytest.raises(PlanError, match=r"plan.stages\[0\].layers: give exactly one of layers"):
+        Plan.from_dict(raw)
+    with pytest.raises(PlanError, match=r"plan.stages\[0\].chunks\[1\]: expected \[start, end\]"):
+        Plan.from_dict({**INTERLEAVED, "stages": [{"chip": "sim_a", "chunks": [[0, 2], [4]]}]})
+
+
+def test_config_validation_names_the_key():
+    """`h2jax train` / check-config refuse a bad chunked plan before any device (exit 2 line)."""
+    base = [
+        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
+        "model.n_layers=8",
+        "model.vocab_size=256",
+        "model.d_model=32",
+        "model.n_heads=4",
+        "model.d_ff=64",
+        "model.seq_len=16",
+    ]
+    cfg = load_config(None, [*base, f"plan={yaml.safe_dump(ZBV, default_flow_style=True, width=1000).strip()}"])
+    assert cfg.plan.schedule == "zb-v" and cfg.plan.stages[0].chunks == ((0, 1), (5, 8))
+    bad = {**ZBV, "num_microbatches": 2, "global_batch": 4}
+    with pytest.raises(ConfigError, match=r"plan.num_microbatches: zb-v: num_microbatches=2 < 2"):
+        load_config(None, [*base, f"plan={yaml.safe_dump(bad, default_flow_style=True, width=1000).strip()}"])
