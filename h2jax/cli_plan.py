@@ -15,7 +15,7 @@ import yaml
 
 EXIT_CONFIG = 2
 DEFAULT_TIME_BUDGET_S = 3.0  # h2jax.plan._search.DEFAULT_TIME_BUDGET_S (not imported: keeps --help fast)
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "zb-h1")  # h2jax.plan.SCHEDULES: those the runtime runs (ditto)
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "zb-h1")  # h2jax.plan.SCHEDULES: those the planner prices (ditto)
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:

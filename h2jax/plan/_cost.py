@@ -330,20 +330,21 @@ def split_backward(schedule: str) -> bool:
 
 
 def check_priced(schedule: str) -> None:
-    """Refuse a schedule the runtime does not run (the cost model prices a Plan the runtime
-    can execute; h2jax.plan.simulate replays the others from given durations)."""
+    """Refuse a schedule the cost model does not price: those whose stages hold several layer
+    chunks (interleaved, zb-v), whose per-chunk costs and transfers it has no terms for yet;
+    h2jax.plan.simulate replays them from given durations."""
     if schedule not in SCHEDULES:
         raise PlanError(
             "plan.schedule",
-            f"schedule={schedule!r}: the cost model and the search price the schedules the runtime runs "
-            f"({', '.join(SCHEDULES)}); h2jax.plan.simulate replays {schedule!r} from given F, B, W durations",
+            f"schedule={schedule!r}: the cost model and the search price {', '.join(SCHEDULES)} (one layer "
+            f"range per stage) only; h2jax.plan.simulate replays {schedule!r} from given F, B, W durations",
         )
 
 
 def searched_schedules(schedule: str | None, schedules: Sequence[str]) -> tuple[str, ...]:
     """The schedules a search prices: `schedule` alone, or (None) each of `schedules` --
     less GPipe beside 1F1B, which this model gives 1F1B's time and at least 1F1B's memory.
-    Schedules the runtime does not run are refused (:func:`check_priced`)."""
+    Schedules the cost model does not price are refused (:func:`check_priced`)."""
     names = (schedule,) if schedule is not None else tuple(dict.fromkeys(schedules))
     if not names:
         raise PlanError("schedules", "no schedule to search; expected one or more of " + ", ".join(SCHEDULES))

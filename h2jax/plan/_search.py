@@ -13,7 +13,7 @@ The space (the exhaustive enumerator in this module walks exactly the same one):
   defaults search without it);
 - per stage: its number of layers (>= 1, summing to the model's) and its recompute flag.
 
-- the schedule, among those the runtime runs (``SearchOptions.schedules``; GPipe only where
+- the schedule, among those the cost model prices (``SearchOptions.schedules``; GPipe only where
   1F1B is not offered: same time, more memory): ZB-H1's split backward shortens the fill
   and drain but keeps more activations alive, so where memory is tight 1F1B wins.
 
@@ -124,8 +124,9 @@ class SearchOptions:
 
     schedule: one schedule the plans use ("gpipe", "1f1b", "zb-h1"); None: the search
         chooses among `schedules` as one more dimension of the space.
-    schedules: the schedules a free search chooses among: those the runtime runs
-        (``h2jax.plan.SCHEDULES``; interleaved and zb-v are refused until it runs them).
+    schedules: the schedules a free search chooses among: gpipe, 1f1b, zb-h1
+        (``h2jax.plan.SCHEDULES``; interleaved and zb-v, whose stages hold several layer
+        chunks, are refused: the cost model does not price chunks yet).
         GPipe is skipped beside 1F1B: the cost model gives it 1F1B's time with at least
         1F1B's memory, so it never wins.
     microbatch_sizes: candidate microbatch sizes (sequences); None: every divisor of the
@@ -1449,7 +1450,7 @@ def exhaustive(
     best, best_plan, count = INF, None, 0
     flags = (False, True) if opts.allow_recompute else (False,)
     schedules = (opts.schedule,) if opts.schedule is not None else tuple(dict.fromkeys(opts.schedules))
-    searched_schedules(opts.schedule, opts.schedules)  # refuses what the runtime does not run
+    searched_schedules(opts.schedule, opts.schedules)  # refuses what the cost model does not price
     for mb in microbatch_sizes(global_batch, opts):
         m = global_batch // mb
         choices = chip_choices(cluster, model, mb, opts, table)

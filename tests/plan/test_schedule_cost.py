@@ -1,4 +1,4 @@
-"""The cost model prices each schedule the runtime runs: the B/W split of the backward from
+"""The cost model prices the one-chunk schedules (gpipe, 1f1b, zb-h1): the B/W split of the backward from
 FLOPs, ZB-H1's time, and the memory W keeps alive. Hand-computed numbers."""
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def test_zb_h1_estimate_against_the_replay_on_uneven_plans():
         assert -0.02 <= est["zb-h1"].iteration_s / sim.iteration_s - 1 <= 0.2
 
 
-def test_schedules_the_runtime_does_not_run_are_refused():
+def test_chunked_schedules_are_refused():
     zb = estimate(_plan("zb-h1"), MODEL, CHIPS, table=_table())
     for name in ("interleaved", "zb-v"):
         with pytest.raises(PlanError, match="simulate replays"):
