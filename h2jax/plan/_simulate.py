@@ -315,8 +315,9 @@ def simulate(
     fwd_cores: Sequence[float] | None = None,
     bwd_cores: Sequence[float] | None = None,
     tail_cores: Sequence[float] | None = None,
+    num_chunks: int | None = None,
 ) -> SimResult:
-    """Replay one step of any schedule (``REPLAYED``). `fwd[s]` / `bwd[s]` / `wgt[s]`: seconds
+    """Replay one step of any schedule (``REPLAYED``; `num_chunks`: interleaved's v, default 2). `fwd[s]` / `bwd[s]` / `wgt[s]`: seconds
     per microbatch of stage s running alone (a number, or one per microbatch) of its forward,
     input-gradient backward (B) and weight-gradient backward (W); an unsplit schedule runs
     B + W as its one backward task, so ``wgt=None`` (W = 0, B = the whole backward) suits
@@ -331,7 +332,7 @@ def simulate(
         raise PlanError("plan.schedule", f"schedule={schedule!r}; the simulator replays {', '.join(REPLAYED)}")
     if len(bwd) != n:
         raise ValueError(f"fwd has {n} stages, bwd {len(bwd)}")
-    sched = get_schedule(schedule, n, m)
+    sched = get_schedule(schedule, n, m, num_chunks=num_chunks)
     if wgt is None and sched.split_backward:
         raise ValueError(
             f"schedule={schedule!r} splits the backward into B and W: give wgt (the weight-gradient "

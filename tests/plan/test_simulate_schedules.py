@@ -50,10 +50,13 @@ def test_unit_bubble_equals_the_published_formulas(p, m):
     zb = _unit("zb-h1", p, m)
     assert zb.iteration_s == 3 * m + p - 1
     assert _idle_per_compute(zb) == pytest.approx((p - 1) / (3 * m), abs=1e-12)
-    # interleaved 1F1B (Megatron-LM, arXiv 2104.04473, v = 2 chunks): (p - 1) / (v m)
+    # interleaved 1F1B (Megatron-LM, arXiv 2104.04473, v = 2 and 3 chunks): (p - 1) / (v m)
     if m % p == 0:
-        il = _unit("interleaved", p, m)
-        assert _idle_per_compute(il) == pytest.approx((p - 1) / (2 * m), abs=1e-12)
+        for v in (2, 3):
+            il = simulate(
+                schedule="interleaved", num_microbatches=m, fwd=[v] * p, bwd=[v] * p, wgt=[v] * p, num_chunks=v
+            )
+            assert _idle_per_compute(il) == pytest.approx((p - 1) / (v * m), abs=1e-12)
     # ZB-V (m >= 2p - 1): only the fill of the first forward, p - 1 chunk slots against 6m
     if m >= 2 * p - 1:
         zbv = _unit("zb-v", p, m)
