@@ -16,6 +16,16 @@
 # Each step prints its tail and writes LOG_DIR/<step>.log (nothing else goes there); the run and
 # the align reports land in WORK_DIR (default LOG_DIR). Exit status: the worst step's.
 set -u
+python3 - <<'PY' || exit 2
+import sys
+
+import jax
+
+try:
+    print(jax.__version__, jax.devices("cuda"))
+except RuntimeError as e:
+    sys.exit(f"gpu_check: no cuda backend here ({str(e).splitlines()[0]}); run it on a host with an NVIDIA GPU")
+PY
 OUT=${1:-runs/gpu_check}
 WORK=${2:-$OUT}
 mkdir -p "$OUT" "$WORK"
@@ -31,7 +41,6 @@ step() { # name, timeout seconds, command...
   [ $code -gt $worst ] && worst=$code
   return 0
 }
-python3 -c "import jax; print(jax.__version__, jax.devices('cuda'))" || exit 2
 kind=$(python3 -c "import jax; print(jax.devices('cuda')[0].device_kind.split()[-1])")
 chip="cuda:$kind"
 
