@@ -27,6 +27,13 @@ Every multi-process channel routes per device (:mod:`h2jax.comm._routing`): each
 the resharding pattern goes straight to the rank that owns its destination device, and the
 destination all-gathers over its ``tensor`` axis. A channel may be given ``record``, a
 callback ``record(kind, microbatch, start, end, **extra)`` for the timeline.
+
+Stages of several layer chunks (interleaved, zb-v): the pipeline is read as one of model
+*positions* (a chunk each): a channel serves one position, its link names the plan stage
+of every position (``StageLink.stages``), and a boundary to a position on the same stage
+is no channel's business -- the runner hands that tensor over itself, without a transfer.
+Boundaries joining the same two stages carry their chunk's lane in their tags
+(:mod:`h2jax.comm._routing`).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from h2jax.comm._routing import BWD, FWD, Boundary, RoutingUnsupported, lin, tag, tag_base
+from h2jax.comm._routing import BWD, FWD, TAG_SPACE, Boundary, RoutingUnsupported, lane_offset, lin, tag, tag_base
 from h2jax.config._load import MULTIPROCESS_TRANSPORTS as PROCESS_TRANSPORTS  # one definition, in config
 from h2jax.config._load import TRANSPORTS
 
@@ -70,6 +77,10 @@ class StageLink:
     ``boundaries[b]`` is the tensor between stage b and b+1 (shape and dtype; its gradient
     has the same). ``ranks[s]`` lists the world rank owning each device of stage s
     (row-major over (data, tensor)); None in one process.
+
+    With layer chunks every index above is a model position (``stage_idx`` the one this
+    channel serves), ``stages[q]`` the plan stage holding position q and ``chunks[q]`` its
+    chunk there (None: one chunk per stage, positions are stages).
     """
 
     stage_idx: int
@@ -78,6 +89,29 @@ class StageLink:
     sharding: Any  # this stage's activation sharding, P("data") on its mesh
     boundaries: tuple[jax.ShapeDtypeStruct, ...]
     ranks: tuple[tuple[int, ...], ...] | None = None
+    stages: tuple[int, ...] | None = None
+    chunks: tuple[int, ...] | None = None
+
+    def stage(self, position: int) -> int:
+        """The plan stage holding ``position``."""
+        return self.stages[position] if self.stages is not None else position
+
+    def crosses(self, direction: int, sending: bool) -> bool:
+        """Whether this boundary exists and leads to another stage (a transfer): False at
+        either end of the model and between two chunks of one stage."""
+        other = self.neighbour(direction, sending)
+        return 0 <= other < self.num_stages and self.stage(other) != self.stage(self.stage_idx)
+
+    @property
+    def lanes(self) -> int:
+        return max(self.chunks) + 1 if self.chunks else 1
+
+    def lane(self, direction: int, sending: bool) -> int:
+        """The tag lane of this boundary: the chunk of its lower position."""
+        return self.chunks[min(self.stage_idx, self.neighbour(direction, sending))] if self.chunks else 0
+
+    def tag_base(self, microbatch: int, direction: int, sending: bool) -> int:
+        return (tag_base(microbatch, direction, self.lanes) + lane_offset(self.lane(direction, sending))) % TAG_SPACE
 
     @property
     def num_stages(self) -> int:
@@ -160,6 +194,7 @@ class LocalHub:
         self.error: BaseException | None = None
         self._shardings: dict[int, Any] = {}
         self._chips: dict[int, str] = {}
+        self._stage_of: dict[int, int] = {}  # position -> plan stage, for the records
         self._inbox = {(s, d): _Mailbox(self) for s in range(num_stages) for d in (FWD, BWD)}
         self._queues = {(b, d): queue.Queue() for b in range(num_stages - 1) for d in (FWD, BWD)}
         self.channels: dict[int, LocalChannel] = {}
@@ -172,7 +207,10 @@ class LocalHub:
 
     def channel(self, link: StageLink, *, chip: str = "") -> LocalChannel:
         s = link.stage_idx
+        if s >= self.num_stages:
+            raise ValueError(f"LocalHub({self.num_stages}) has no position {s} (one per model position)")
         self._shardings[s], self._chips[s] = link.sharding, chip
+        self._stage_of[s] = link.stage(s)
         self.channels[s] = ch = LocalChannel(self, s)
         return ch
 
@@ -221,7 +259,7 @@ class LocalHub:
                 for stage, kind, peer in ((src, "send", dst), (dst, "recv", src)):
                     ch = self.channels.get(stage)
                     if ch is not None and ch.record is not None:
-                        ch.record(kind, m, t0, t1, peer=peer, **extra)
+                        ch.record(kind, m, t0, t1, peer=self._stage_of.get(peer, peer), **extra)
                 self._inbox[(dst, direction)].put(m, y)
             except PipelineAborted:
                 continue
@@ -275,8 +313,8 @@ class PeerChannel:
         s, n = link.stage_idx, link.num_stages
         for direction in (FWD, BWD):
             for sending in (True, False):
-                other = link.neighbour(direction, sending)
-                if 0 <= other < n:
+                if link.crosses(direction, sending):
+                    other = link.neighbour(direction, sending)
                     b = link.boundary(direction, sending)
                     b.check()
                     self._routes[(direction, sending)] = (b, b.pattern(), link.ranks[other])
@@ -291,7 +329,7 @@ class PeerChannel:
 
     def send(self, direction: int, microbatch: int, x: jax.Array, *, ready: threading.Event | None = None) -> None:
         b, pattern, peers = self._routes[(direction, True)]
-        base = tag_base(microbatch, direction)
+        base = self.link.tag_base(microbatch, direction, True)
         t0 = time.perf_counter()
         shards = {self.coord[sh.device]: sh for sh in x.addressable_shards}
         for t_idx, t in enumerate(pattern):
@@ -307,7 +345,7 @@ class PeerChannel:
                 microbatch,
                 t0,
                 time.perf_counter(),
-                peer=self.link.neighbour(direction, True),
+                peer=self.link.stage(self.link.neighbour(direction, True)),
                 phase="FB"[direction],
                 transport=self.transport,
                 bytes=int(x.nbytes),
@@ -317,7 +355,7 @@ class PeerChannel:
         import jax.numpy as jnp
 
         b, pattern, peers = self._routes[(direction, False)]
-        base = tag_base(microbatch, direction)
+        base = self.link.tag_base(microbatch, direction, False)
         t0 = time.perf_counter()
         full = tuple(b.shape)
         split = pattern[0].index[-1] != (0, full[-1])  # 1/tp pieces, all-gathered below
@@ -346,7 +384,7 @@ class PeerChannel:
                 microbatch,
                 t0,
                 time.perf_counter(),
-                peer=self.link.neighbour(direction, False),
+                peer=self.link.stage(self.link.neighbour(direction, False)),
                 phase="FB"[direction],
                 transport=self.transport,
                 bytes=int(y.nbytes),
@@ -380,8 +418,8 @@ class FfiChannel:
         self._b: dict[tuple[int, bool], tuple[Boundary, Any]] = {}
         for direction in (FWD, BWD):
             for sending in (True, False):
-                other = link.neighbour(direction, sending)
-                if 0 <= other < link.num_stages:
+                if link.crosses(direction, sending):
+                    other = link.neighbour(direction, sending)
                     b = link.boundary(direction, sending)
                     b.check()
                     b.piece_shape()  # raises RoutingUnsupported for uneven pieces
@@ -398,6 +436,7 @@ class FfiChannel:
 
         b, peer = self._b[(direction, False)]
         dtype = self.link.boundaries[min(self.link.stage_idx, self.link.neighbour(direction, False))].dtype
+        base = base + lane_offset(self.link.lane(direction, False))  # the program's base is lane 0's
         return recv_boundary(
             self.link.mesh, b, dtype, peer=peer, tag_base=base, comm=self.comm, timeout_s=self.timeout_s
         )
@@ -406,6 +445,7 @@ class FfiChannel:
         from h2jax.comm._inprogram import send_boundary
 
         b, peer = self._b[(direction, True)]
+        base = base + lane_offset(self.link.lane(direction, True))
         return send_boundary(y, self.link.mesh, b, peer=peer, tag_base=base, comm=self.comm, timeout_s=self.timeout_s)
 
     def recv(self, direction: int, microbatch: int) -> None:
@@ -434,9 +474,13 @@ def make_channel(
     hub: LocalHub | None = None,
     chip: str = "",
     timeout_s: float = 60.0,
+    dup: bool = True,
 ) -> Channel:
-    """The channel of one stage for ``train.transport`` (collective over ``comm`` for the
-    multi-process transports: every rank builds its channel at the same point)."""
+    """The channel of one stage (or model position) for ``train.transport`` (collective over
+    ``comm`` for the multi-process transports: every rank builds its channel at the same
+    point). ``ffi`` talks over a duplicate of ``comm`` (``dup``) or, with ``dup=False``, over
+    ``comm`` itself: the chunks of one stage share one duplicate (made once per rank), so
+    that a chunk's messages meet its neighbour chunk's, whatever their chunk indices."""
     if transport == "local":
         if hub is None:
             raise ValueError("the local transport needs the process's LocalHub")
@@ -449,7 +493,7 @@ def make_channel(
             "(mpirun/srun) and an MPI communicator"
         )
     if transport == "ffi":
-        return FfiChannel(link, comm.Dup(), timeout_s=timeout_s)
+        return FfiChannel(link, comm.Dup() if dup else comm, timeout_s=timeout_s)
     from h2jax.comm._host import HostTransport
     from h2jax.comm._peer import FfiTransport
 
@@ -465,7 +509,11 @@ def stage_links(
     mesh: Any,
     sharding: Any,
     ranks: Sequence[Sequence[int]] | None = None,
+    stages: Sequence[int] | None = None,
+    chunks: Sequence[int] | None = None,
 ) -> StageLink:
+    """The link of stage (or, with ``stages``/``chunks``, model position) ``stage_idx``
+    (:class:`StageLink`)."""
     return StageLink(
         stage_idx,
         tuple(tuple(m) for m in mesh_shapes),
@@ -473,4 +521,6 @@ def stage_links(
         sharding,
         tuple(boundaries),
         None if ranks is None else tuple(tuple(int(r) for r in rr) for rr in ranks),
+        None if stages is None else tuple(int(s) for s in stages),
+        None if chunks is None else tuple(int(c) for c in chunks),
     )

@@ -7,10 +7,14 @@ element crosses the link once, in ``1/tp`` pieces of the hidden dim, and the des
 all-gathers them over its own ``tensor`` axis. This module turns that pattern into
 per-device tables (the in-program FFI path) and per-shard sends (the staged paths).
 
-Tags (one scheme for every multi-process channel): a (microbatch, direction) owns
+Tags (one scheme for every multi-process channel): a (microbatch, direction, lane) owns
 ``TAGS_PER_TRANSFER`` consecutive tags, one per piece of the pattern, modulo the smallest
-tag bound MPI guarantees. MPI keeps the messages of one (source, tag, communicator) in
-order, so tags may repeat across steps.
+tag bound MPI guarantees. The lane tells apart the boundaries that join the same two
+stages in the same direction when stages hold several layer chunks (interleaved: chunk 0's
+boundary 0 -> 1 and chunk 1's boundary p -> p+1 both go stage 0 -> stage 1): it is the
+chunk of the boundary's lower model position, one of ``lanes`` (the plan's chunks per
+stage; 1 and lane 0 for one-chunk plans, whose tags are those of one lane). MPI keeps the
+messages of one (source, tag, communicator) in order, so tags may repeat across steps.
 """
 
 from __future__ import annotations
@@ -28,9 +32,15 @@ TAG_SPACE = 32768  # MPI guarantees at least this many tags
 TAGS_PER_TRANSFER = 64  # tags reserved per (microbatch, direction): >= pieces of one boundary
 
 
-def tag_base(microbatch: int, direction: int) -> int:
-    """The first tag of ``microbatch``'s transfer in ``direction``; piece k uses base + k."""
-    return ((2 * microbatch + direction) * TAGS_PER_TRANSFER) % TAG_SPACE
+def tag_base(microbatch: int, direction: int, lanes: int = 1) -> int:
+    """The first tag of ``microbatch``'s transfer in ``direction`` on lane 0 of ``lanes``;
+    lane l adds :func:`lane_offset` (l), piece k adds k."""
+    return ((2 * microbatch + direction) * lanes * TAGS_PER_TRANSFER) % TAG_SPACE
+
+
+def lane_offset(lane: int) -> int:
+    """What lane ``lane`` adds to a :func:`tag_base` (module docstring)."""
+    return lane * TAGS_PER_TRANSFER
 
 
 def tag(base: Any, piece: Any) -> Any:

@@ -252,10 +252,14 @@ class StageGroup:
         where = (
             f"{self.group_size} processes, backend {self.backend}" if self.group_size > 1 else f"backend {self.backend}"
         )
-        return (
-            f"stage {self.stage_idx} · {sp.chip} ({sp.data}x{sp.tensor}) layers {sp.layers[0]}-{sp.layers[1] - 1}"
-            f" [{where}]"
-        )
+        return f"{stage_label(self.stage_idx, sp)} [{where}]"
+
+
+def stage_label(stage_idx: int, spec: Any) -> str:
+    """How the timeline, the Gantt chart and messages name a stage: its chip, mesh and layers
+    (each chunk's range, for a stage of several)."""
+    layers = ", ".join(f"{a}-{b - 1}" for a, b in spec.layer_chunks)
+    return f"stage {stage_idx} · {spec.chip} ({spec.data}x{spec.tensor}) layers {layers}"
 
 
 # -- arrays that span the stage's processes -------------------------------------------------------

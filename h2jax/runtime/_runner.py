@@ -10,6 +10,11 @@ never waits for a device result it does not need: dispatch is
 asynchronous, and only a receive blocks (for the peer's tensor). Optional watcher threads
 wait for each program's output to record when the work ran; they never hold up dispatch.
 
+A stage of several layer chunks (interleaved, zb-v) has one program and one channel per
+chunk; each task names its chunk. A boundary between two chunks of this stage (zb-v's turn
+of the V) is handed over in a dict, without a transfer; the events of a chunked stage carry
+``chunk``.
+
 In one process the trainer runs one runner per stage on threads (:func:`run_stages`);
 under mpirun each rank runs its own stage's runner on its main thread.
 """
@@ -97,27 +102,44 @@ class StageRunner:
 
     def __init__(
         self,
-        program: StageProgram,
-        channel: Channel,
+        program: StageProgram | Sequence[StageProgram],
+        channel: Channel | Sequence[Channel],
         tasks: Sequence[Task],
         *,
         dloss: Any,
         timeline: Timeline | None = None,
         record: bool = True,
     ):
-        self.program, self.channel, self.tasks = program, channel, list(tasks)
-        self.dloss = dloss  # d(mean over microbatches)/d(one microbatch's loss), on the last stage
+        # one program and one channel per chunk of the stage, in chunk order
+        self.programs = [program] if isinstance(program, StageProgram) else list(program)
+        self.channels = list(channel) if isinstance(channel, Sequence) else [channel]
+        if len(self.channels) != len(self.programs):
+            raise ValueError(f"{len(self.programs)} programs but {len(self.channels)} channels")
+        self.program, self.channel, self.tasks = self.programs[0], self.channels[0], list(tasks)
+        self.stage_idx = self.program.stage_idx
+        self.chunked = len(self.programs) > 1
+        bad = sorted({t.chunk for t in self.tasks} - set(range(len(self.programs))))
+        if bad:
+            raise ValueError(f"stage {self.stage_idx}: tasks of chunks {bad}, the stage has {len(self.programs)}")
+        self.dloss = dloss  # d(mean over microbatches)/d(one microbatch's loss), on the last position's stage
         self.timeline = timeline if record else None
-        self.watcher = Watcher(timeline, program.stage_idx, program.spec.chip) if self.timeline is not None else None
+        self.watcher = Watcher(timeline, self.stage_idx, self.program.spec.chip) if self.timeline is not None else None
         self.step = 0
         self.split = any(t.kind == WEIGHT for t in self.tasks)
         if self.timeline is not None:
-            channel.record = self._record_transfer
+            for c, ch in enumerate(self.channels):
+                ch.record = self._recorder(c)
+
+    def _recorder(self, chunk: int) -> Any:
+        extra = {"chunk": chunk} if self.chunked else {}
+        return lambda kind, microbatch, start, end, **kw: self._record_transfer(
+            kind, microbatch, start, end, **extra, **kw
+        )
 
     def _record_transfer(self, kind: str, microbatch: int, start: float, end: float, **extra: Any) -> None:
         self.timeline.add(
             kind,
-            stage=self.program.stage_idx,
+            stage=self.stage_idx,
             step=self.step,
             microbatch=microbatch,
             start=start,
@@ -129,46 +151,67 @@ class StageRunner:
     def run_step(self, step: int, tokens: Sequence[Any] | None, targets: Sequence[Any] | None) -> list[Any]:
         """Dispatch every task of ``step``; returns the microbatch losses (last stage) as device
         scalars. ``tokens`` on the first stage, ``targets`` on the last, else None."""
-        st, ch = self.program, self.channel
         self.step = step
-        saved: dict[int, Any] = {}
-        kept: dict[int, Any] = {}  # B's hand-over to W, split schedules
+        saved: dict[tuple[int, int], Any] = {}  # (chunk, microbatch) -> what its backward needs
+        kept: dict[tuple[int, int], Any] = {}  # B's hand-over to W, split schedules
+        handed: dict[tuple[int, int, int], Any] = {}  # (direction, position, microbatch): same-stage boundary
         part = {"part": BACKWARD} if self.split else {}
         losses: list[Any] = []
-        task = None
+        task = st = None
         try:
             for task in self.tasks:
-                m = task.microbatch
-                if task.kind == "F":
-                    x = tokens[m] if st.first else ch.recv(FWD, m)
+                m, c = task.microbatch, task.chunk
+                st, ch = self.programs[c], self.channels[c]
+                q = st.position
+                tgt = targets[m] if st.last else None
+                chunk = {"chunk": c} if self.chunked else {}
+                if task.kind == FORWARD:
+                    if st.first:
+                        x = tokens[m]
+                    elif st.local_in:
+                        x = handed.pop((FWD, q, m))
+                    else:
+                        x = ch.recv(FWD, m)
                     t0 = time.perf_counter()
-                    y, saved[m] = st.forward(m, x, targets[m] if st.last else None, split=self.split, step=step)
-                    ready = self.watcher.watch("fwd", step, m, t0, y) if self.watcher else None
+                    y, saved[(c, m)] = st.forward(m, x, tgt, split=self.split, step=step)
+                    ready = self.watcher.watch("fwd", step, m, t0, y, **chunk) if self.watcher else None
                     if st.last:
                         losses.append(y)
+                    elif st.local_out:
+                        handed[(FWD, q + 1, m)] = y
                     else:
                         ch.send(FWD, m, y, ready=ready)
                 elif task.kind == BACKWARD:
-                    dy = self.dloss if st.last else ch.recv(BWD, m)
+                    if st.last:
+                        dy = self.dloss
+                    elif st.local_out:
+                        dy = handed.pop((BWD, q, m))
+                    else:
+                        dy = ch.recv(BWD, m)
                     t0 = time.perf_counter()
                     if self.split:
-                        dx, kept[m] = st.input_backward(m, saved.pop(m), targets[m] if st.last else None, dy, step=step)
+                        dx, kept[(c, m)] = st.input_backward(m, saved.pop((c, m)), tgt, dy, step=step)
                     else:
-                        dx = st.backward(m, saved.pop(m), targets[m] if st.last else None, dy, step=step)
-                    ready = self.watcher.watch("bwd", step, m, t0, dx, **part) if self.watcher else None
-                    if not st.first:
+                        dx = st.backward(m, saved.pop((c, m)), tgt, dy, step=step)
+                    ready = self.watcher.watch("bwd", step, m, t0, dx, **part, **chunk) if self.watcher else None
+                    if st.local_in:
+                        handed[(BWD, q - 1, m)] = dx
+                    elif not st.first:
                         ch.send(BWD, m, dx, ready=ready)
                 else:  # WEIGHT
                     t0 = time.perf_counter()
-                    done = st.weight_backward(m, kept.pop(m))
+                    done = st.weight_backward(m, kept.pop((c, m)))
                     if self.watcher:
-                        self.watcher.watch("bwd", step, m, t0, done, part=WEIGHT)
-            ch.flush()  # every send of this step has left
+                        self.watcher.watch("bwd", step, m, t0, done, part=WEIGHT, **chunk)
+            for ch in self.channels:
+                ch.flush()  # every send of this step has left
         except (PipelineAborted, StageFailure, TransferFailure):
             raise
         except BaseException as e:
             kind = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight gradient"}[task.kind if task else FORWARD]
-            raise StageFailure(st.stage_idx, step, f"{kind} of microbatch {getattr(task, 'microbatch', '?')}", e) from e
+            of = f" of chunk {task.chunk}" if task is not None and self.chunked else ""
+            what = f"{kind}{of} of microbatch {getattr(task, 'microbatch', '?')}"
+            raise StageFailure(self.stage_idx, step, what, e) from e
         return losses
 
     def drain(self) -> None:
@@ -178,7 +221,8 @@ class StageRunner:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
-        self.channel.close()
+        for ch in self.channels:
+            ch.close()
 
 
 def run_stages(runners: Sequence[StageRunner], step: int, tokens: Any, targets: Any, *, hub: Any = None) -> list[Any]:
@@ -194,9 +238,9 @@ def run_stages(runners: Sequence[StageRunner], step: int, tokens: Any, targets: 
     lock = threading.Lock()
 
     def work(r: StageRunner) -> None:
-        st = r.program
+        first, last = any(st.first for st in r.programs), any(st.last for st in r.programs)
         try:
-            results[st.stage_idx] = r.run_step(step, tokens if st.first else None, targets if st.last else None)
+            results[r.stage_idx] = r.run_step(step, tokens if first else None, targets if last else None)
         except PipelineAborted:
             pass
         except BaseException as e:  # noqa: BLE001 -- re-raised below
@@ -206,8 +250,7 @@ def run_stages(runners: Sequence[StageRunner], step: int, tokens: Any, targets: 
                 hub.abort()
 
     threads = [
-        threading.Thread(target=work, args=(r,), name=f"h2jax-stage-{r.program.stage_idx}", daemon=True)
-        for r in runners
+        threading.Thread(target=work, args=(r,), name=f"h2jax-stage-{r.stage_idx}", daemon=True) for r in runners
     ]
     for t in threads:
         t.start()
@@ -220,4 +263,5 @@ def run_stages(runners: Sequence[StageRunner], step: int, tokens: Any, targets: 
         if isinstance(e, TransferFailure):
             raise StageFailure(e.stage, step, e.what, e.cause) from e
         raise e
-    return results[runners[-1].program.stage_idx]
+    last = next(r for r in runners if any(st.last for st in r.programs))
+    return results[last.stage_idx]

@@ -24,6 +24,12 @@ backward (``h2jax.runtime._split`` explains the split and why it is exact):
 The forward and backward programs wrap those two functions; an in-program channel
 (``ffi``) adds its receive and send inside them.
 
+Layer chunks (interleaved, zb-v): a stage runs one StageProgram per chunk, each over its
+chunk's layers on the stage's mesh (``position``: the chunk's place in the model, which
+decides ``first`` and ``last``); each has its own gradient accumulator, optimizer state and
+update. A neighbour chunk on the same stage (``local_in`` / ``local_out``) hands its
+tensor over as a plain argument: no in-program transfer is traced on that side.
+
 Dropout: every function above takes a last argument ``rng``, uint32 [step, microbatch] (or
 None on a stage without dropout: its programs are exactly the dropout-free ones). The
 stage function runs inside ``h2jax.models._dropout.dropout_step(rng)``, where each dropout
@@ -133,8 +139,17 @@ class StageProgram:
         last: bool,
         label: str,
         numerics: Any = None,
+        position: int | None = None,
+        chunk: int = 0,
+        local_in: bool = False,
+        local_out: bool = False,
     ):
         self.stage_idx = stage_idx
+        self.position = stage_idx if position is None else position  # the chunk's place in the model
+        self.chunk = chunk
+        # the input comes from / the output goes to a chunk of this same stage: handed over, no transfer
+        self.local_in, self.local_out = local_in, local_out
+        self._lanes = 1  # tag lanes of the channel's boundaries (h2jax.comm._routing)
         # the chip type's numerics policy (h2jax.plan.NumericsPolicy): None or exact = as the host computes
         self.numerics = None if numerics is None or numerics.is_exact else numerics
         self.spec = spec
@@ -274,6 +289,9 @@ class StageProgram:
 
         inside = channel is not None and getattr(channel, "in_program", False)
         self._in_program = inside
+        self._lanes = channel.link.lanes if inside else 1
+        recv_in = not self.first and not self.local_in  # a transfer arrives (else: the tokens, or a hand-over)
+        send_out = not self.last and not self.local_out
         self._wgt = jax.jit(self.weight_grad_fn, donate_argnums=(2,))  # W never crosses a boundary
         if not inside:
             self._fwd = jax.jit(lambda p, x, t, base, r: self.forward_fn(p, x, t, r))
@@ -286,24 +304,24 @@ class StageProgram:
 
         def forward_program(forward_fn):
             def fwd(params, x, targets, base, rng):
-                if not self.first:
+                if recv_in:
                     x = channel.recv_in_program(FWD, base)
                 y, saved = forward_fn(params, x, targets, rng)
-                return (y if self.last else channel.send_in_program(FWD, y, base)), saved
+                return (channel.send_in_program(FWD, y, base) if send_out else y), saved
 
             return fwd
 
         def bwd(params, saved, targets, dy, acc, base, rng):
-            if not self.last:
+            if send_out:  # the output's gradient comes back over the same boundary
                 dy = channel.recv_in_program(BWD, base)
             acc, dx = self.backward_fn(params, saved, targets, dy, acc, rng)
-            return acc, (dx if self.first else channel.send_in_program(BWD, dx, base))
+            return acc, (channel.send_in_program(BWD, dx, base) if recv_in else dx)
 
         def bwd_in(params, saved, targets, dy, base, rng):
-            if not self.last:
+            if send_out:
                 dy = channel.recv_in_program(BWD, base)
             dx, kept = self.input_grad_fn(params, saved, targets, dy, rng)
-            return (dx if self.first else channel.send_in_program(BWD, dx, base)), kept
+            return (channel.send_in_program(BWD, dx, base) if recv_in else dx), kept
 
         self._fwd = jax.jit(forward_program(self.forward_fn))
         self._bwd = jax.jit(bwd, donate_argnums=(4,))
@@ -376,7 +394,7 @@ class StageProgram:
             return None
         from h2jax.comm import tag_base
 
-        return jnp.int32(tag_base(microbatch, direction))
+        return jnp.int32(tag_base(microbatch, direction, self._lanes))
 
     def zero_grads(self) -> None:
         """Drop the accumulated gradient (a skipped step) without an update."""

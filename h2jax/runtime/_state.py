@@ -109,7 +109,7 @@ def _naming(ties: Any) -> Any:
 def param_names(stage: StageProgram, spec: Any, ties: Any = None) -> list[tuple[str, bool]]:
     """(model path, owned) of every parameter leaf of ``stage``, in leaf order."""
     name = _naming(ties)
-    return [name(stage.stage_idx, to_model_key(key, spec)) for key in flatten(stage.params)]
+    return [name(stage.position, to_model_key(key, spec)) for key in flatten(stage.params)]
 
 
 def opt_names(stage: StageProgram, spec: Any, ties: Any = None) -> list[tuple[str, bool, bool]]:
@@ -121,7 +121,7 @@ def opt_names(stage: StageProgram, spec: Any, ties: Any = None) -> list[tuple[st
         if param is None:
             out.append((leaf_name, False, True))
             continue
-        path, owned = name(stage.stage_idx, param)
+        path, owned = name(stage.position, param)
         out.append((leaf_name[: len(leaf_name) - len(param)] + path, True, owned))
     return out
 

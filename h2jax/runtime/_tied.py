@@ -31,6 +31,12 @@ stage order, *owns* it; the others hold *mirrors*):
   stage holds every use, where there is nothing to tie.
 
 A skipped step (``train.nonfinite=skip``) updates no copy, so they stay equal.
+
+With layer chunks (interleaved, zb-v) the holders are model positions, i.e. chunk programs:
+``zb-v`` puts the embedding (position 0) and the head (the last position) on stage 0, so a
+tied table has two holders on one stage -- its two chunk programs, each with its own
+accumulator and optimizer state -- and the hand-overs between them stay on that stage's
+processes (:meth:`World.from_stage_to` from a stage to itself involves no other process).
 """
 
 from __future__ import annotations
@@ -71,23 +77,37 @@ def _replace(tree: Any, values: dict[int, Any]) -> Any:
 
 
 def _place(value: Any, like: jax.Array) -> jax.Array:
-    """``value`` (a device array of another mesh, or a host array) laid out as ``like``."""
+    """``value`` (a device array of another mesh, or a host array) laid out as ``like``, in a
+    buffer of its own: two chunks of one stage may hold the copies on the same devices, and
+    each update donates its own (an aliased buffer would be deleted under the other)."""
     if isinstance(value, np.ndarray):
         return global_array(value, like.sharding)
-    return jax.device_put(value, like.sharding)
+    return jax.device_put(value, like.sharding, may_alias=False)
 
 
 class TiedParams:
     """The tied parameters of a plan, for the stages of this process (module docstring).
 
     ``shared``: every parameter several stages hold (``h2jax.models.shared_parameters``);
-    ``stages``: this process's StageProgram objects; ``plan``: the whole plan."""
+    ``stages``: this process's StageProgram objects; ``plan``: the whole plan. With layer
+    chunks, "stage" below is a model position: ``plan`` is the plan read position by
+    position (one one-chunk spec each) and ``shared`` was found on it; ``stage_of`` maps a
+    position to its plan stage (the unit the world talks in)."""
 
-    def __init__(self, shared: Sequence[SharedParam], plan: Any, stages: Sequence[Any], world: World):
+    def __init__(
+        self,
+        shared: Sequence[SharedParam],
+        plan: Any,
+        stages: Sequence[Any],
+        world: World,
+        *,
+        stage_of: Sequence[int] | None = None,
+    ):
         self.shared = tuple(shared)
         self.world = world
-        self.local = {st.stage_idx: st for st in stages}
+        self.local = {st.position: st for st in stages}
         self._specs = plan.stages
+        self._stage_of = tuple(stage_of) if stage_of is not None else tuple(range(len(plan.stages)))
         # stage -> model key as that stage names the parameter -> (path in the whole model, owned)
         self._names: dict[int, dict[str, tuple[str, bool]]] = {}
         for sp in self.shared:
@@ -156,7 +176,7 @@ class TiedParams:
                     leaf = jax.tree.leaves(st.acc)[i]
                     share = self._host(leaf)
                     st.acc = _replace(st.acc, {i: self._program("times_zero", leaf)(leaf)})
-                got = self.world.from_stage_to(m, [owner], share)
+                got = self.world.from_stage_to(self._stage_of[m], [self._stage_of[owner]], share)
                 if owner in self.local:
                     st = self.local[owner]
                     i = self._param_index(sp, owner)
@@ -182,7 +202,7 @@ class TiedParams:
                         "moments": {prefix: opt[i] for prefix, i in moments.items()},
                     }
                 )
-            got = self.world.from_stage_to(owner, mirrors, sent)
+            got = self.world.from_stage_to(self._stage_of[owner], [self._stage_of[m] for m in mirrors], sent)
             for m in local_mirrors:
                 st = self.local[m]
                 i = self._param_index(sp, m)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -47,7 +48,7 @@ from h2jax.models import StageModule, boundary_shapes, build_model, check_stagea
 from h2jax.plan import get_schedule, stage_tasks
 from h2jax.runtime._layout import flatten
 from h2jax.runtime._metrics import METRICS_FILENAME, MetricsLogger, read_metrics
-from h2jax.runtime._procgroup import fetch, global_array, local_value
+from h2jax.runtime._procgroup import fetch, global_array, local_value, stage_label
 from h2jax.runtime._runner import StageFailure, StageRunner, run_stages
 from h2jax.runtime._stage import StageMemory, StageProgram, check_params_only
 from h2jax.runtime._state import (
@@ -58,7 +59,6 @@ from h2jax.runtime._state import (
     clip_scale,
     data_position,
     load_state_by_layer,
-    local_plan,
     make_optimizer,
     nonfinite_error,
     poison,
@@ -108,10 +108,6 @@ class Trainer:
             _check_model(model, cfg)
         self.cfg = cfg
         plan = cfg.plan
-        if plan.num_chunks > 1 or plan.schedule in ("interleaved", "zb-v"):
-            raise ConfigError(
-                "plan.schedule", f"schedule={plan.schedule!r}: the runtime does not run chunked plans yet"
-            )
         self.console = console or Console(stderr=True)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
         self.world = world if world is not None else make_world(cfg, fail_fast=fail_fast)
@@ -151,17 +147,20 @@ class Trainer:
             model = model()
             _check_model(model, cfg)
         self.model = model
-        shared = shared_parameters(model, plan)  # e.g. a head tied to the embedding: trained as one (_tied)
+        # the pipeline of model positions: one chunk each (a stage per position unless the schedule is chunked)
+        positions = plan.positions()
+        n_pos = len(positions)
+        chunked = n_pos > plan.num_stages or plan.num_chunks > 1
+        stage_of = [s for s, _ in positions]
+        by_position = SimpleNamespace(num_stages=n_pos, stages=plan.position_specs())
+        shared = shared_parameters(model, by_position)  # e.g. a head tied to the embedding: trained as one (_tied)
         check_tieable(shared)
         n = plan.num_stages
         mb = plan.microbatch_size
-        self.boundaries = boundary_shapes(model, plan, (mb, cfg.model.seq_len))
+        self.boundaries = boundary_shapes(model, by_position, (mb, cfg.model.seq_len))  # between positions
         self.tx, self.lr_schedule = make_optimizer(cfg)
         self.local = w.local_stages
-        self.labels = [
-            f"stage {i} · {st.chip} ({st.data}x{st.tensor}) layers {st.layers[0]}-{st.layers[1] - 1}"
-            for i, st in enumerate(plan.stages)
-        ]
+        self.labels = [stage_label(i, st) for i, st in enumerate(plan.stages)]
         if group is not None:
             meshes = {group.stage_idx: group.mesh}
             self.backends = {group.stage_idx: group.backend}
@@ -183,10 +182,14 @@ class Trainer:
                     f"compute_dtype={dtype!r} differs from model.dtype={cfg.model.dtype!r}; the runtime computes every "
                     "stage in model.dtype (a per-chip compute dtype is measured by h2jax align only)",
                 )
+        # one program per (local stage, chunk), in stage then chunk order
         self.stages: list[StageProgram] = []
-        for s in self.local:
-            spec = plan.stages[s]
-            module = StageModule(model, layers=spec.layers, first=s == 0, last=s == n - 1)
+        for q, (s, c) in sorted(enumerate(positions), key=lambda item: item[1]):
+            if s not in self.local:
+                continue
+            spec = plan.stages[s].chunk_spec(c)
+            first, last = q == 0, q == n_pos - 1
+            module = StageModule(model, layers=spec.layers, first=first, last=last)
             self.stages.append(
                 StageProgram(
                     s,
@@ -194,42 +197,59 @@ class Trainer:
                     meshes[s],
                     module,
                     self.tx,
-                    first=s == 0,
-                    last=s == n - 1,
+                    first=first,
+                    last=last,
                     label=self.labels[s],
                     numerics=cfg.cluster.chips[spec.chip].numerics,
+                    position=q,
+                    chunk=c,
+                    local_in=q > 0 and stage_of[q - 1] == s,
+                    local_out=q < n_pos - 1 and stage_of[q + 1] == s,
                 )
             )
-        self.tied = TiedParams(shared, plan, self.stages, w)
-        self._lp = local_plan(plan, self.local)  # this process's stages, for naming their trees by model path
-        self.schedule = get_schedule(plan.schedule, n, plan.num_microbatches)
+        self.tied = TiedParams(shared, by_position, self.stages, w, stage_of=stage_of)
+        # this process's programs with their one-chunk specs, for naming their trees by model path
+        self._lp = SimpleNamespace(stages=tuple(st.spec for st in self.stages))
+        self.schedule = get_schedule(
+            plan.schedule, n, plan.num_microbatches, num_chunks=plan.num_chunks if chunked else None
+        )
         grid = self.schedule.tasks()
         # one time origin for every process's events (perf_counter is the host's monotonic clock)
         t0 = w.from_stage(0, time.perf_counter()) if w.multiprocess else None
         self.timeline = Timeline(stage_labels=self.labels, t0=t0) if cfg.train.timeline else None
         self.hub = hub
         if transport == "local" and self.hub is None:
-            self.hub = LocalHub(n)
+            self.hub = LocalHub(n_pos)
         self._own_hub = hub is None
-        mesh_shapes = [(st.data, st.tensor) for st in plan.stages]
+        mesh_shapes = [(plan.stages[s].data, plan.stages[s].tensor) for s in stage_of]  # per position
         comm = getattr(w, "comm", None)
+        dup = True
+        if chunked and transport == "ffi" and comm is not None:
+            comm, dup = comm.Dup(), False  # one communicator for the chunks of a stage (make_channel)
         record = group is None or group.is_leader  # a stage over several processes records once
         self.runners: list[StageRunner] = []
-        for st in self.stages:
-            link = stage_links(
-                mesh_shapes,
-                self.boundaries,
-                stage_idx=st.stage_idx,
-                mesh=st.mesh,
-                sharding=st.act_sharding,
-                ranks=ranks,
-            )
-            channel = self._channel(transport, link, comm, st.spec.chip)
-            st.build(channel)
-            dloss = global_array(np.float32(1.0 / plan.num_microbatches), st.scalar_sharding) if st.last else None
+        for s in self.local:
+            programs = [st for st in self.stages if st.stage_idx == s]
+            channels = []
+            for st in programs:
+                link = stage_links(
+                    mesh_shapes,
+                    self.boundaries,
+                    stage_idx=st.position,
+                    mesh=st.mesh,
+                    sharding=st.act_sharding,
+                    ranks=None if ranks is None else [ranks[t] for t in stage_of],
+                    stages=stage_of if chunked else None,
+                    chunks=[c for _, c in positions] if chunked else None,
+                )
+                channel = self._channel(transport, link, comm, st.spec.chip, dup=dup)
+                st.build(channel)
+                channels.append(channel)
+            last = next((st for st in programs if st.last), None)
+            dloss = global_array(np.float32(1.0 / plan.num_microbatches), last.scalar_sharding) if last else None
             self.runners.append(
                 StageRunner(
-                    st, channel, stage_tasks(grid, st.stage_idx), dloss=dloss, timeline=self.timeline, record=record
+                    programs, channels, stage_tasks(grid, s), dloss=dloss, timeline=self.timeline, record=record
                 )
             )
         self.tokens_per_step = plan.global_batch * cfg.model.seq_len
@@ -244,12 +264,18 @@ class Trainer:
         if cfg.train.memory_check:
             self.memory = w.all(self.check_memory, "config error")
 
-    def _channel(self, transport: str, link: Any, comm: Any, chip: str) -> Any:
+    def _channel(self, transport: str, link: Any, comm: Any, chip: str, *, dup: bool = True) -> Any:
         from h2jax.comm import RoutingUnsupported
 
         try:
             return make_channel(
-                transport, link, comm=comm, hub=self.hub, chip=chip, timeout_s=self.cfg.train.transfer_timeout_s
+                transport,
+                link,
+                comm=comm,
+                hub=self.hub,
+                chip=chip,
+                timeout_s=self.cfg.train.transfer_timeout_s,
+                dup=dup,
             )
         except RoutingUnsupported as e:
             raise ConfigError("train.transport", f"{transport!r} cannot carry this plan's boundaries: {e}") from e
@@ -271,27 +297,46 @@ class Trainer:
 
     # -- memory --------------------------------------------------------------------------------
     def check_memory(self) -> list[StageMemory]:
-        """Per-device memory of this process's stages against their chips' declared memory."""
+        """Per-device memory of this process's stages (one per runner, in stage order) against
+        their chips' declared memory. A stage of several chunks holds every chunk's parameters,
+        gradients and optimizer state, and at its peak the activations the schedule's order of
+        its tasks keeps alive (:func:`chunk_activation_peak`)."""
         in_flight = self.schedule.max_in_flight()
         mb, seq = self.cfg.plan.microbatch_size, self.cfg.model.seq_len
         out, over = [], []
-        for st in self.stages:
-            s = st.stage_idx
-            like = jax.ShapeDtypeStruct((mb, seq), jnp.int32) if st.first else self.boundaries[s - 1]
-            x = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=st.act_sharding)
-            t = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding) if st.last else None
-            mem = st.memory(x, t, in_flight=in_flight[s])
+        for runner in self.runners:
+            s = runner.stage_idx
+            mems = []
+            for st in runner.programs:
+                like = jax.ShapeDtypeStruct((mb, seq), jnp.int32) if st.first else self.boundaries[st.position - 1]
+                x = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=st.act_sharding)
+                t = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding) if st.last else None
+                mems.append(st.memory(x, t, in_flight=1 if runner.chunked else in_flight[s]))
+            if runner.chunked:
+                peak, count = chunk_activation_peak(
+                    self.schedule.stage_ops(s), [m.activations for m in mems], split=runner.split
+                )
+                mem = StageMemory(
+                    params=sum(m.params for m in mems),
+                    grads=sum(m.grads for m in mems),
+                    opt_state=sum(m.opt_state for m in mems),
+                    activations=peak,
+                    workspace=max(m.workspace for m in mems),
+                )
+                held = f"{count} in-flight (chunk, microbatch) activations at the peak"
+            else:
+                mem, held = mems[0], f"activations of {in_flight[s]} in-flight microbatches"
             out.append(mem)
-            limit = self.cfg.cluster.chips[st.spec.chip].memory_gib * GIB
+            chip = runner.program.spec.chip
+            limit = self.cfg.cluster.chips[chip].memory_gib * GIB
             if mem.total > limit:
                 b = format_bytes
                 over.append(
                     (
                         f"plan.stages[{s}]",
                         f"needs {b(mem.total)} per device (params {b(mem.params)}, grads {b(mem.grads)}, optimizer "
-                        f"{b(mem.opt_state)}, activations of {in_flight[s]} in-flight microbatches "
-                        f"{b(mem.activations)}, workspace {b(mem.workspace)}); chip {st.spec.chip} has {b(limit)} "
-                        "(try recompute: true, more microbatches, or a larger tensor degree)",
+                        f"{b(mem.opt_state)}, {held} {b(mem.activations)}, workspace {b(mem.workspace)}); chip "
+                        f"{chip} has {b(limit)} (try recompute: true, more microbatches, or a larger tensor degree)",
                     )
                 )
         if over:  # every stage that does not fit, in stage order (as the processes of a job report them)
@@ -317,8 +362,12 @@ class Trainer:
         return jnp.mean(jnp.stack(losses)) if losses else None
 
     def _grad_sqnorms(self) -> list[float]:
-        sq = {st.stage_idx: st.grad_sqnorm() for st in self.stages}  # dispatched on every stage first
-        return self.world.stage_values({s: float(local_value(x)) for s, x in sq.items()})
+        """Every stage's squared gradient norm (the sum over its chunks, in chunk order), in stage order."""
+        sq = [(st.stage_idx, st.grad_sqnorm()) for st in self.stages]  # dispatched on every program first
+        per_stage: dict[int, float] = {}
+        for s, x in sq:
+            per_stage[s] = per_stage.get(s, 0.0) + float(local_value(x))
+        return self.world.stage_values(per_stage)
 
     def finish_step(self) -> float:
         """Clip by the global gradient norm over all stages and update every stage; returns the
@@ -330,11 +379,13 @@ class Trainer:
 
     def _apply(self, grad_norm: float) -> None:
         scale = clip_scale(grad_norm, self.cfg.optimizer.clip_norm)
-        for st, runner in zip(self.stages, self.runners, strict=True):
-            t0 = time.perf_counter()
-            st.apply_update(scale)
-            if runner.watcher is not None:  # the timeline's `update` event: when the optimizer step ran
-                runner.watcher.watch("update", self.step, None, t0, st.params)
+        for runner in self.runners:
+            for st in runner.programs:  # every chunk's parameters
+                t0 = time.perf_counter()
+                st.apply_update(scale)
+                if runner.watcher is not None:  # the timeline's `update` event: when the optimizer step ran
+                    chunk = {"chunk": st.chunk} if runner.chunked else {}
+                    runner.watcher.watch("update", self.step, None, t0, st.params, **chunk)
         self.tied.sync()  # every copy of a tied parameter takes its owner's new value
 
     def train_step(self) -> StepStats:
@@ -562,7 +613,7 @@ class Trainer:
         if history:
             gstep = cfg.train.gantt_step if cfg.train.gantt_step >= 0 else history[-1].step
         events = self._step_events(None)
-        mem = w.allgather({st.stage_idx: m.total / GIB for st, m in zip(self.stages, self.memory or [])})
+        mem = w.allgather({r.stage_idx: m.total / GIB for r, m in zip(self.runners, self.memory or [])})
         memory = {s: g for d in mem for s, g in d.items()}
         backends = {s: b for d in w.allgather(self.backends) for s, b in d.items()}
         summary: dict[str, Any] = {
@@ -639,9 +690,7 @@ class Trainer:
     def state_by_layer(self) -> dict[str, jax.Array]:
         """Parameters and optimizer state of this process's stages by model path (the
         optimizer leaves every stage holds alike, from stage 0 only)."""
-        return stage_state_by_layer(
-            self.stages, local_plan(self.cfg.plan, self.local), stage_wide=0 in self.local, ties=self.tied
-        )
+        return stage_state_by_layer(self.stages, self._lp, stage_wide=0 in self.local, ties=self.tied)
 
     def save_checkpoint(self) -> None:
         """Start saving this process's part of checkpoint ``self.step`` (async if configured;
@@ -669,9 +718,7 @@ class Trainer:
         return plan["step"]
 
     def _model_keys(self) -> list[str]:
-        mine = sorted(
-            restore_targets(self.stages, local_plan(self.cfg.plan, self.local), params_only=False, ties=self.tied)
-        )
+        mine = sorted(restore_targets(self.stages, self._lp, params_only=False, ties=self.tied))
         return sorted(set().union(*self.world.allgather(mine)))
 
     def _lead_plan_read(self, directory: str | Path, step: int | None, *, params_only: bool) -> dict[str, Any]:
@@ -696,7 +743,7 @@ class Trainer:
         return self.world.lead(decide, "checkpoint error")
 
     def _read(self, plan: dict[str, Any]) -> None:
-        lp = local_plan(self.cfg.plan, self.local)
+        lp = self._lp
 
         def read() -> None:
             store = CheckpointStore(plan["dir"])
@@ -827,6 +874,23 @@ class Trainer:
             r.close()
         if self.hub is not None and self._own_hub:
             self.hub.close()
+
+
+def chunk_activation_peak(ops: Any, per_chunk: Any, *, split: bool) -> tuple[int, int]:
+    """(bytes, count) at the peak of the activations a stage of several chunks keeps, walking
+    its ops in order: chunk c's forward adds ``per_chunk[c]`` (one microbatch's), its last
+    backward task (W when ``split``, else B) frees it -- the schedule's in-flight count, each
+    entry weighed by its own chunk's size (chunks may be uneven)."""
+    freed_by = "W" if split else "B"
+    held = count = peak = peak_count = 0
+    for task in ops:
+        if task.kind == "F":
+            held, count = held + per_chunk[task.chunk], count + 1
+            if held > peak:
+                peak, peak_count = held, count
+        elif task.kind == freed_by:
+            held, count = held - per_chunk[task.chunk], count - 1
+    return peak, peak_count
 
 
 def _check_model(model: nnx.Module, cfg: ExperimentConfig) -> None:

@@ -7,6 +7,7 @@ stage s sits in the model (interleaved: c * p + s; zb-v: s, then 2p - 1 - s).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import yaml
 
@@ -165,3 +166,136 @@ def test_config_validation_names_the_key():
     bad = {**ZBV, "num_microbatches": 2, "global_batch": 4}
     with pytest.raises(ConfigError, match=r"plan.num_microbatches: zb-v: num_microbatches=2 < 2"):
         load_config(None, [*base, f"plan={yaml.safe_dump(bad, default_flow_style=True, width=1000).strip()}"])
+
+
+# -- pipeline == sequential ------------------------------------------------------------------
+# As tests/runtime/test_pipeline_equivalence.py checks gpipe and 1f1b (its docstring explains the
+# optimizer's eps=1e-3): the loss and every gradient of each step within 1e-5 of
+# ``jax.value_and_grad`` of the whole model, the parameters after 3 AdamW steps within 1e-5.
+
+
+def C(chip, chunks, data=1, tensor=1, recompute=False):
+    return {"chip": chip, "chunks": [list(c) for c in chunks], "data": data, "tensor": tensor, "recompute": recompute}
+
+
+# name -> (n_layers, schedule, stages, overrides)
+CHUNKED_PLANS = {
+    # 2 stages, v = 2, uneven chunks (2+1 | 1+2), 2x2 into 4x1, recompute on stage 1
+    "interleaved-2st-uneven-tp": (
+        6,
+        "interleaved",
+        [C("sim_a", [(0, 2), (3, 4)], 2, 2), C("sim_b", [(2, 3), (4, 6)], 4, 1, True)],
+        {},
+    ),
+    # 3 stages on two chip types (stage 2 on sim_a's second node), v = 2, the wrap 2 -> 0 twice; m = 6
+    "interleaved-3st": (
+        7,
+        "interleaved",
+        [
+            C("sim_a", [(0, 1), (3, 5)], 2, 1),
+            C("sim_b", [(1, 2), (5, 6)], 1, 2, True),
+            C("sim_a", [(2, 3), (6, 7)], 1, 2),
+        ],
+        {"plan.num_microbatches": 6, "plan.global_batch": 12},
+    ),
+    # 2 stages, v = 3, recompute on stage 0, data parallel stage 1
+    "interleaved-2st-v3": (
+        7,
+        "interleaved",
+        [C("sim_a", [(0, 1), (2, 4), (5, 6)], 1, 1, True), C("sim_b", [(1, 2), (4, 5), (6, 7)], 2, 1)],
+        {},
+    ),
+    # 2 stages, v = 2, recompute everywhere, tensor 4 into data 4
+    "interleaved-2st-recompute": (
+        4,
+        "interleaved",
+        [C("sim_b", [(0, 1), (2, 3)], 1, 4, True), C("sim_a", [(1, 2), (3, 4)], 4, 1, True)],
+        {},
+    ),
+    # 2 stages: stage 0 holds the embedding and the head; the turn of the V on stage 1 (no transfer)
+    "zb-v-2st-uneven-tp": (
+        6,
+        "zb-v",
+        [C("sim_a", [(0, 1), (4, 6)], 2, 2), C("sim_b", [(1, 3), (3, 4)], 1, 4, True)],
+        {},
+    ),
+    # 3 stages on two chip types, m = 6 >= 2p - 1, recompute on the turn
+    "zb-v-3st": (
+        7,
+        "zb-v",
+        [
+            C("sim_a", [(0, 1), (6, 7)], 1, 2),
+            C("sim_b", [(1, 2), (5, 6)], 2, 1),
+            C("sim_a", [(2, 4), (4, 5)], 2, 2, True),
+        ],
+        {"plan.num_microbatches": 6, "plan.global_batch": 12},
+    ),
+    # 2 stages, recompute everywhere, data 4 | tensor 2
+    "zb-v-2st-recompute": (
+        6,
+        "zb-v",
+        [C("sim_a", [(0, 2), (5, 6)], 4, 1, True), C("sim_b", [(2, 3), (3, 5)], 1, 2, True)],
+        {},
+    ),
+    # the head tied to the embedding table: both uses on stage 0, in its two chunk programs
+    "zb-v-2st-tied": (
+        4,
+        "zb-v",
+        [C("sim_b", [(0, 1), (3, 4)], 1, 2), C("sim_a", [(1, 2), (2, 3)], 2, 1)],
+        {"model.n_kv_heads": "2", "model.tie_embeddings": "true"},
+    ),
+}
+FAST = ("interleaved-2st-uneven-tp", "zb-v-2st-uneven-tp")
+
+
+def chunked_cfg(name: str, **extra: str):
+    from tests.runtime.test_pipeline_equivalence import plan_cfg
+
+    n_layers, schedule, stages, overrides = CHUNKED_PLANS[name]
+    return plan_cfg(n_layers, schedule, stages, **{**overrides, **extra})
+
+
+def _bad(got, want):
+    from tests.runtime.test_pipeline_equivalence import TOL, _max_diff
+
+    assert sorted(got) == sorted(want), "pipeline stages must hold exactly the model's parameters"
+    return {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CHUNKED_PLANS])
+def test_chunked_pipeline_equals_sequential(name, tmp_path):
+    import jax
+    import optax
+    from flax import nnx
+
+    from h2jax.models import build_model
+    from h2jax.runtime import Trainer, flatten, make_optimizer, reference_loss_and_grads
+    from tests.runtime.test_pipeline_equivalence import TOL
+
+    cfg = chunked_cfg(name)
+    trainer = Trainer(cfg, run_dir=tmp_path)
+    v = cfg.plan.num_chunks
+    assert len(trainer.stages) == v * cfg.plan.num_stages and all(len(r.programs) == v for r in trainer.runners)
+    assert all(r.split == (cfg.plan.schedule == "zb-v") for r in trainer.runners)
+    reference_model = build_model(cfg.model, seed=cfg.seed)
+    tx, _ = make_optimizer(cfg)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)
+    graphdef, params = nnx.split(reference_model, nnx.Param)
+    params = jax.device_put(params, jax.devices("cpu")[0])
+    opt_state = tx.init(params)
+    for step in range(3):
+        loss = float(trainer.forward_backward(step))
+        tokens, targets = trainer.batch(step)
+        ref_loss, ref_grads = reference_loss_and_grads(nnx.merge(graphdef, params), tokens, targets)
+        assert abs(loss - ref_loss) <= TOL, (step, loss, ref_loss)
+        bad = _bad(trainer.grads_by_layer(), flatten(ref_grads))
+        assert not bad, f"gradients of step {step} differ: {bad}"
+        trainer.finish_step()
+        updates, opt_state = tx.update(ref_grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        for path, copies in trainer.tied.copies().items():  # a tied table: one value on every holder
+            values = [np.asarray(a) for a in copies.values()]
+            assert len(values) == 2 and all((x == values[0]).all() for x in values), path
+    bad = _bad(trainer.params_by_layer(), flatten(params))
+    assert not bad, f"parameters after 3 steps differ: {bad}"
+    trainer.close()
