@@ -474,13 +474,14 @@ def make_channel(
     hub: LocalHub | None = None,
     chip: str = "",
     timeout_s: float = 60.0,
-    dup: bool = True,
+    shared: dict | None = None,
 ) -> Channel:
     """The channel of one stage (or model position) for ``train.transport`` (collective over
     ``comm`` for the multi-process transports: every rank builds its channel at the same
-    point). ``ffi`` talks over a duplicate of ``comm`` (``dup``) or, with ``dup=False``, over
-    ``comm`` itself: the chunks of one stage share one duplicate (made once per rank), so
-    that a chunk's messages meet its neighbour chunk's, whatever their chunk indices."""
+    point). Each multi-process channel talks over a duplicate of ``comm``; the channels of
+    one stage's chunks pass one ``shared`` dict and so share one duplicate (and transport),
+    made by the first: a chunk's messages must meet its neighbour chunk's on the same
+    communicator, whatever their chunk indices (their tags tell them apart)."""
     if transport == "local":
         if hub is None:
             raise ValueError("the local transport needs the process's LocalHub")
@@ -492,13 +493,18 @@ def make_channel(
             f"train.transport: {transport!r} moves tensors between processes; it needs a launcher "
             "(mpirun/srun) and an MPI communicator"
         )
+    shared = {} if shared is None else shared
     if transport == "ffi":
-        return FfiChannel(link, comm.Dup() if dup else comm, timeout_s=timeout_s)
+        if "comm" not in shared:
+            shared["comm"] = comm.Dup()
+        return FfiChannel(link, shared["comm"], timeout_s=timeout_s)
     from h2jax.comm._host import HostTransport
     from h2jax.comm._peer import FfiTransport
 
-    peer = HostTransport(comm, timeout_s=timeout_s) if transport == "host" else FfiTransport(comm, timeout_s=timeout_s)
-    return PeerChannel(link, peer)
+    if "peer" not in shared:
+        make = HostTransport if transport == "host" else FfiTransport
+        shared["peer"] = make(comm, timeout_s=timeout_s)
+    return PeerChannel(link, shared["peer"])
 
 
 def stage_links(

@@ -115,6 +115,8 @@ def _transfer_phase(ev: TraceEvent) -> str:
 
 def _event_name(ev: TraceEvent) -> str:
     mb = "" if ev.microbatch is None else str(ev.microbatch)
+    if "chunk" in ev.extra and ev.kind in ("fwd", "bwd"):  # a stage of several layer chunks: which one ran
+        mb += f"c{ev.extra['chunk']}"
     if ev.kind == "fwd":
         return f"F{mb}"
     if ev.kind == "bwd":  # a split backward records its input-gradient (B) and weight-gradient (W) parts
@@ -403,8 +405,9 @@ def plot_gantt(
 ) -> None:
     """Draw ``events`` (normally one step's) as a Gantt chart PNG at ``path``.
 
-    One row per stage (stage 0 on top): forward and backward boxes (microbatch index
-    written inside boxes wide enough for it), optimizer update and other work in the
+    One row per stage (stage 0 on top): forward and backward boxes (microbatch index, and
+    for a stage of several layer chunks ``c<chunk>``, written inside boxes wide enough for
+    it; chunks after the first hatched), optimizer update and other work in the
     same lane, sends and receives as thin bars in a lane below. x axis in ms from the
     first event; the subtitle gives the step span and bubble fraction.
     """
@@ -464,17 +467,19 @@ def plot_gantt(
             top, h = _COMM_LANE[ev.kind]
             ax.broken_barh([(x, max(w, 0.0))], (ev.stage + top, h), facecolors=colour, edgecolor="none", zorder=3)
             continue
+        chunk = ev.extra.get("chunk") if ev.kind in COMPUTE_KINDS else None
         ax.broken_barh(
             [(x, w)],
             (ev.stage + _COMPUTE_TOP, _COMPUTE_H),
             facecolors=colour,
             edgecolor="white",
             linewidth=0.6,
+            hatch="///" if chunk else None,  # a stage's later layer chunks are hatched
             zorder=3,
         )
         label = ev.name if ev.kind in COMPUTE_KINDS else ("U" if ev.kind == "update" else "")
         if ev.kind in COMPUTE_KINDS and ev.microbatch is not None:
-            label = str(ev.microbatch)
+            label = str(ev.microbatch) + (f"c{chunk}" if chunk is not None else "")
         if label and w * px_per_ms >= 7.0 * len(label) + 4.0:
             ax.text(
                 x + w / 2,

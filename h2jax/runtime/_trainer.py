@@ -223,14 +223,11 @@ class Trainer:
         self._own_hub = hub is None
         mesh_shapes = [(plan.stages[s].data, plan.stages[s].tensor) for s in stage_of]  # per position
         comm = getattr(w, "comm", None)
-        dup = True
-        if chunked and transport == "ffi" and comm is not None:
-            comm, dup = comm.Dup(), False  # one communicator for the chunks of a stage (make_channel)
         record = group is None or group.is_leader  # a stage over several processes records once
         self.runners: list[StageRunner] = []
         for s in self.local:
             programs = [st for st in self.stages if st.stage_idx == s]
-            channels = []
+            channels, shared_comm = [], {}  # the chunks of a stage share one communicator (make_channel)
             for st in programs:
                 link = stage_links(
                     mesh_shapes,
@@ -242,7 +239,7 @@ class Trainer:
                     stages=stage_of if chunked else None,
                     chunks=[c for _, c in positions] if chunked else None,
                 )
-                channel = self._channel(transport, link, comm, st.spec.chip, dup=dup)
+                channel = self._channel(transport, link, comm, st.spec.chip, shared=shared_comm)
                 st.build(channel)
                 channels.append(channel)
             last = next((st for st in programs if st.last), None)
@@ -264,7 +261,7 @@ class Trainer:
         if cfg.train.memory_check:
             self.memory = w.all(self.check_memory, "config error")
 
-    def _channel(self, transport: str, link: Any, comm: Any, chip: str, *, dup: bool = True) -> Any:
+    def _channel(self, transport: str, link: Any, comm: Any, chip: str, *, shared: dict | None = None) -> Any:
         from h2jax.comm import RoutingUnsupported
 
         try:
@@ -275,7 +272,7 @@ class Trainer:
                 hub=self.hub,
                 chip=chip,
                 timeout_s=self.cfg.train.transfer_timeout_s,
-                dup=dup,
+                shared=shared,
             )
         except RoutingUnsupported as e:
             raise ConfigError("train.transport", f"{transport!r} cannot carry this plan's boundaries: {e}") from e

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from h2jax.config import ConfigError, load_config
-from h2jax.plan import Plan, PlanError, StageSpec, check_plan
+from h2jax.plan import Plan, PlanError, StageSpec, check_execution, check_plan
+from h2jax.runtime import Trainer
 
 INTERLEAVED = {
     "global_batch": 8,
@@ -299,3 +300,168 @@ def test_chunked_pipeline_equals_sequential(name, tmp_path):
     bad = _bad(trainer.params_by_layer(), flatten(params))
     assert not bad, f"parameters after 3 steps differ: {bad}"
     trainer.close()
+
+
+# -- the recorded timeline obeys the schedule -------------------------------------------------
+
+
+def _chunk_events(trainer, step):
+    """(stage, F/B/W, microbatch, start, end, chunk) of every compute event of ``step``."""
+    out = []
+    for e in trainer.timeline.events(step):
+        if e.kind in ("fwd", "bwd"):
+            kind = "F" if e.kind == "fwd" else e.extra.get("part", "B")
+            out.append((e.stage, kind, e.microbatch, e.start_us, e.end_us, e.extra["chunk"]))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAST)
+def test_recorded_timeline_obeys_the_schedule(name, tmp_path):
+    """One F and one B (and for zb-v one W) per (stage, chunk, microbatch), every dependency
+    between model positions, the in-flight bound, and each stage's tasks in the grid's order;
+    the Gantt chart and the memory check of a chunked run."""
+    cfg = chunked_cfg(name, **{"plan.num_microbatches": 8, "plan.global_batch": 32})
+    trainer = Trainer(cfg, run_dir=tmp_path)
+    trainer.run(steps=2)
+    sched = trainer.schedule
+    p, m, v = cfg.plan.num_stages, cfg.plan.num_microbatches, cfg.plan.num_chunks
+    kinds = 3 if sched.split_backward else 2
+    for step in range(2):
+        compute = _chunk_events(trainer, step)
+        assert len(compute) == kinds * p * v * m
+        errs = check_execution(
+            compute,
+            num_stages=p,
+            num_microbatches=m,
+            max_in_flight=sched.max_in_flight(),
+            split_backward=sched.split_backward,
+            num_chunks=v,
+            virtual_stage=sched.virtual_stage,
+            eps=1e-3,
+        )
+        assert errs == []
+        for s in range(p):
+            ran = sorted((e for e in compute if e[0] == s), key=lambda e: e[3])
+            order = [f"{k}{mb}" + (f"c{c}" if c else "") for _, k, mb, _, _, c in ran]
+            assert order == [str(t) for t in sched.stage_ops(s)]
+    summary = trainer.summary
+    assert 0 <= summary["bubble_fraction_gantt_step"] < 1 and (tmp_path / "gantt.png").stat().st_size > 0
+    assert "layers 0-" in summary["stages"][0]["label"] and ", " in summary["stages"][0]["label"]
+    assert all(s["memory_gib"] > 0 for s in summary["stages"])
+    trainer.close()
+
+
+def test_chunk_activation_peak_weighs_each_chunk():
+    """The memory check's activation peak walks the stage's ops: F adds its chunk's size, the
+    last backward task of it (W split, B unsplit) frees it; uneven chunks weigh differently."""
+    from h2jax.plan import Task
+    from h2jax.plan._schedule import Interleaved, ZeroBubbleV
+    from h2jax.runtime._trainer import chunk_activation_peak
+
+    ops = [Task("F", 0, 0), Task("F", 0, 1), Task("B", 0, 1), Task("F", 1, 0), Task("B", 0, 0), Task("B", 1, 0)]
+    assert chunk_activation_peak(ops, [10, 1], split=False) == (20, 2)  # two chunk-0 microbatches
+    assert chunk_activation_peak(ops, [1, 10], split=False) == (11, 2)
+    # with unit sizes the peak count is the schedule's in-flight bound
+    for sched in (Interleaved(2, 4), Interleaved(3, 6, num_chunks=3), ZeroBubbleV(3, 6)):
+        for s in range(sched.num_stages):
+            peak, count = chunk_activation_peak(sched.stage_ops(s), [1] * sched.num_chunks, split=sched.split_backward)
+            assert peak == count <= sched.max_in_flight()[s]
+
+
+# -- checkpoints: keyed by model path, restored under any plan ----------------------------------
+
+
+@pytest.mark.slow
+def test_checkpoint_of_a_chunked_plan_restores_into_a_plain_one(tmp_path):
+    cfg = chunked_cfg("zb-v-2st-uneven-tp", **{"checkpoint.enabled": "true", "train.steps": "1"})
+    trainer = Trainer(cfg, run_dir=tmp_path / "zbv")
+    trainer.run()
+    want = {k: np.asarray(x) for k, x in trainer.params_by_layer().items()}
+    trainer.close()
+    from tests.runtime.test_pipeline_equivalence import S, plan_cfg
+
+    plain = plan_cfg(6, "1f1b", [S("sim_a", (0, 4), 2, 2), S("sim_b", (4, 6), 4, 1)])
+    other = Trainer(plain, run_dir=tmp_path / "plain")
+    assert other.restore(tmp_path / "zbv" / "checkpoints") == 1
+    got = {k: np.asarray(x) for k, x in other.params_by_layer().items()}
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    other.close()
+
+
+# -- under mpirun: one process per stage equals one process -------------------------------------
+
+MP_PLANS = {
+    # interleaved: the wrap from stage 1 back to stage 0 and two boundaries stage 0 -> 1 (tag lanes)
+    "interleaved": [
+        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
+        "plan.schedule=interleaved",
+        "plan.stages=[{chip: sim_a, data: 2, tensor: 2, chunks: [[0, 1], [2, 3]]}, "
+        "{chip: sim_b, data: 4, tensor: 1, chunks: [[1, 2], [3, 4]], recompute: true}]",
+    ],
+    # zb-v: embedding and head on rank 0, the turn of the V on rank 1 (handed over, no transfer)
+    "zb-v": [
+        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
+        "plan.schedule=zb-v",
+        "plan.stages=[{chip: sim_a, data: 2, tensor: 2, chunks: [[0, 1], [3, 4]]}, "
+        "{chip: sim_b, data: 4, tensor: 1, chunks: [[1, 2], [2, 3]], recompute: true}]",
+    ],
+}
+
+
+def _mpirun_helpers():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_multiproc
+
+    return test_multiproc
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule,transport", [("interleaved", "host"), ("interleaved", "ffi"), ("zb-v", "ffi"), ("zb-v", "host")]
+)
+def test_chunked_under_mpirun_equals_one_process(schedule, transport, tmp_path):
+    """2 ranks, one stage (two chunks) each, 3 steps: the same losses and final parameters
+    (<= 1e-6) as one process (which equals the sequential model, above), and every rank's
+    timeline of the last step holds one F and one B (zb-v: and one W) per (chunk, microbatch)."""
+    import json
+
+    mp = _mpirun_helpers()
+    if mp.MPIRUN is None:
+        pytest.skip("mpirun not installed")
+    cfg = load_config(None, mp.BASE + MP_PLANS[schedule])
+    trainer = Trainer(cfg, run_dir=tmp_path / "single")
+    want_losses = [h.loss for h in trainer.run()]
+    want_params = {k: np.asarray(v) for k, v in trainer.params_by_layer().items()}
+    trainer.close()
+
+    run = tmp_path / "run"
+    proc = mp._mpirun(
+        2, [*mp.BASE, *MP_PLANS[schedule], f"train.transport={transport}", "--run-dir", str(run)], tmp_path
+    )
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["transport"] == transport
+    np.testing.assert_allclose(summary["losses"], want_losses, atol=1e-6, rtol=0)
+    got = mp.final_params(run)
+    assert sorted(got) == sorted(want_params)
+    for k, v in want_params.items():
+        np.testing.assert_allclose(got[k], v, atol=1e-6, rtol=0, err_msg=k)
+    trace = json.loads((run / "trace.json").read_text())
+    compute = [
+        (e["args"]["stage"], e["args"]["chunk"], e["name"][0])
+        for e in trace["traceEvents"]
+        if e["ph"] == "X" and e["args"]["kind"] in ("fwd", "bwd") and e["args"]["step"] == 2
+    ]
+    kinds = "FBW" if schedule == "zb-v" else "FB"
+    for stage in (0, 1):
+        for chunk in (0, 1):
+            for kind in kinds:
+                assert compute.count((stage, chunk, kind)) == 4, (stage, chunk, kind, compute[:8])
