@@ -105,7 +105,7 @@ from h2jax.plan._cost import (
     stage_cost,
     transfer_s,
 )
-from h2jax.plan._plan import SCHEDULES, Plan, StageSpec
+from h2jax.plan._plan import SCHEDULES, Plan, PlanError, StageSpec
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 from h2jax.plan._schedule import memory_counts
 
@@ -178,6 +178,17 @@ class SearchOptions:
 
 
 @dataclass(frozen=True)
+class StageCaps:
+    """Under one schedule (or all of a search's, the loosest): most blocks each stage rank of a
+    chip type's choice holds within its memory (ranks fewest-microbatches-held first; a choice
+    of k stages uses the first k), and the least a block adds to sum_s fill_s."""
+
+    max_layers: np.ndarray  # per rank, without recompute
+    max_layers_rc: np.ndarray  # ... with recompute
+    fill_s: float
+
+
+@dataclass(frozen=True, eq=False)  # identity: one object per choice of a search, hashed often
 class ChipChoice:
     """One chip type's part of a configuration: k stages of data x tensor devices."""
 
@@ -187,22 +198,25 @@ class ChipChoice:
     tensor: int
     layer_s: float  # forward + backward seconds of one block per microbatch (no recompute)
     layer_rc_s: float = INF  # the same with recompute (one more forward)
-    max_layers: tuple[float, ...] = ()  # per stage j (j + 1 in flight, no embed/head): most blocks without recompute
-    max_layers_rc: tuple[float, ...] = ()  # ... with recompute
-    layer_fill_s: float = INF  # a block's least share of the fill-and-drain sum over the searched schedules
+    # per searched schedule, and None: the loosest over them (the per-rank max, the least fill)
+    caps: dict[str | None, StageCaps] = field(default_factory=dict)
 
     @property
     def fill_s(self) -> float:
-        """What one block adds at least to sum_s fill_s (``h2jax.plan._cost.schedule_terms``):
-        its fwd + bwd, less the W it hides in a split schedule."""
-        return min(self.layer_s, self.layer_fill_s)
+        """What one block adds at least to sum_s fill_s (``h2jax.plan._cost.schedule_terms``)
+        under any searched schedule: its fwd + bwd, less the W it hides in a split schedule."""
+        return self.caps[None].fill_s
 
     @property
     def capability(self) -> float:
         """Layers per second this chip type's stages process together (sum of 1 / a_s)."""
         return self.stages / self.layer_s
 
-    def layers_within(self, b: np.ndarray) -> np.ndarray:
+    def bounds(self, schedule: str | None = None) -> StageCaps:
+        """This choice's caps and fill under `schedule` (None: the loosest over the searched ones)."""
+        return self.caps[schedule]
+
+    def layers_within(self, b: np.ndarray, schedule: str | None = None) -> np.ndarray:
         """Upper bound on the blocks these stages can hold if no stage may take longer than `b`.
 
         A stage with l <= max_layers blocks takes >= l * layer_s, so l <= floor(b / layer_s);
@@ -211,9 +225,10 @@ class ChipChoice:
         layers over 16 stages cannot be split finer than one block (rounded up by a hair so
         floating-point noise can only loosen it).
         """
+        caps = self.bounds(schedule)
         b = np.asarray(b, dtype=np.float64)
-        ln = np.asarray(self.max_layers, dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
-        lr = np.asarray(self.max_layers_rc, dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
+        ln = np.asarray(caps.max_layers[: self.stages], dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
+        lr = np.asarray(caps.max_layers_rc[: self.stages], dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
         xn = np.floor(b / self.layer_s * (1 + 1e-9))
         xr = np.floor(b / self.layer_rc_s * (1 + 1e-9)) if math.isfinite(self.layer_rc_s) else np.zeros_like(b)
         return np.maximum(np.minimum(ln, xn), np.minimum(lr, xr)).sum(axis=0)
@@ -278,7 +293,7 @@ def derive_data(
     return 0
 
 
-def _memory_caps(
+def _memory_model(
     model: ModelShape,
     chip: ChipProfile,
     table: ProfileTable | None,
@@ -287,50 +302,82 @@ def _memory_caps(
     data: int,
     tensor: int,
     microbatch: int,
-    k: int,
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Most blocks the j-th (1..k) middle stage of this shape holds without / with recompute.
+) -> dict[bool, tuple[np.ndarray, np.ndarray, float]]:
+    """Per recompute flag, a middle stage's memory as ``base . (1, j, q) + l slope . (1, j, q)``
+    and the chip's limit: params, grads and moments grow with its block count l, activations
+    with l x j (j microbatches awaiting B; with recompute their inputs, j alone) and l x q (q
+    awaiting W in a split schedule) -- so six priced corners give every (l, j, q)."""
+    out = {}
+    for rc in (False, True):
+        kw = dict(first=False, last=False, data=data, tensor=tensor, microbatch=microbatch, recompute=rc, table=table)
+        c = {
+            (l, j, q): stage_cost(model, chip, layers=l, in_flight=j, split=q > 0, pending_w=q, opts=opts.cost, **kw)
+            for l in (0, 1)
+            for j, q in ((1, 0), (2, 0), (1, 1))
+        }
+        mem = {key: v.memory.total for key, v in c.items()}
+        # mem(l, j, q) = m1(l) + (j - 1) pj(l) + q pq(l), each affine in l
+        per = []
+        for l in (0, 1):
+            m1, pj, pq = mem[l, 1, 0], mem[l, 2, 0] - mem[l, 1, 0], mem[l, 1, 1] - mem[l, 1, 0]
+            per.append(np.array([m1 - pj, pj, pq]))
+        out[rc] = (per[0], per[1] - per[0], c[0, 1, 0].memory_limit)
+    return out
 
-    A middle stage's memory is bilinear in its block count l and microbatches in flight j
-    (params, grads and moments grow with l; activations with l x j, or with j alone for the
-    recomputed inputs), so four priced corners give every (l, j). The cap is rounded up by
-    a hair so floating-point noise can only loosen it (it feeds bounds, never a plan).
-    """
-    L = float(model.n_layers)
-    js = np.arange(1, k + 1, dtype=np.float64)
+
+def _caps_at(
+    mm: dict[bool, tuple[np.ndarray, np.ndarray, float]],
+    points: Sequence[tuple[np.ndarray, np.ndarray]],
+    L: int,
+    allow_recompute: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Most blocks a middle stage holds without / with recompute if its (awaiting B, awaiting W)
+    counts may be any of `points` (arrays over the stage ranks): the max over them. Rounded up
+    by a hair so floating-point noise can only loosen it (caps feed bounds, never a plan)."""
     out = []
     for rc in (False, True):
-        kw = dict(
-            first=False,
-            last=False,
-            data=data,
-            tensor=tensor,
-            microbatch=microbatch,
-            recompute=rc,
-            table=table,
-            opts=opts.cost,
-        )
-        m = {(l, j): stage_cost(model, chip, layers=l, in_flight=j, **kw) for l in (0, 1) for j in (1, 2)}
-        limit = m[0, 1].memory_limit
-        a00, a01 = m[0, 1].memory.total, m[0, 2].memory.total
-        a10, a11 = m[1, 1].memory.total, m[1, 2].memory.total
-        c_j = a01 - a00  # per microbatch in flight, no blocks
-        slope_j = (a11 - a10) - c_j  # per block and microbatch in flight
-        base = a00 - c_j  # j = 0, l = 0
-        slope_l = a10 - a00 - slope_j  # per block at j = 0
-        if searched_schedules(opts.schedule, opts.schedules) == ("gpipe",):
-            js_ = np.ones_like(js)  # GPipe: the count is not known per choice; bound with 1
-        else:
-            js_ = js
-        room = limit - base - c_j * js_
-        slope = slope_l + slope_j * js_
-        with np.errstate(divide="ignore", invalid="ignore"):
-            caps = np.where(slope > 0, np.floor(room / slope * (1 + 1e-9) + 1e-9), L)
-        out.append(tuple(np.clip(caps, 0.0, L).tolist()))
+        base, slope, limit = mm[rc]
+        best = None
+        for js, qs in points:
+            room = limit - (base[0] + base[1] * js + base[2] * qs)
+            sl = slope[0] + slope[1] * js + slope[2] * qs
+            with np.errstate(divide="ignore", invalid="ignore"):
+                caps = np.where(sl > 0, np.floor(room / sl * (1 + 1e-9) + 1e-9), np.where(room >= 0, L, 0.0))
+            caps = np.clip(caps, 0.0, float(L))
+            best = caps if best is None else np.maximum(best, caps)
+        out.append(best)
     caps_n, caps_r = out
-    if not opts.allow_recompute:
-        caps_r = caps_n
-    return caps_n, caps_r
+    return caps_n, (caps_r if allow_recompute else caps_n)
+
+
+def count_floors(schedule: str, *, k: int, m: int, n_types: int, L: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (awaiting B, awaiting W) counts that bound the memory of a chip type's k stages from
+    below, per stage rank r = 1..L (its stages ranked by microbatches awaiting B, fewest
+    first; a choice of k stages uses ranks 1..k), as points whose memory is the least the
+    rank-r stage can need (the caps take the max over them: memory is linear in the counts,
+    so over a polytope of counts it is least at one of its vertices):
+
+    - gpipe: every stage holds all m microbatches: (m, 0);
+    - 1f1b: stage s of p holds min(p - s, m): k stages have k distinct counts, the r-th
+      fewest at least min(r, m): (min(r, m), 0) -- capped at m, which holds fewer than k
+      stages when m < k;
+    - zb-h1: (min(p - s, m), min(s + 1, m)) (:func:`h2jax.plan._schedule.memory_counts`): j
+      at least min(r, m), q at least 1, both at most m, and j + q >= min(p + 1, m + 1) with
+      p >= k + n_types - 1 (every chip type has a stage): the vertices of that polytope
+      nearest the origin, the two ends of its edge j + q = T.
+    """
+    r = np.arange(1, L + 1, dtype=np.float64)
+    j_lo = np.minimum(r, m)
+    if schedule == "gpipe":
+        return [(np.full(L, float(m)), np.zeros(L))]
+    if not split_backward(schedule):
+        return [(j_lo, np.zeros(L))]
+    if schedule != "zb-h1":
+        raise PlanError("plan.schedule", f"schedule={schedule!r}: no memory bound for the search")
+    T = min(k + n_types - 1, m) + 1
+    j1 = np.maximum(j_lo, T - m)
+    j2 = np.maximum(j1, min(m, T - 1))
+    return [(j1, np.maximum(1.0, T - j1)), (j2, np.maximum(1.0, T - j2))]
 
 
 def chip_choices(
@@ -340,15 +387,21 @@ def chip_choices(
     opts: SearchOptions,
     table: ProfileTable | None,
     caps_cache: dict | None = None,
+    *,
+    num_microbatches: int,
 ) -> dict[str, list[ChipChoice]]:
-    """Every (k, data, tensor) of every chip type for this microbatch size.
+    """Every (k, data, tensor) of every chip type for this microbatch size, with the memory
+    caps of its stages under each searched schedule (:func:`count_floors`) at
+    `num_microbatches`.
 
-    `caps_cache`: memory caps by (chip, tensor, sequences per device), which is all they
-    depend on, shared between microbatch sizes.
+    `caps_cache`: the memory model by (chip, tensor, sequences per device), which is all it
+    depends on, and the caps by counts, shared between microbatch sizes.
     """
     caps_cache = {} if caps_cache is None else caps_cache
+    schedules = searched_schedules(opts.schedule, opts.schedules)
     out: dict[str, list[ChipChoice]] = {}
     L = model.n_layers
+    m = num_microbatches
     for chip, nodes in cluster.chips:
         devices = nodes * chip.devices_per_node
         choices = []
@@ -378,21 +431,34 @@ def chip_choices(
             for d, ks in by_data.items():
                 blk = part_costs(model, chip, table, tensor=t, microbatch_per_device=microbatch // d)["block"]
                 rc_s = blk.fwd_s * 2 + blk.bwd_s
-                # most blocks one stage holds, best case: the j-th of its k stages has j microbatches
-                # in flight (1F1B gives the k stages of one chip type k distinct counts >= 1)
                 key = (chip.name, t, microbatch // d)
                 if key not in caps_cache:
-                    caps_cache[key] = _memory_caps(
-                        model, chip, table, opts, data=d, tensor=t, microbatch=microbatch, k=L
-                    )
-                caps_n, caps_r = caps_cache[key]
-                if caps_r[0] < 1:
-                    continue  # not even one block fits a stage of this shape
-                fill = layer_fill_s(model, blk, tensor=t, schedules=searched_schedules(opts.schedule, opts.schedules))
+                    caps_cache[key] = _memory_model(model, chip, table, opts, data=d, tensor=t, microbatch=microbatch)
+                fills = {s: layer_fill_s(model, blk, tensor=t, schedules=(s,)) for s in schedules}
                 for k in ks:
-                    choices.append(
-                        ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps_n[:k], caps_r[:k], fill)
+                    caps = {}
+                    for s in schedules:
+                        floors = count_floors(s, k=k, m=m, n_types=len(cluster.names), L=L)
+                        ckey = (
+                            key,
+                            s,
+                            m,
+                            tuple((float(j[0]), float(q[0]), float(j[-1]), float(q[-1])) for j, q in floors),
+                        )
+                        if ckey not in caps_cache:  # shared by every choice with these counts: one row of _Held
+                            ln, lr = _caps_at(caps_cache[key], floors, L, opts.allow_recompute)
+                            caps_cache[ckey] = StageCaps(ln, lr, fills[s])
+                        caps[s] = caps_cache[ckey]
+                    loose = StageCaps(
+                        np.max([c.max_layers for c in caps.values()], axis=0),
+                        np.max([c.max_layers_rc for c in caps.values()], axis=0),
+                        min(fills.values()),
                     )
+                    if loose.max_layers_rc[0] < 1:
+                        continue  # not even one block fits a stage of this shape
+                    lkey = (key, m, loose.max_layers.tobytes(), loose.max_layers_rc.tobytes(), loose.fill_s)
+                    caps[None] = caps_cache.setdefault(lkey, loose)  # one object per value: one row of _Held
+                    choices.append(ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps))
         choices.sort(key=lambda c: (-c.capability, c.stages, c.tensor))
         out[chip.name] = choices
     if opts.max_options_per_chip:
@@ -407,14 +473,15 @@ def measured_rows(table: ProfileTable | None, chip: str, model: ModelShape) -> f
 
 class _Held:
     """Every choice of one chip type at once: how many blocks each holds within slot time b
-    (the vectorised :meth:`ChipChoice.layers_within`). Choices of one (data, tensor) share
-    their per-stage caps and differ only in how many stages they take, so a row per
-    (data, tensor) and a running sum over its stages give every choice."""
+    (the vectorised :meth:`ChipChoice.layers_within`) under one schedule (None: the loosest
+    over the searched ones). Choices with one caps object (one (data, tensor), and under
+    ZB-H1 one count floor) share their per-rank caps and differ only in how many stages
+    they take, so a row per caps object and a running sum over its ranks give every choice."""
 
-    def __init__(self, choices: Sequence[ChipChoice]):
-        rows: dict[tuple[int, int], ChipChoice] = {}
+    def __init__(self, choices: Sequence[ChipChoice], schedule: str | None = None):
+        rows: dict[int, ChipChoice] = {}
         for c in choices:
-            key = (c.data, c.tensor)
+            key = id(c.caps[schedule])
             if key not in rows or c.stages > rows[key].stages:
                 rows[key] = c
         keys = list(rows)
@@ -423,13 +490,14 @@ class _Held:
         self.lr = np.zeros((len(keys), k))
         for i, key in enumerate(keys):
             c = rows[key]
-            self.ln[i, : c.stages] = c.max_layers
-            self.lr[i, : c.stages] = c.max_layers_rc
+            caps = c.caps[schedule]
+            self.ln[i, : c.stages] = caps.max_layers[: c.stages]
+            self.lr[i, : c.stages] = caps.max_layers_rc[: c.stages]
         self.a = np.array([rows[key].layer_s for key in keys])[:, None]
-        self.fill = np.array([rows[key].fill_s for key in keys])[:, None]  # bounds sum_s fill_s
+        self.fill = np.array([rows[key].caps[schedule].fill_s for key in keys])[:, None]  # bounds sum_s fill_s
         self.arc = np.array([rows[key].layer_rc_s for key in keys])[:, None]
         where = {key: i for i, key in enumerate(keys)}
-        self.row = np.array([where[(c.data, c.tensor)] for c in choices])
+        self.row = np.array([where[id(c.caps[schedule])] for c in choices])
         self.col = np.array([c.stages - 1 for c in choices])
         self.amin = float(self.fill.min())
 
@@ -905,7 +973,9 @@ class _Run:
         self.space: dict[int, dict[str, list[ChipChoice]]] = {}
         caps_cache: dict = {}
         for mb in microbatch_sizes(global_batch, opts):
-            choices = chip_choices(cluster, model, mb, space_opts, table, caps_cache)
+            choices = chip_choices(
+                cluster, model, mb, space_opts, table, caps_cache, num_microbatches=global_batch // mb
+            )
             if all(choices[n] for n in self.names):
                 self.space[mb] = choices
             self.tick()
@@ -1222,7 +1292,9 @@ def _why_none_of_space(run: _Run) -> str:
         poor = []
         for chip, _ in run.cluster.chips:
             if not any(
-                chip_choices(run.cluster.only(chip.name), run.model, mb, run.opts, run.table)[chip.name]
+                chip_choices(
+                    run.cluster.only(chip.name), run.model, mb, run.opts, run.table, num_microbatches=run.gb // mb
+                )[chip.name]
                 for mb in microbatch_sizes(run.gb, run.opts)
             ):
                 poor.append(f"{chip.name} ({chip.memory_gib:g} GiB per device)")
@@ -1453,7 +1525,7 @@ def exhaustive(
     searched_schedules(opts.schedule, opts.schedules)  # refuses what the cost model does not price
     for mb in microbatch_sizes(global_batch, opts):
         m = global_batch // mb
-        choices = chip_choices(cluster, model, mb, opts, table)
+        choices = chip_choices(cluster, model, mb, opts, table, num_microbatches=m)
         names = cluster.names
         if any(not choices[n] for n in names):
             continue

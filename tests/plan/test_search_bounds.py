@@ -1,0 +1,119 @@
+"""The search's memory caps and lower bounds are valid: the count floors under-count every
+schedule's real (awaiting B, awaiting W) counts, fewer microbatches than stages included,
+and the bounds never exceed the optimum the brute force finds."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import pytest
+
+from h2jax.plan import ChipProfile, Cluster, ModelShape, SearchOptions, exhaustive, search
+from h2jax.plan._schedule import memory_counts
+from h2jax.plan._search import count_floors
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_count_floors_under_count_every_placement(schedule):
+    # every pipeline of p <= 9 stages, m <= 11 microbatches, every set of k positions one chip
+    # type may hold (n_types - 1 stages at least left to the others): the stages ranked by
+    # their count awaiting B need, for any non-negative memory per microbatch (alpha awaiting
+    # B, beta awaiting W), at least what the rank's cheapest floor point needs
+    rng = random.Random(0)
+    weights = [(1.0, 0.0), (0.0, 1.0), (1.0, 1.0)] + [(rng.random(), rng.random()) for _ in range(6)]
+    checked = 0
+    for p in range(1, 10):
+        for m in range(1, 12):
+            counts = memory_counts(schedule, p, m)
+            for n_types in range(1, p + 1):
+                for k in range(1, p - n_types + 2):
+                    floors = count_floors(schedule, k=k, m=m, n_types=n_types, L=p)
+                    for pos in itertools.combinations(range(p), k):
+                        ranked = sorted((counts[s] for s in pos), key=lambda c: c[0])
+                        for r, (j, q) in enumerate(ranked):
+                            for a, b in weights:
+                                least = min(a * fj[r] + b * fq[r] for fj, fq in floors)
+                                assert a * j + b * q >= least - 1e-12, (schedule, p, m, n_types, pos, r, (j, q))
+                        checked += 1
+    assert checked > 1000
+
+
+def _few_microbatches():
+    # a stage with one microbatch in flight holds 2 of the 8 blocks, with two only 1: with one
+    # microbatch (m = 1) four stages of one chip type each hold 1 in flight, not 1, 2, 3, 4
+    model = ModelShape(n_layers=8, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=64, act_bytes=4)
+    chip = ChipProfile(
+        name="c",
+        memory_gib=0.0034,
+        peak_tflops=0.1,
+        mem_bw_gbps=20.0,
+        intra_node_gbps=10.0,
+        inter_node_gbps=5.0,
+        devices_per_node=4,
+    )
+    return Cluster(((chip, 1),), name="few_microbatches"), model
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", None])
+def test_fewer_microbatches_than_stages_keeps_the_bound_valid(schedule):
+    cluster, model = _few_microbatches()
+    opts = SearchOptions(schedule=schedule, allow_recompute=False)
+    want_plan, want, _ = exhaustive(cluster, model, global_batch=1, opts=opts)
+    got = search(cluster, model, global_batch=1, opts=opts)
+    assert (got.plan is None) == (want_plan is None), (got.note, want_plan)
+    if want_plan is not None:
+        assert math.isclose(got.iteration_s, want, rel_tol=1e-9)
+        assert got.lower_bound_s <= got.iteration_s * (1 + 1e-12)
+
+
+def test_fewer_microbatches_than_stages_finds_the_plan():
+    cluster, model = _few_microbatches()
+    got = search(cluster, model, global_batch=1, opts=SearchOptions(schedule="1f1b", allow_recompute=False))
+    assert got.plan is not None, got.note  # the caps once charged the j-th stage j > m microbatches
+    assert got.plan.num_microbatches == 1
+
+
+def _random(seed: int):
+    rng = random.Random(9000 + seed)
+    chips = tuple(
+        (
+            ChipProfile(
+                name=f"c{i}",
+                memory_gib=rng.choice([0.003, 0.004, 0.006, 0.008, 0.015]),
+                peak_tflops=rng.choice([0.02, 0.05, 0.1, 0.3]),
+                mem_bw_gbps=rng.choice([10.0, 20.0, 40.0]),
+                intra_node_gbps=rng.choice([5.0, 10.0, 50.0]),
+                inter_node_gbps=rng.choice([1.0, 5.0]),
+                devices_per_node=4,
+            ),
+            1,
+        )
+        for i in range(rng.choice([1, 2]))
+    )
+    model = ModelShape(
+        n_layers=rng.randint(4, 7),
+        d_model=64,
+        n_heads=4,
+        d_ff=128,
+        vocab_size=256,
+        seq_len=rng.choice([32, 64]),
+        act_bytes=rng.choice([2, 4]),
+    )
+    opts = SearchOptions(schedule=None, max_stages_per_chip=4, allow_recompute=rng.random() < 0.5)
+    return Cluster(chips, name=f"r{seed}"), model, rng.choice([1, 2, 4]), opts
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bound_below_the_brute_force_optimum_with_few_microbatches(seed):
+    cluster, model, gb, opts = _random(seed)
+    want_plan, want, _ = exhaustive(cluster, model, global_batch=gb, opts=opts)
+    got = search(cluster, model, global_batch=gb, opts=opts)
+    assert (got.plan is None) == (want_plan is None), got.note
+    if want_plan is not None:
+        assert math.isclose(got.iteration_s, want, rel_tol=1e-9), (got.plan, want_plan)
+        assert got.lower_bound_s <= want * (1 + 1e-12)
+        pinned = search(cluster, model, global_batch=gb, opts=dataclasses.replace(opts, schedule="1f1b"))
+        assert pinned.lower_bound_s <= pinned.iteration_s * (1 + 1e-12)
