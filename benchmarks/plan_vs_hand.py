@@ -1,14 +1,15 @@
 """Does the planner's plan train faster than the hand-made default plan, on this machine?
 
     python benchmarks/plan_vs_hand.py [--rounds 6] [--steps 6] [--repeats 5] [--out runs/bench_plan_vs_hand]
-        [--tensor T ...] [--microbatch B ...]
+        [--tensor T ...] [--microbatch B ...] [--profiles FILE]
 
 Everything goes through the real CLI in subprocesses, as a user would run it:
   1. profiles: ``h2jax profile --chip C --model configs/default.yaml --measure`` for every
      chip type of configs/clusters/sim_mix.yaml (the default job's cluster and model), over
      every tensor degree and sequences-per-device the planner can consider for that job
      (``--tensor``, ``--microbatch``), so no stage of the planned plan is priced by the
-     roofline (the plan command says so if one is);
+     roofline (the plan command says so if one is; ``--profiles FILE`` reuses an earlier
+     run's instead, for replays -- say so beside the numbers);
   2. the plan: ``h2jax plan configs/clusters/sim_mix.yaml --profiles prof.json --out DIR``,
      the same cluster, model and global batch as the default job, with the planner's
      defaults;
