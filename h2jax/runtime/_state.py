@@ -304,14 +304,21 @@ def truncate_metrics(run_dir: Path, step: int) -> tuple[int, Path | None]:
     return len(gone), aside
 
 
-def nonfinite_error(step: int, loss: float, grad_norm: float, sqnorms: list[float]) -> NonFiniteLossError:
+def nonfinite_error(
+    step: int, loss: float, grad_norm: float, sqnorms: list[float], *, loss_stage: int | None = None
+) -> NonFiniteLossError:
     """Policy ``abort``: the error naming the step and where the non-finite values are
-    (``sqnorms``: every stage's squared gradient norm, in stage order)."""
-    last = len(sqnorms) - 1
+    (``sqnorms``: every stage's squared gradient norm, in stage order; ``loss_stage``: the
+    stage holding the head, default the last -- zb-v's is stage 0)."""
+    last = len(sqnorms) - 1 if loss_stage is None else loss_stage
     bad = [s for s, x in enumerate(sqnorms) if not math.isfinite(x)]
     where = []
     if not math.isfinite(loss):
-        where.append(f"the loss of the last stage, stage {last}")
+        where.append(
+            f"the loss of the last stage, stage {last}"
+            if last == len(sqnorms) - 1
+            else f"the loss of stage {last} (it holds the head)"
+        )
     if bad:
         where.append(f"the gradients of stage{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}")
     return NonFiniteLossError(

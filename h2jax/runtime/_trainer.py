@@ -152,6 +152,7 @@ class Trainer:
         n_pos = len(positions)
         chunked = n_pos > plan.num_stages or plan.num_chunks > 1
         stage_of = [s for s, _ in positions]
+        self.loss_stage = stage_of[-1]  # the stage of the head (zb-v: stage 0)
         by_position = SimpleNamespace(num_stages=n_pos, stages=plan.position_specs())
         shared = shared_parameters(model, by_position)  # e.g. a head tied to the embedding: trained as one (_tied)
         check_tieable(shared)
@@ -397,7 +398,7 @@ class Trainer:
         local_loss = float(local_value(loss_dev)) if loss_dev is not None else None
         sq = self._grad_sqnorms()
         grad_norm = math.sqrt(sum(sq))
-        loss = float(self.world.from_stage(cfg.plan.num_stages - 1, local_loss))
+        loss = float(self.world.from_stage(self.loss_stage, local_loss))
         skipped = False
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self._apply(grad_norm)
@@ -407,7 +408,7 @@ class Trainer:
             self.skipped_steps += 1
             skipped = True
         else:
-            raise nonfinite_error(step, loss, grad_norm, sq)
+            raise nonfinite_error(step, loss, grad_norm, sq, loss_stage=self.loss_stage)
         dt = time.perf_counter() - t0
         if self.fail_fast is not None:
             self.fail_fast.last_completed_step = step

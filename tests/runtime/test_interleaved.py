@@ -465,3 +465,49 @@ def test_chunked_under_mpirun_equals_one_process(schedule, transport, tmp_path):
         for chunk in (0, 1):
             for kind in kinds:
                 assert compute.count((stage, chunk, kind)) == 4, (stage, chunk, kind, compute[:8])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAST)
+def test_chunked_dropout_draws_the_sequential_masks(name, tmp_path):
+    """Dropout keys are a pure function of (seed, step, microbatch, layer, site): a chunk's
+    blocks keep their model layer indices, so a chunked step draws the sequential model's
+    masks (loss and every gradient within 1e-5 of the masked reference, which differs from
+    the unmasked one)."""
+    from h2jax.models import build_model
+    from h2jax.runtime import flatten, reference_loss_and_grads
+    from tests.runtime.test_pipeline_equivalence import TOL
+
+    cfg = chunked_cfg(name, **{"model.dropout": 0.1})
+    trainer = Trainer(cfg, run_dir=tmp_path)
+    assert all(st.dropout for st in trainer.stages)
+    reference = build_model(cfg.model, seed=cfg.seed)
+    for step in (0, 1):
+        tokens, targets = trainer.batch(step)
+        ref_loss, ref_grads = reference_loss_and_grads(reference, tokens, targets, step=step)
+        plain_loss, _ = reference_loss_and_grads(reference, tokens, targets)
+        assert abs(plain_loss - ref_loss) > 10 * TOL
+        loss = float(trainer.forward_backward(step))
+        assert abs(loss - ref_loss) <= TOL, (step, loss, ref_loss)
+        bad = _bad(trainer.grads_by_layer(), flatten(ref_grads))
+        assert not bad, f"gradients of step {step} differ: {bad}"
+        for st in trainer.stages:
+            st.zero_grads()
+    trainer.close()
+
+
+def test_the_planner_refuses_a_chunked_plan_in_one_line():
+    """The cost model, simulator and search price one layer range per stage; handed a chunked
+    plan they refuse it by its schedule rather than price only its first chunks."""
+    from h2jax.plan import ChipProfile, ModelShape, estimate, simulate_plan
+
+    model = ModelShape(n_layers=8, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=16, act_bytes=4)
+    spec = dict(memory_gib=1.0, peak_tflops=0.1, mem_bw_gbps=40, intra_node_gbps=10, inter_node_gbps=5)
+    chips = {n: ChipProfile(n, devices_per_node=4, **spec) for n in ("sim_a", "sim_b")}
+    for raw in (INTERLEAVED, ZBV):
+        plan = Plan.from_dict(raw)
+        for fn in (estimate, simulate_plan):
+            with pytest.raises(PlanError) as info:
+                fn(plan, model, chips)
+            assert info.value.key == "plan.schedule" and raw["schedule"] in str(info.value)
+            assert "\n" not in str(info.value)
