@@ -374,10 +374,16 @@ def count_floors(schedule: str, *, k: int, m: int, n_types: int, L: int) -> list
         return [(j_lo, np.zeros(L))]
     if schedule != "zb-h1":
         raise PlanError("plan.schedule", f"schedule={schedule!r}: no memory bound for the search")
-    T = min(k + n_types - 1, m) + 1
+    T = zb_floor_total(k, m=m, n_types=n_types)
     j1 = np.maximum(j_lo, T - m)
-    j2 = np.maximum(j1, min(m, T - 1))
+    j2 = np.maximum(j1, np.minimum(m, T - 1))
     return [(j1, np.maximum(1.0, T - j1)), (j2, np.maximum(1.0, T - j2))]
+
+
+def zb_floor_total(k, *, m: int, n_types: int):
+    """ZB-H1's least awaiting-B plus awaiting-W count of any stage of a chip type with k
+    stages (k: an int, or an array of them): min(p, m) + 1 with p >= k + n_types - 1."""
+    return np.minimum(np.asarray(k, dtype=np.float64) + n_types - 1, m) + 1
 
 
 def chip_choices(
@@ -435,20 +441,23 @@ def chip_choices(
                 if key not in caps_cache:
                     caps_cache[key] = _memory_model(model, chip, table, opts, data=d, tensor=t, microbatch=microbatch)
                 fills = {s: layer_fill_s(model, blk, tensor=t, schedules=(s,)) for s in schedules}
-                for k in ks:
-                    caps = {}
-                    for s in schedules:
-                        floors = count_floors(s, k=k, m=m, n_types=len(cluster.names), L=L)
-                        ckey = (
-                            key,
-                            s,
-                            m,
-                            tuple((float(j[0]), float(q[0]), float(j[-1]), float(q[-1])) for j, q in floors),
-                        )
-                        if ckey not in caps_cache:  # shared by every choice with these counts: one row of _Held
-                            ln, lr = _caps_at(caps_cache[key], floors, L, opts.allow_recompute)
-                            caps_cache[ckey] = StageCaps(ln, lr, fills[s])
-                        caps[s] = caps_cache[ckey]
+                n_types = len(cluster.names)
+                per_k: dict[str, list[StageCaps]] = {}
+                for s in schedules:
+                    # caps depend on k only through ZB-H1's floor total: one object per distinct total,
+                    # shared by every choice with it (one row of _Held), all totals priced at once
+                    tot = zb_floor_total(np.array(ks), m=m, n_types=n_types) if split_backward(s) else np.zeros(len(ks))
+                    want = [v for v in dict.fromkeys(tot.tolist()) if (key, s, m, v) not in caps_cache]
+                    if want:
+                        kk = np.array(want)[:, None] - n_types + 1  # a k with that total
+                        floors = count_floors(s, k=kk, m=m, n_types=n_types, L=L)
+                        ln, lr = _caps_at(caps_cache[key], floors, L, opts.allow_recompute)
+                        ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
+                        for i, v in enumerate(want):
+                            caps_cache[key, s, m, v] = StageCaps(ln[i], lr[i], fills[s])
+                    per_k[s] = [caps_cache[key, s, m, v] for v in tot.tolist()]
+                for ik, k in enumerate(ks):
+                    caps = {s: per_k[s][ik] for s in schedules}
                     loose = StageCaps(
                         np.max([c.max_layers for c in caps.values()], axis=0),
                         np.max([c.max_layers_rc for c in caps.values()], axis=0),
@@ -813,16 +822,27 @@ class _Bounds:
     On a geometric grid of slot times B (from the slot-time bound of all these choices up),
     each choice's `layers_within(B)` is tabulated; a set of choices needs B >= the first
     grid point where they hold all L layers, so the grid point before it bounds max_s t_s
-    from below. The bound is ``(m - 1) B_lb + L min_s a_s`` (sum_s t_s >= L times the
-    fastest per-layer time).
+    from below. The bound is ``(m - 1) B_lb + L min_s a_s + fixed_s`` (sum_s fill_s >= L times
+    the least per-block fill, plus the cheapest embedding and head), with the caps and fills of
+    `schedule` (None: the loosest over the searched schedules).
     """
 
     POINTS = 1000
 
-    def __init__(self, choices: dict[str, list[ChipChoice]], names: Sequence[str], m: int, mb: int, L: int):
-        self.m, self.mb, self.L = m, mb, L
+    def __init__(
+        self,
+        choices: dict[str, list[ChipChoice]],
+        names: Sequence[str],
+        m: int,
+        mb: int,
+        L: int,
+        *,
+        schedule: str | None = None,
+        fixed_s: float = 0.0,
+    ):
+        self.m, self.mb, self.L, self.fixed_s = m, mb, L, fixed_s
         self.lists = [choices[n] for n in names]
-        helds = [_Held(cs) for cs in self.lists]
+        helds = [_Held(cs, schedule) for cs in self.lists]
         self.floor = slot_time_bound(helds, L)
         amax = max(c.layer_rc_s if math.isfinite(c.layer_rc_s) else c.layer_s for cs in self.lists for c in cs)
         top = max(amax * L * 1.01, self.floor * 1.01) if math.isfinite(self.floor) else amax * L * 1.01
@@ -834,7 +854,8 @@ class _Bounds:
         self.suffix_amin = [INF] * (n + 1)
         for i in range(n - 1, -1, -1):
             self.suffix[i] = self.suffix[i + 1] + np.max(self.grids[i], axis=0)
-            self.suffix_amin[i] = min(self.suffix_amin[i + 1], min(c.fill_s for c in self.lists[i]))
+            self.suffix_amin[i] = min(self.suffix_amin[i + 1], min(c.caps[schedule].fill_s for c in self.lists[i]))
+        self.fills = [[c.caps[schedule].fill_s for c in cs] for cs in self.lists]
         self.root = self.bound(self.suffix[0], self.suffix_amin[0])
 
     def bound(self, held: np.ndarray, amin: float) -> float:
@@ -842,14 +863,16 @@ class _Bounds:
         if idx >= len(self.grid) or not math.isfinite(self.floor):
             return INF  # cannot hold the model at any slot time
         b_lb = float(self.grid[idx - 1]) if idx > 0 else self.floor
-        return (self.m - 1) * b_lb + self.L * amin
+        return (self.m - 1) * b_lb + self.L * amin + self.fixed_s
 
 
 class _OutOfTime(Exception):
     """The time budget is spent: the round in progress stops where it is."""
 
 
-def root_bound(choices: dict[str, list[ChipChoice]], *, m: int, L: int, fixed_s: float = 0.0) -> float:
+def root_bound(
+    choices: dict[str, list[ChipChoice]], *, m: int, L: int, fixed_s: float = 0.0, schedule: str | None = None
+) -> float:
     """A lower bound on every plan of one microbatch size (any configuration, any order).
 
     ``T >= (m - 1) B + sum_s t_s`` with B = max_s t_s. B is at least the slot time at which
@@ -861,11 +884,13 @@ def root_bound(choices: dict[str, list[ChipChoice]], *, m: int, L: int, fixed_s:
     program over the types: the pipeline's fill and drain priced with the memory limits
     kept). T(B) is minimised over a grid above the slot-time bound, each interval
     [B_i, B_i+1] counted at its cheapest: ``(m - 1) B_i + F(B_i+1)``. `fixed_s`: seconds
-    every plan pays beyond the blocks (the cheapest embedding and head).
+    every plan pays beyond the blocks (the cheapest embedding and head). `schedule`: the
+    plans of that schedule, with its memory caps and fills (None: of every searched
+    schedule, with the loosest).
     """
     if any(not cs for cs in choices.values()):
         return INF
-    helds = [_Held(cs) for cs in choices.values()]
+    helds = [_Held(cs, schedule) for cs in choices.values()]
     b_lb = slot_time_bound(helds, L)
     if not math.isfinite(b_lb):
         return INF
@@ -897,9 +922,18 @@ def root_bound(choices: dict[str, list[ChipChoice]], *, m: int, L: int, fixed_s:
     # slowest feasible slot already costs
     b_feasible = b_lb * (1 + 1e-7) + 1e-15
     f_feasible = fill(b_feasible)
-    while not math.isfinite(f_feasible):
-        b_feasible *= 1.01
-        f_feasible = fill(b_feasible)
+    if not math.isfinite(f_feasible):  # the first slot time with a split: growing steps, then bisection
+        lo, step = b_feasible, 0.01
+        while not math.isfinite(f_feasible):
+            lo, b_feasible = b_feasible, b_feasible * (1 + step)
+            f_feasible, step = fill(b_feasible), step * 2
+        for _ in range(12):
+            mid = 0.5 * (lo + b_feasible)
+            f_mid = fill(mid)
+            if math.isfinite(f_mid):
+                b_feasible, f_feasible = mid, f_mid
+            else:
+                lo = mid
     b_top = b_feasible + max(0.0, f_feasible - L * amin) / (m - 1)
     grid = np.linspace(b_lb, b_top, 17)
     best = (m - 1) * float(grid[-1]) + L * amin
@@ -966,6 +1000,8 @@ class _Run:
         self.ticks = 0
         self._keyed_cache: dict[int, dict] = {}
         self.mb_bound: dict[int, float] = {}
+        self.schedule_bound: dict[tuple[int, str], float] = {}  # (mb, schedule) -> root bound of its plans
+        self._fixed: dict[tuple[int, str], float] = {}
         self.starts: list[tuple[float, tuple[ChipChoice, ...], int, tuple[str, ...], str]] = []
         self.last_schedule = ""  # the schedule of evaluate's result
         self._ranked_cache: dict[int, dict] = {}
@@ -1000,18 +1036,47 @@ class _Run:
             self.mb_bound[mb] = (self.gb // mb - 1) * b + self.L * min(h.amin for h in helds)
             self.tick()
 
+    def fixed_s(self, mb: int, schedule: str) -> float:
+        """The cheapest embedding and head's fill under `schedule` at microbatch `mb`."""
+        key = (mb, schedule)
+        hit = self._fixed.get(key)
+        if hit is None:
+            hit = _fixed_parts_s(self.cluster, self.model, self.space[mb], mb, self.table, (schedule,))
+            self._fixed[key] = hit
+        return hit
+
     def lower_bound(self, *, timed: bool = True) -> float:
-        """:func:`root_bound` over every microbatch size (each kept: a size whose bound
+        """:func:`root_bound` over every microbatch size, per schedule with its own memory caps
+        and fills, the least over the schedules (each kept: a size or a schedule whose bound
         cannot beat the best plan so far is skipped by every round)."""
         for mb, choices in self.space.items():
-            fixed = _fixed_parts_s(self.cluster, self.model, choices, mb, self.table, self.schedules)
-            self.mb_bound[mb] = root_bound(choices, m=self.gb // mb, L=self.L, fixed_s=fixed)
-            if timed:
-                self.tick()
+            for schedule in self.schedules:
+                self.schedule_bound[mb, schedule] = root_bound(
+                    choices, m=self.gb // mb, L=self.L, fixed_s=self.fixed_s(mb, schedule), schedule=schedule
+                )
+                if timed:
+                    self.tick()
+            self.mb_bound[mb] = min(self.schedule_bound[mb, s] for s in self.schedules)
         return min(self.mb_bound.values(), default=INF)
 
     def hopeless(self, mb: int) -> bool:
         return self.mb_bound.get(mb, 0.0) >= self.best
+
+    def live(self, mb: int, limit: float) -> list[str]:
+        """The schedules whose plans at microbatch `mb` may beat `limit` by their root bound."""
+        return [s for s in self.schedules if self.schedule_bound.get((mb, s), 0.0) < limit]
+
+    def beats(self, config: Sequence[ChipChoice], mb: int, m: int, schedule: str, limit: float) -> bool:
+        """Whether a plan of `config` under `schedule` may beat `limit`: T >= (m - 1) max_s t_s +
+        sum_s fill_s, so it needs a slot time b = (limit - L min fill - embedding and head) /
+        (m - 1) at which the config's stages hold all L blocks within their memory caps."""
+        rest = limit - self.L * min(c.caps[schedule].fill_s for c in config) - self.fixed_s(mb, schedule)
+        if rest <= 0:
+            return False
+        if m == 1:
+            return True
+        b = rest / (m - 1)
+        return sum(float(c.layers_within(b, schedule)) for c in config) >= self.L
 
     def round(self, width: int | None, orders: Sequence[tuple[str, ...]], *, quick: bool = False) -> None:
         """Every configuration of the beam `width` (None: all) in every order of `orders`
@@ -1023,7 +1088,11 @@ class _Run:
                 continue
             if width is not None:
                 choices = beam(choices, self.L, width)
-            per_mb.append(_Bounds(choices, self.names, self.gb // mb, mb, self.L))
+            live = self.live(mb, self.best)
+            # one schedule left: its own caps and fills; several: the loosest over them
+            one = live[0] if len(live) == 1 else None
+            fixed = min(self.fixed_s(mb, s) for s in live)
+            per_mb.append(_Bounds(choices, self.names, self.gb // mb, mb, self.L, schedule=one, fixed_s=fixed))
             self.tick()
         per_mb.sort(key=lambda bd: bd.root)
         for bd in per_mb:
@@ -1198,9 +1267,9 @@ class _Run:
                 self.stats["configs"] += 1
                 self.evaluate(chosen, bd.mb, bd.m, self.quick_orders(orders) if quick else orders)
                 return
-            for c, grid in zip(bd.lists[i], bd.grids[i]):
+            for c, grid, fill in zip(bd.lists[i], bd.grids[i], bd.fills[i]):
                 chosen.append(c)
-                visit(i + 1, held + grid, min(amin, c.fill_s), nstages + c.stages)
+                visit(i + 1, held + grid, min(amin, fill), nstages + c.stages)
                 chosen.pop()
 
         visit(0, np.zeros_like(bd.grid), INF, 0)
@@ -1218,8 +1287,11 @@ class _Run:
         beats the best plan. Returns its best time and order among those below `cutoff`
         (default: the best plan's time; a higher cutoff prices configurations that cannot win
         yet, for local search to start from), else (inf, None); `last_schedule` says which
-        schedule gave that time."""
+        schedule gave that time. A schedule is solved only where its bounds (:meth:`live`,
+        :meth:`beats`: its own memory caps and fills) leave it a chance."""
         schedules = self.schedules if only is None else [only] if isinstance(only, str) else list(only)
+        start = self.best if cutoff is None else max(cutoff, self.best)  # the limit only falls from here
+        schedules = [s for s in self.live(mb, start) if s in schedules and self.beats(config, mb, m, s, start)]
         opts, solver, L = self.opts, self.solver, self.L
         self.stats["solved"] += 1
         by_chip = {c.chip: c for c in config}
