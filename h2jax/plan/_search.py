@@ -21,7 +21,10 @@ Objective: the cost model's iteration time (:mod:`h2jax.plan._cost`); constraint
 stage fits its chip's memory. Per configuration and order each schedule is solved in turn
 (split ones first, so the faster sets the bar); ZB-H1's T_pipe has the same shape
 (``(m - 1) max t + sum fill + max end``, fill and end affine in the layer count), so the
-exact round below covers it unchanged, with the bounds taken over each block's least fill.
+exact round below covers it unchanged. Every bound below is taken per schedule, with that
+schedule's memory caps (:func:`count_floors`) and fills, and a schedule is solved only
+where its own bound leaves it a chance: ZB-H1's shorter fill does not loosen the bound of
+configurations where its extra memory cannot fit.
 
 Why the exact round is exact. For a fixed (mb, per-chip choice, order) every stage's time,
 tail and memory are affine in its layer count, and time and tail grow with it, so the exact
@@ -30,11 +33,13 @@ recompute flags is found by enumerating thresholds B >= max t and G >= max g in 
 order and solving ``min sum t`` under the per-stage layer caps they imply with a min-plus
 dynamic program (numpy), stopping as soon as ``(m - 1) B + G + min sum t`` cannot beat the
 best. Per-chip choices are walked depth first, every order for each; a configuration is
-skipped only when a lower bound of every plan it can give -- ``(m - 1) B_lb + L min_s a_s``,
-with B_lb the slot time below which its stages cannot hold the L whole blocks within their
-memory (:meth:`ChipChoice.layers_within`: a stage with l blocks takes at least l a_s, and
-holds no more than its memory allows with j microbatches in flight, the j-th of a chip
-type's k stages at best j) -- cannot beat the best plan found so far. Nothing else is cut,
+skipped only when a lower bound of every plan it can give -- ``(m - 1) B_lb + L min_s a_s``
+plus the cheapest embedding and head, with B_lb the slot time below which its stages cannot
+hold the L whole blocks within their memory (:meth:`ChipChoice.layers_within`: a stage with
+l blocks takes at least l a_s, and holds no more than its memory allows with the fewest
+microbatches its rank allows in flight: under 1F1B the r-th fewest of a chip type's k
+stages holds at least min(r, m)) -- cannot beat the best plan found so far, under every
+schedule. Nothing else is cut,
 so when the exact round ends every plan of the space was priced or bounded out: the result
 says ``exhaustive``, and the tests hold it to a brute force over the same space on 60
 random instances, and on 20 more with the shared-host term.
@@ -63,8 +68,11 @@ The lower bound reported with the result (:func:`root_bound`) holds for the whol
 per microbatch size, the slot-time bound with every chip type at its best choice, plus the
 pipeline's fill and drain -- ``sum_s t_s`` at least the cheapest split of the L blocks over
 the chip types (each at least one) within their memory-capped capacities at that slot time
--- plus the cheapest embedding and head. A microbatch size whose bound cannot beat the best
-plan so far is skipped by every round. On the mid-size instances the optimum itself
+-- plus the cheapest embedding and head; per schedule, the least over the schedules. A
+microbatch size (or one schedule at it) whose bound cannot beat the best plan so far is
+skipped by every round. ZB-H1's caps know a chip type's own stage count k only (every
+stage holds at least min(p, m) + 1 microbatches awaiting B or W, with p >= k + the other
+chip types), so its bound stays looser than 1F1B's where its memory would not fit. On the mid-size instances the optimum itself
 sits some 20-80 % above it (the bound ignores transfers, tails and that the stages of all chip
 types share one sequence of in-flight counts), so a gap of that size at scale is the
 bound's, not necessarily the search's.
