@@ -466,15 +466,23 @@ def chip_choices(
                     per_k[s] = [caps_cache[key, s, m, v] for v in tot.tolist()]
                 for ik, k in enumerate(ks):
                     caps = {s: per_k[s][ik] for s in schedules}
-                    loose = StageCaps(
-                        np.max([c.max_layers for c in caps.values()], axis=0),
-                        np.max([c.max_layers_rc for c in caps.values()], axis=0),
-                        min(fills.values()),
-                    )
+                    if "1f1b" in caps:  # its caps are the loosest: its floors lie below the others'
+                        lkey = (key, m, "loose")
+                        if lkey not in caps_cache:
+                            one = caps["1f1b"]
+                            caps_cache[lkey] = StageCaps(one.max_layers, one.max_layers_rc, min(fills.values()))
+                        loose = caps_cache[lkey]
+                    else:
+                        loose = StageCaps(
+                            np.max([c.max_layers for c in caps.values()], axis=0),
+                            np.max([c.max_layers_rc for c in caps.values()], axis=0),
+                            min(fills.values()),
+                        )
+                        lkey = (key, m, loose.max_layers.tobytes(), loose.max_layers_rc.tobytes(), loose.fill_s)
+                        loose = caps_cache.setdefault(lkey, loose)  # one object per value: one row of _Held
                     if loose.max_layers_rc[0] < 1:
                         continue  # not even one block fits a stage of this shape
-                    lkey = (key, m, loose.max_layers.tobytes(), loose.max_layers_rc.tobytes(), loose.fill_s)
-                    caps[None] = caps_cache.setdefault(lkey, loose)  # one object per value: one row of _Held
+                    caps[None] = loose
                     choices.append(ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps))
         choices.sort(key=lambda c: (-c.capability, c.stages, c.tensor))
         out[chip.name] = choices
