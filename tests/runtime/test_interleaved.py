@@ -246,7 +246,13 @@ CHUNKED_PLANS = {
         {"model.n_kv_heads": "2", "model.tie_embeddings": "true"},
     ),
 }
-FAST = ("interleaved-2st-uneven-tp", "zb-v-2st-uneven-tp")
+FAST = ("interleaved-2st-uneven-tp", "zb-v-2st-uneven-tp")  # the timeline and dropout tests' plans
+SMALL = {  # the fast lane: one step on one-device stages (compiling four chunk programs dominates)
+    "interleaved": (4, [C("sim_a", [(0, 1), (2, 3)]), C("sim_b", [(1, 2), (3, 4)], recompute=True)]),
+    "zb-v": (4, [C("sim_a", [(0, 1), (3, 4)]), C("sim_b", [(1, 2), (2, 3)], recompute=True)]),
+    # v = 1: interleaved's grouping of forwards with one range per stage (no chunk 1 tasks)
+    "interleaved-v1": (4, [C("sim_a", [(0, 2)]), C("sim_b", [(2, 4)])]),
+}
 
 
 def chunked_cfg(name: str, **extra: str):
@@ -263,7 +269,35 @@ def _bad(got, want):
     return {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
 
 
-@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CHUNKED_PLANS])
+@pytest.mark.parametrize("schedule", sorted(SMALL))
+def test_one_chunked_step_equals_sequential(schedule, tmp_path):
+    """The fast lane's check: the loss and every gradient of one step (the slow test below
+    runs 3 steps with updates on 8 plans)."""
+    import jax
+
+    from h2jax.models import build_model
+    from h2jax.runtime import flatten, reference_loss_and_grads
+    from tests.runtime.test_pipeline_equivalence import TOL, plan_cfg
+
+    n_layers, stages = SMALL[schedule]
+    cfg = plan_cfg(n_layers, schedule.removesuffix("-v1"), stages)
+    trainer = Trainer(cfg, run_dir=tmp_path)
+    assert len(trainer.stages) == 2 * cfg.plan.num_chunks
+    # the memory check: one entry per stage, every chunk's parameters (4 blocks + embed + head over 2 stages)
+    assert len(trainer.memory) == 2 and all(m.activations > 0 for m in trainer.memory)
+    params = sum(m.params for m in trainer.memory)
+    assert params == sum(x.nbytes for st in trainer.stages for x in jax.tree.leaves(st.params))
+    tokens, targets = trainer.batch(0)
+    ref_loss, ref_grads = reference_loss_and_grads(build_model(cfg.model, seed=cfg.seed), tokens, targets)
+    loss = float(trainer.forward_backward(0))
+    assert abs(loss - ref_loss) <= TOL, (loss, ref_loss)
+    bad = _bad(trainer.grads_by_layer(), flatten(ref_grads))
+    assert not bad, f"gradients differ: {bad}"
+    trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CHUNKED_PLANS))
 def test_chunked_pipeline_equals_sequential(name, tmp_path):
     import jax
     import optax
