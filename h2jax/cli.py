@@ -56,7 +56,7 @@ def _plan_table(cfg) -> Table:
             str(s),
             st.chip + (" (emulated)" if chip.emulated else ""),
             f"{st.data} x {st.tensor}",
-            f"{st.layers[0]}-{st.layers[1] - 1}",
+            ", ".join(f"{a}-{b - 1}" for a, b in st.layer_chunks),  # every chunk (interleaved, zb-v)
             "yes" if st.recompute else "no",
             f"{chip.memory_gib:g} GiB",
         )

@@ -177,7 +177,9 @@ def run_level(
         describe[chip.name] = chip.describe()
     if plan is not None:
         timed("plan", lambda: train_losses(exp, plan, host, steps))
-        stages = ", ".join(f"{s.chip} {s.layers[0]}-{s.layers[1] - 1}" for s in exp.cfg.plan.stages)
+        stages = ", ".join(
+            f"{s.chip} " + " ".join(f"{a}-{b - 1}" for a, b in s.layer_chunks) for s in exp.cfg.plan.stages
+        )
         describe["plan"] = f"stages {stages}; each layer under its chip's policy, sequential on the host"
     if trainer_dir is not None:
         timed("trainer", lambda: trainer_losses(exp.cfg, steps, trainer_dir))

@@ -242,8 +242,11 @@ def plan_policy(cfg: Any, chips: Sequence[ChipTarget]) -> ScopedPolicy:
 
     stages = cfg.plan.stages
     scopes: list[tuple[str, NumericsPolicy]] = [("embed", policy(stages[0].chip))]
+    last = stages[-1].chip  # the chip of the stage that holds the last layer (zb-v: stage 0), hence the head
     for spec in stages:
-        for layer in range(*spec.layers):
-            scopes.append((f"blocks.{layer}", policy(spec.chip)))
-    scopes.append(("head", policy(stages[-1].chip)))
-    return ScopedPolicy(default=policy(stages[-1].chip), scopes=tuple(scopes))
+        for start, end in spec.layer_chunks:  # every chunk of a stage (interleaved, zb-v)
+            scopes.extend((f"blocks.{layer}", policy(spec.chip)) for layer in range(start, end))
+            if end == cfg.model.n_layers:
+                last = spec.chip
+    scopes.append(("head", policy(last)))
+    return ScopedPolicy(default=policy(last), scopes=tuple(scopes))

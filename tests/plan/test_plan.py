@@ -228,7 +228,8 @@ B = StageSpec("sim_b", (2, 4))
             "plan.stages[1]",
             ["data*tensor = 2*4 = 8 devices of chip sim_b, a node has 4"],
         ),
-        (_plan([A, B], schedule="zb-v"), {}, "plan.schedule", ["schedule='zb-v' is not one of gpipe, 1f1b"]),
+        (_plan([A, B], schedule="zb-x"), {}, "plan.schedule", ["schedule='zb-x' is not one of gpipe, 1f1b"]),
+        (_plan([A, B], schedule="zb-v"), {}, "plan.stages[0].chunks", ["schedule zb-v needs exactly 2"]),
     ],
 )
 def test_check_plan_errors(plan, kwargs, key, texts):

@@ -171,7 +171,7 @@ def test_multiprocess_equals_single_process(plan, transport, tmp_path):
     trace = json.loads((run / "trace.json").read_text())
     kinds = {e["args"]["kind"] for e in trace["traceEvents"] if e["ph"] == "X"}
     # ffi: the transfers run inside the stage programs; host and ffi-call: as events of their own
-    assert kinds == ({"fwd", "bwd"} if transport == "ffi" else {"fwd", "bwd", "send", "recv"})
+    assert kinds == ({"fwd", "bwd", "update"} if transport == "ffi" else {"fwd", "bwd", "send", "recv", "update"})
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
