@@ -53,7 +53,7 @@ def test_train_tiny_through_the_cli(tmp_path):
     # the trace of the run: every fwd/bwd with its args, in an order the schedule allows
     trace = json.loads((run / "trace.json").read_text())
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert {e["args"]["kind"] for e in complete} == {"fwd", "bwd", "send", "recv"}
+    assert {e["args"]["kind"] for e in complete} == {"fwd", "bwd", "send", "recv", "update"}
     assert all({"step", "stage", "microbatch", "kind"} <= set(e["args"]) for e in complete)
     events = load_trace(run / "trace.json")
     for step in range(4):
