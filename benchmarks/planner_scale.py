@@ -22,6 +22,7 @@ max_default_over_optimum and optimum_gap_to_bound (min, median, max).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -42,6 +43,7 @@ CLUSTERS = ["mixed_gaudi2_h100", "hetero_1024", "hetero_2432", "hetero_10000"]
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     result: dict = {k: {} for k in ("search_s", "cpu_s", "iteration_s", "lower_bound_s", "gap", "ratio_same_batch")}
     print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(

@@ -10,11 +10,11 @@ stages hold two chunks of a quarter of the layers each) trains ``--steps`` steps
 ``--rounds`` rounds (round-robin over schedule and m, so drift of a shared machine hits
 all alike) and every number is a median. Beside each measured step time:
 
-- the prediction of the schedule's replay (``h2jax.plan.timed_events``: the schedule's op
-  lists placed as early as their dependencies allow) from the F, B and W durations
-  measured in that same run, plus the measured optimizer update; transfers count as zero
-  (they are shared-memory copies here). h2jax.plan.simulate does not yet replay W tasks,
-  so this replay stands in for it;
+- the simulator's prediction (``h2jax.plan.simulate``: the schedule's op lists replayed
+  event by event) from the F, B and W durations measured in that same run (per stage,
+  median over its tasks; a chunk's task takes half its stage's), plus the measured
+  optimizer update (it follows the step-end gradient sync, after every stage's last task);
+  transfers count as zero (they are shared-memory copies here);
 - the bubble fraction measured from the recorded timeline (idle / (stages x makespan) of
   the compute events of a step) and the replay's.
 
@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h2jax.launch import find_mpirun  # noqa: E402
-from h2jax.plan import RUN_SCHEDULES, get_schedule, idle_fraction, timed_events  # noqa: E402
+from h2jax.plan import RUN_SCHEDULES, idle_fraction, simulate  # noqa: E402
 
 WANTED = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 CHUNKED = ("interleaved", "zb-v")  # two layer chunks per stage
@@ -123,15 +123,20 @@ def analyse(summary: dict, trace: dict, schedule: str, m: int) -> dict:
         return [float(np.median(dur[(kind, s)])) if dur[(kind, s)] else 0.0 for s in range(p)]
 
     f, b, w = med("F"), med("B"), med("W")
-    sched = get_schedule(schedule, p, m)
-    replay = timed_events(sched, forward=f, backward=b, weight=w)
-    makespan = max(e[4] for e in replay)
+    v = 2 if schedule in CHUNKED else 1  # the simulator takes a stage's seconds and runs each chunk at 1 / v
     upd = float(np.median(update)) if update else 0.0
+    sim = simulate(
+        schedule=schedule,
+        num_microbatches=m,
+        fwd=[v * x for x in f],
+        bwd=[v * x for x in b],
+        wgt=[v * x for x in w] if schedule in ("zb-h1", "zb-v") else None,
+    )
     return {
         "step_s": summary["median_step_time_s"],
-        "predicted_s": makespan + upd,
+        "predicted_s": sim.pipeline_s + upd,  # the update follows the step-end sync, after every stage
         "bubble": float(np.median([idle_fraction(ev, p) for ev in per_step.values()])),
-        "bubble_predicted": idle_fraction(replay, p),
+        "bubble_predicted": sim.bubble_fraction,
         "fwd_ms": [x * 1e3 for x in f],
         "bwd_ms": [x * 1e3 for x in b],
         "wgt_ms": [x * 1e3 for x in w],
@@ -172,7 +177,7 @@ def main() -> None:
         f"2 stages x {args.layers // 2} layers (two chunks of {args.layers // 4} for interleaved, zb-v), d_model {args.d_model}, seq {args.seq_len}, microbatch "
         f"{args.microbatch}; mpirun --bind-to core, {args.rounds} rounds, medians"
     )
-    print(f"{'schedule':<12}{'m':>3}{'step ms':>10}{'replay ms':>11}{'err':>7}{'bubble':>8}{'replay':>8}  F/B/W ms")
+    print(f"{'schedule':<12}{'m':>3}{'step ms':>10}{'sim ms':>11}{'err':>7}{'bubble':>8}{'sim':>8}  F/B/W ms per task")
     errors = []
     for m in MICROBATCHES:
         for s in have:

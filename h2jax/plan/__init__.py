@@ -7,6 +7,7 @@ reverse.
 """
 
 from h2jax.plan._plan import (
+    CHUNKED_SCHEDULES,
     RUN_SCHEDULES,
     SCHEDULES,
     Plan,
@@ -14,6 +15,7 @@ from h2jax.plan._plan import (
     StageSpec,
     assign_devices,
     check_plan,
+    chunked_variant,
     even_layers,
 )
 from h2jax.plan._reshard import Transfer, bytes_crossing, reshard_pattern
@@ -37,6 +39,7 @@ from h2jax.plan._schedule import (
 )
 
 __all__ = [
+    "CHUNKED_SCHEDULES",
     "RUN_SCHEDULES",
     "SCHEDULES",
     "Event",
@@ -57,6 +60,7 @@ __all__ = [
     "bytes_crossing",
     "check_execution",
     "check_plan",
+    "chunked_variant",
     "even_layers",
     "get_schedule",
     "grid_events",

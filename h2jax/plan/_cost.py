@@ -43,6 +43,20 @@ and never exceeds 1F1B's T_pipe of the same plan. On 900 random uneven pipelines
 up to 4x apart, p = 2..8, m = p..4p, no transfers) it lay between 0.7 % below and 11 %
 above the event replay, 1.3-2.7 % above on average (1F1B's formula: up to 20 % above).
 
+Chunked schedules (a stage holds v layer chunks, each its own program: interleaved with v =
+2 or more, zb-v with 2 in a V; the simulator and this model take the chunks as even, 1/v of
+the stage each). A stage's seconds are its parts' (the embedding with the stage holding model
+position 0, the head with the one holding the last: zb-v puts both on stage 0) plus a program
+call per chunk; its activations are counted per (chunk, microbatch), each 1/v of the stage's,
+with the schedule's own peak counts (:func:`in_flight`, :func:`pending_weight_grads`). Every
+boundary is crossed once per chunk each way, which the shared-host terms count. T_pipe keeps
+the shape above with the schedule's (fill, end) (:func:`schedule_terms`): interleaved (t / v,
+t - t / v + tail), Megatron's m t + (p - 1) t / v on equal stages; zb-v (g, t - g + tail), g =
+max(f, b, f + b - 2w, 2(b - w)) of one chunk's F, B, W, which on equal stages is the replay's
+m t + (p - 1) g for any F, B, W with B >= F. On 120 random uneven pipelines each (stages ~10x
+apart, transfers from negligible to dominant; tests/plan/test_chunked_cost.py) interleaved's
+lay -0.9 to +10.2 % from the replay (mean +2.7 %), zb-v's -4.4 to +7.9 % (mean +1.9 %).
+
 Shared hosts (``ChipProfile.host``; emulated chips all compute on the job's own machine):
 the stages of host h share its C_h cores. A stage's program keeps `cores` of them busy
 on average while it runs alone (measured by ``h2jax profile``: from how much slower
@@ -109,7 +123,17 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from h2jax.plan._plan import SCHEDULES, Plan, PlanError, StageSpec, assign_devices
+import numpy as np
+
+from h2jax.plan._plan import (
+    CHUNKED_SCHEDULES,
+    RUN_SCHEDULES,
+    Plan,
+    PlanError,
+    StageSpec,
+    assign_devices,
+    chunked_variant,
+)
 from h2jax.plan._profiles import (
     GB,
     GIB,
@@ -192,6 +216,7 @@ class StageCost:
     w_s: float = 0.0  # the weight-gradient (W) part of bwd_s in a split schedule (0: unsplit)
     w_hidden_s: float = 0.0  # the W work that fills the schedule's waits for B (module docstring)
     pending_w: int = 0  # microbatches whose W has not run after their B (at most at once)
+    chunks: int = 1  # layer chunks the stage holds (interleaved, zb-v); in_flight, pending_w count chunks
 
     @property
     def t(self) -> float:
@@ -240,6 +265,7 @@ class PlanCost:
     host_bound_s: dict[str, float] = field(default_factory=dict)  # host -> W_h / C_h (module docstring)
     host_work_s: dict[str, float] = field(default_factory=dict)  # host -> W_h, core-seconds per step
     host_cores: dict[str, int] = field(default_factory=dict)  # host -> C_h
+    transfer_wrap: tuple[float, float] = (0.0, 0.0)  # interleaved: last stage -> stage 0, and back
 
     @property
     def fits(self) -> bool:
@@ -311,16 +337,21 @@ def allreduce_s(nbytes: float, n: int, bw_gbps: float, eff: Efficiency) -> float
     return 2 * (n - 1) / n * nbytes / (bw_gbps * GB * eff.link) + eff.collective_latency_s
 
 
-def in_flight(schedule: str, num_stages: int, num_microbatches: int, stage_idx: int) -> int:
+def in_flight(
+    schedule: str, num_stages: int, num_microbatches: int, stage_idx: int, num_chunks: int | None = None
+) -> int:
     """Microbatches whose activations stage `stage_idx` holds at once awaiting their backward
-    (B): the schedule's own count (GPipe m, 1F1B and ZB-H1 min(p - s, m))."""
-    return memory_counts(schedule, num_stages, num_microbatches)[stage_idx][0]
+    (B): the schedule's own count (GPipe m, 1F1B and ZB-H1 min(p - s, m); interleaved and
+    zb-v count (chunk, microbatch) pairs, each a chunk's activations)."""
+    return memory_counts(schedule, num_stages, num_microbatches, num_chunks)[stage_idx][0]
 
 
-def pending_weight_grads(schedule: str, num_stages: int, num_microbatches: int, stage_idx: int) -> int:
+def pending_weight_grads(
+    schedule: str, num_stages: int, num_microbatches: int, stage_idx: int, num_chunks: int | None = None
+) -> int:
     """Microbatches whose W stage `stage_idx` holds back after their B at once (0 unsplit;
-    ZB-H1 min(s + 1, m): the lag that lets the later stages' B's run first)."""
-    return memory_counts(schedule, num_stages, num_microbatches)[stage_idx][1]
+    ZB-H1 min(s + 1, m): the lag that lets the later stages' B's run first; zb-v in chunks)."""
+    return memory_counts(schedule, num_stages, num_microbatches, num_chunks)[stage_idx][1]
 
 
 @functools.cache
@@ -330,24 +361,18 @@ def split_backward(schedule: str) -> bool:
 
 
 def check_priced(schedule: str) -> None:
-    """Refuse a schedule the cost model does not price: those whose stages hold several layer
-    chunks (interleaved, zb-v), whose per-chunk costs and transfers it has no terms for yet;
-    h2jax.plan.simulate replays them from given durations."""
-    if schedule not in SCHEDULES:
-        raise PlanError(
-            "plan.schedule",
-            f"schedule={schedule!r}: the cost model and the search price {', '.join(SCHEDULES)} (one layer "
-            f"range per stage) only; h2jax.plan.simulate replays {schedule!r} from given F, B, W durations",
-        )
+    """Refuse a schedule the cost model does not know (every schedule a plan may name is priced)."""
+    if schedule not in RUN_SCHEDULES:
+        raise PlanError("plan.schedule", f"schedule={schedule!r}; expected one of {', '.join(RUN_SCHEDULES)}")
 
 
 def searched_schedules(schedule: str | None, schedules: Sequence[str]) -> tuple[str, ...]:
     """The schedules a search prices: `schedule` alone, or (None) each of `schedules` --
     less GPipe beside 1F1B, which this model gives 1F1B's time and at least 1F1B's memory.
-    Schedules the cost model does not price are refused (:func:`check_priced`)."""
+    Schedules the cost model does not know are refused (:func:`check_priced`)."""
     names = (schedule,) if schedule is not None else tuple(dict.fromkeys(schedules))
     if not names:
-        raise PlanError("schedules", "no schedule to search; expected one or more of " + ", ".join(SCHEDULES))
+        raise PlanError("schedules", "no schedule to search; expected one or more of " + ", ".join(RUN_SCHEDULES))
     for name in names:
         check_priced(name)
     if "1f1b" in names and len(names) > 1:
@@ -357,13 +382,20 @@ def searched_schedules(schedule: str | None, schedules: Sequence[str]) -> tuple[
 
 def part_fill_s(model: ModelShape, name: str, part: LayerCost, *, tensor: int, schedules: Sequence[str]) -> float:
     """The least one part ("embed", "block", "head") adds to sum_s fill_s (:func:`schedule_terms`)
-    under any of `schedules`: fwd + bwd, less twice the W it hides in a split schedule (the
-    search's lower bounds)."""
+    under any of `schedules` (the search's lower bounds): fwd + bwd; less twice the W it hides
+    under ZB-H1; (fwd + bwd) / 2 under interleaved (v = 2); under ZB-V half its forward (a
+    stage's fill is at least its chunk forward, half the stage's)."""
     full = part.fwd_s + part.bwd_s
-    if any(split_backward(s) for s in schedules):
-        share = weight_grad_share(model, tensor=tensor)[name]
-        return full - 2 * min(share * part.bwd_s, part.fwd_s)
-    return full
+    least = full
+    for s in schedules:
+        if s == "interleaved":
+            least = min(least, full / 2)
+        elif s == "zb-v":
+            least = min(least, part.fwd_s / 2)
+        elif split_backward(s):
+            share = weight_grad_share(model, tensor=tensor)[name]
+            least = min(least, full - 2 * min(share * part.bwd_s, part.fwd_s))
+    return least
 
 
 def layer_fill_s(model: ModelShape, block: LayerCost, *, tensor: int, schedules: Sequence[str]) -> float:
@@ -431,6 +463,7 @@ def stage_cost(
     opts: CostOptions = CostOptions(),
     split: bool = False,
     pending_w: int = 0,
+    chunks: int = 1,
 ) -> StageCost:
     """Cost of one stage holding `layers` blocks (plus embedding if `first`, head if `last`).
 
@@ -438,6 +471,9 @@ def stage_cost(
     `in_flight` microbatches await their backward at most at once. `split`: the schedule
     runs the backward as B and W (:func:`weight_grad_share`; W is a program call of its own),
     and `pending_w` microbatches keep what W needs (:func:`weight_grad_keep_bytes`) at once.
+    `chunks`: the stage holds its blocks as that many even layer chunks (interleaved, zb-v):
+    every chunk is a program of its own (one call each per forward, B and W), and `in_flight`
+    and `pending_w` count (chunk, microbatch) pairs, each 1 / chunks of the stage's activations.
     """
     table = table if table is not None else _DEFAULT_TABLE
     eff = table.eff
@@ -457,9 +493,9 @@ def stage_cost(
     if recompute:  # the backward program runs the forward again (inside the same program)
         bwd += fwd
         bwd_w += fwd_w
-        activations = in_flight * inp + act
+        activations = in_flight * inp + act / chunks
     else:
-        activations = in_flight * act
+        activations = in_flight * act / chunks
     wgt = hidden = 0.0
     if split:
         share = weight_grad_share(model, tensor=tensor)
@@ -469,17 +505,17 @@ def stage_cost(
         # W fills a wait for B at most as long as the forward it stands in for, part by part
         hidden = sum(n * min(sh * p.bwd_s, p.fwd_s) for p, n, sh in counted)
         keep = weight_grad_keep_bytes(model, tensor=tensor, microbatch_per_device=max(1, microbatch // data))
-        activations += pending_w * sum(n * keep[k] for k, n in zip(names, (layers, int(first), int(last))))
+        activations += pending_w / chunks * sum(n * keep[k] for k, n in zip(names, (layers, int(first), int(last))))
     prog = parts.get(PROGRAM)
-    if prog is not None:  # one call per program, whatever it fuses
-        fwd += prog.fwd_s
-        bwd += prog.bwd_s
-        fwd_w += prog.fwd_s * _cores(prog.fwd_cores)
-        bwd_w += prog.bwd_s * _cores(prog.bwd_cores)
+    if prog is not None:  # one call per program, whatever it fuses; a program per chunk
+        fwd += chunks * prog.fwd_s
+        bwd += chunks * prog.bwd_s
+        fwd_w += chunks * prog.fwd_s * _cores(prog.fwd_cores)
+        bwd_w += chunks * prog.bwd_s * _cores(prog.bwd_cores)
         if split:  # W is a second backward program
-            bwd += prog.bwd_s
-            wgt += prog.bwd_s
-            bwd_w += prog.bwd_s * _cores(prog.bwd_cores)
+            bwd += chunks * prog.bwd_s
+            wgt += chunks * prog.bwd_s
+            bwd_w += chunks * prog.bwd_s * _cores(prog.bwd_cores)
     z = data * tensor
     bw = chip.intra_node_gbps if z <= chip.devices_per_node else chip.inter_node_gbps
     sync = allreduce_s(pbytes, data, bw, eff)
@@ -529,6 +565,7 @@ def stage_cost(
         w_s=wgt,
         w_hidden_s=hidden,
         pending_w=pending_w,
+        chunks=chunks,
     )
 
 
@@ -561,14 +598,42 @@ def transfer_s(
     return t
 
 
+def pipeline_terms(schedule: str, *, t, fwd, b, w, hidden, tail, chunks: int = 1):
+    """(fill, end) of :func:`schedule_terms` from a stage's seconds (floats, or numpy arrays
+    over layer counts: the search prices every count at once): t = fwd + b + w, b the
+    input-gradient part of the backward, w its weight-gradient part, hidden the W that fills
+    waits for B (ZB-H1), tail the gradient sync and update."""
+    if schedule == "interleaved":
+        fill = t / chunks
+        return fill, t - fill + tail
+    if schedule == "zb-v":
+        f, bc, wc = fwd / 2, b / 2, w / 2
+        g = np.maximum(np.maximum(f, bc), np.maximum(f + bc - 2 * wc, 2 * (bc - wc)))
+        return g, t - g + tail
+    if split_backward(schedule):
+        return t - 2 * hidden, tail + 2 * hidden
+    return t, tail
+
+
 def schedule_terms(stage: StageCost, schedule: str) -> tuple[float, float]:
     """(fill, end) of one stage in T_pipe = (m - 1) P + sum_s fill_s + transfers + max_s end_s
     (module docstring): (t, tail) unsplit; ZB-H1 (t - 2 h, tail + 2 h) with h its W work
     that fills the waits for B (``w_hidden_s``), which gives the paper's (p - 1)(F + B - W)
-    bubble on equal stages."""
-    if split_backward(schedule):
-        return stage.t - 2 * stage.w_hidden_s, stage.tail_s + 2 * stage.w_hidden_s
-    return stage.t, stage.tail_s
+    bubble on equal stages. Interleaved with v chunks: (t / v, t - t / v + tail), Megatron's
+    m t + (p - 1) t / v on equal stages. ZB-V: (g, t - g + tail) with g = max(f, b, f + b -
+    2w, 2(b - w)) of one chunk's F, B, W (half the stage's): on equal stages m t + (p - 1) g,
+    which the replay gives for any F, B, W with B >= F (p - 1 idle forwards when F = B = W)."""
+    fill, end = pipeline_terms(
+        schedule,
+        t=stage.t,
+        fwd=stage.fwd_s,
+        b=stage.b_s,
+        w=stage.w_s,
+        hidden=stage.w_hidden_s,
+        tail=stage.tail_s,
+        chunks=stage.chunks,
+    )
+    return float(fill), float(end)
 
 
 def pipeline_time(
@@ -617,39 +682,56 @@ def estimate(
     mb = plan.microbatch_size
     check_priced(plan.schedule)
     split = split_backward(plan.schedule)
+    # chunked schedules: a stage holds v even chunks; the embedding and the head sit with the
+    # stages holding the first and the last model position (zb-v: both on stage 0)
+    v = plan.num_chunks
+    chunked = plan.schedule in CHUNKED_SCHEDULES
+    ends = plan.positions() if chunked else ((0, 0), (n - 1, 0))
+    first_stage, last_stage = ends[0][0], ends[-1][0]
+    unit = "(chunk, microbatch) activations" if chunked else "microbatches"
     reasons: list[str] = []
     stages: list[StageCost] = []
     for i, s in enumerate(plan.stages):
         chip = profiles[s.chip]
+        counts = dict(num_stages=n, num_microbatches=m, stage_idx=i, num_chunks=v if chunked else None)
         sc = stage_cost(
             model,
             chip,
             layers=s.num_layers,
-            first=i == 0,
-            last=i == n - 1,
+            first=i == first_stage,
+            last=i == last_stage,
             data=s.data,
             tensor=s.tensor,
             microbatch=mb,
             recompute=s.recompute,
-            in_flight=in_flight(plan.schedule, n, m, i),
+            in_flight=in_flight(plan.schedule, **counts),
             table=table,
             opts=opts,
             split=split,
-            pending_w=pending_weight_grads(plan.schedule, n, m, i),
+            pending_w=pending_weight_grads(plan.schedule, **counts),
+            chunks=v,
         )
         stages.append(sc)
         if not sc.fits:
             reasons.append(
                 f"stage {i} ({s.chip} {s.data}x{s.tensor}, {s.num_layers} layers, recompute "
-                f"{'on' if s.recompute else 'off'}, {sc.in_flight} microbatches in flight"
+                f"{'on' if s.recompute else 'off'}, {sc.in_flight} {unit} in flight"
                 + (f", {sc.pending_w} awaiting W" if sc.pending_w else "")
                 + ") needs "
                 f"{sc.memory.describe()} per device; {s.chip} has {sc.memory_limit / GIB:.2f} GiB"
             )
     fwd_x, bwd_x = boundary_transfers(plan.stages, model, profiles, microbatch=mb, eff=table.eff, table=table)
+    wrap = (0.0, 0.0)
+    if plan.schedule == "interleaved" and v > 1 and n > 2:  # chunk c of the last stage feeds chunk c + 1 of stage 0
+        (wf,), (wb,) = boundary_transfers(
+            [plan.stages[-1], plan.stages[0]], model, profiles, microbatch=mb, eff=table.eff, table=table
+        )
+        wrap = (wf, wb)
     stages, step_s, step_cpu = with_driver(stages, table)
     cores = shared_host_cores(plan.stages, [s.host for s in stages], profiles, table)
     moves = transfer_jobs(plan.stages, model, profiles, fwd_x, bwd_x, microbatch=mb, table=table)
+    if chunked:  # every boundary is crossed once per chunk each way per microbatch
+        moves = {h: jobs * v for h, jobs in moves.items()}
     nodes = {p.name: k for p, k in cluster.chips} if isinstance(cluster, Cluster) else None
     clients = shared_clients(plan, profiles, nodes) if opts.host_contention else []
     period = steady_period(stages, cores, m, extra=step_cpu, transfers=moves, clients=clients)
@@ -677,6 +759,7 @@ def estimate(
         host_work_s=work,
         host_cores=cores,
         driver_step_s=step_s,
+        transfer_wrap=wrap,
     )
 
 
@@ -687,11 +770,24 @@ def schedule_estimates(
     *,
     table: ProfileTable | None = None,
     opts: CostOptions = CostOptions(),
-    schedules: Sequence[str] = SCHEDULES,
-) -> dict[str, PlanCost]:
+    schedules: Sequence[str] = RUN_SCHEDULES,
+) -> dict[str, PlanCost | str]:
     """The same stages and batch priced under each of `schedules` (``h2jax plan`` prints them
-    beside the one it chose): the time each schedule takes, and whether it still fits."""
-    return {s: estimate(replace(plan, schedule=s), model, cluster, table=table, opts=opts) for s in schedules}
+    beside the one it chose): the time each schedule takes, and whether it still fits. A
+    chunked schedule (interleaved v = 2, zb-v) gets each stage's blocks as even chunks
+    (:func:`h2jax.plan.chunked_variant`), or, where it cannot run these stages, the reason."""
+    out: dict[str, PlanCost | str] = {}
+    for s in schedules:
+        if s in CHUNKED_SCHEDULES:
+            try:
+                variant = chunked_variant(plan, s)
+            except PlanError as e:
+                out[s] = e.message
+                continue
+        else:
+            variant = replace(plan, schedule=s)
+        out[s] = estimate(variant, model, cluster, table=table, opts=opts)
+    return out
 
 
 def with_driver(stages: list[StageCost], table: ProfileTable) -> tuple[list[StageCost], float, dict[str, float]]:
@@ -705,8 +801,11 @@ def with_driver(stages: list[StageCost], table: ProfileTable) -> tuple[list[Stag
         if d is None:
             out.append(s)
             continue
-        extra_f = d.op_cpu_s + (d.transfer_cpu_s if i < n - 1 else 0.0)
-        extra_b = d.op_cpu_s * (2 if s.w_s > 0 else 1) + (d.transfer_cpu_s if i > 0 else 0.0)  # B and W: two ops
+        # per chunk (a program and a boundary tensor each; one chunk: the ends send one way only)
+        sends_f = s.chunks if s.chunks > 1 else int(i < n - 1)
+        sends_b = s.chunks if s.chunks > 1 else int(i > 0)
+        extra_f = s.chunks * d.op_cpu_s + sends_f * d.transfer_cpu_s
+        extra_b = s.chunks * d.op_cpu_s * (2 if s.w_s > 0 else 1) + sends_b * d.transfer_cpu_s  # B and W: two ops
         out.append(
             replace(
                 s,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,8 +24,9 @@ from h2jax.plan._schedule import get_schedule
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zb-h1")
 """Schedules of one layer range per stage: the runtime runs them and the planner prices them."""
 CHUNKED_SCHEDULES: tuple[str, ...] = ("interleaved", "zb-v")
-"""Schedules whose stages hold several layer chunks (``chunks``): the runtime runs them; the
-cost model and the search do not price them yet (they refuse them with a line)."""
+"""Schedules whose stages hold several layer chunks (``chunks``): the runtime runs them and the
+cost model prices them; the search does not choose them (``h2jax plan`` prices them on the
+searched plan's stages, :func:`chunked_variant`)."""
 RUN_SCHEDULES: tuple[str, ...] = SCHEDULES + CHUNKED_SCHEDULES
 """Every schedule a plan may name (what :func:`check_plan` accepts and the runtime runs)."""
 
@@ -664,3 +665,37 @@ def even_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
+
+
+def chunked_variant(plan: Plan, schedule: str, num_chunks: int = 2) -> Plan:
+    """The same stages (chip, mesh, recompute and block count each) under a chunked schedule
+    (interleaved with `num_chunks` chunks per stage; zb-v: 2): each stage's blocks as even
+    chunks (the earlier chunks one block larger where they do not divide), in the model order
+    `schedule` gives chunk c of stage s. What ``h2jax plan`` prices beside the searched plan.
+    A stage with fewer blocks than chunks, or a microbatch count the schedule cannot run, is a
+    PlanError naming the key."""
+    if schedule not in CHUNKED_SCHEDULES:
+        raise PlanError("plan.schedule", f"schedule={schedule!r}; expected one of {', '.join(CHUNKED_SCHEDULES)}")
+    v = 2 if schedule == "zb-v" else num_chunks
+    for i, st in enumerate(plan.stages):
+        if st.num_layers < v:
+            raise PlanError(
+                f"plan.stages[{i}]", f"holds {st.num_layers} block(s); {schedule} needs {v} chunks per stage"
+            )
+    try:
+        sched = get_schedule(
+            schedule, plan.num_stages, plan.num_microbatches, num_chunks=v if schedule == "interleaved" else None
+        )
+    except ValueError as e:
+        raise PlanError("plan.num_microbatches", str(e)) from None
+    size = {(s, c): st.num_layers // v + (c < st.num_layers % v) for s, st in enumerate(plan.stages) for c in range(v)}
+    ranges: dict[tuple[int, int], tuple[int, int]] = {}
+    start = 0
+    for _, s, c in sorted((sched.virtual_stage(s, c), s, c) for s, c in size):
+        ranges[s, c] = (start, start + size[s, c])
+        start += size[s, c]
+    stages = tuple(
+        StageSpec(st.chip, ranges[s, 0], st.data, st.tensor, st.recompute, tuple(ranges[s, c] for c in range(v)))
+        for s, st in enumerate(plan.stages)
+    )
+    return replace(plan, stages=stages, schedule=schedule)

@@ -321,6 +321,10 @@ class Interleaved:
         total = self.num_chunks * self.num_microbatches
         return tuple(min(self._warmup(s) + 1, total) for s in range(self.num_stages))
 
+    def backward_counts(self) -> tuple[tuple[int, int], ...]:
+        """:func:`backward_peaks` of every stage, in closed form (chunks: its max_in_flight)."""
+        return tuple((n, 0) for n in self.max_in_flight())
+
     def tasks(self) -> Grid:
         ops = [self.stage_ops(s) for s in range(self.num_stages)]
         return _place(ops, num_chunks=self.num_chunks, virtual_stage=self.virtual_stage)
@@ -404,6 +408,11 @@ class ZeroBubbleV:
         """(chunk, microbatch) activations per stage (each half a stage's)."""
         return (2 * self.num_stages,) * self.num_stages
 
+    def backward_counts(self) -> tuple[tuple[int, int], ...]:
+        """:func:`backward_peaks` of every stage, in closed form: 2p chunks awaiting B, and
+        2s + 1 awaiting W (the cool-down defers the W's of stage s's s B-pairs and one more)."""
+        return tuple((2 * self.num_stages, 2 * s + 1) for s in range(self.num_stages))
+
     def tasks(self) -> Grid:
         ops = [self.stage_ops(s) for s in range(self.num_stages)]
         return _place(ops, num_chunks=2, virtual_stage=self.virtual_stage)
@@ -461,11 +470,14 @@ def backward_peaks(ops: Sequence[Task]) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=8192)
-def memory_counts(name: str, num_stages: int, num_microbatches: int) -> tuple[tuple[int, int], ...]:
+def memory_counts(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int | None = None
+) -> tuple[tuple[int, int], ...]:
     """Per stage of the schedule `name`: :func:`backward_peaks` of its op list -- the
-    activations the cost model charges a stage for (cached: the planner asks per stage)."""
-    sched = get_schedule(name, num_stages, num_microbatches)
-    closed = getattr(sched, "backward_counts", None)  # gpipe, 1f1b, zb-h1: equal to the walk (tests)
+    activations the cost model charges a stage for, in (chunk, microbatch) units for the
+    chunked schedules (`num_chunks`: interleaved's v; cached: the planner asks per stage)."""
+    sched = get_schedule(name, num_stages, num_microbatches, num_chunks=num_chunks)
+    closed = getattr(sched, "backward_counts", None)  # every schedule's: equal to the walk (tests)
     if closed is not None:
         return closed()
     return tuple(backward_peaks(sched.stage_ops(s)) for s in range(num_stages))

@@ -13,15 +13,20 @@ The space (the exhaustive enumerator in this module walks exactly the same one):
   defaults search without it);
 - per stage: its number of layers (>= 1, summing to the model's) and its recompute flag.
 
-- the schedule, among those the cost model prices (``SearchOptions.schedules``; GPipe only where
+- the schedule, among every one the runtime runs (``SearchOptions.schedules``; GPipe only where
   1F1B is not offered: same time, more memory): ZB-H1's split backward shortens the fill
-  and drain but keeps more activations alive, so where memory is tight 1F1B wins.
+  and drain but keeps more activations alive, so where memory is tight 1F1B wins; the
+  chunked ones (interleaved with v = 2, zb-v) shorten them further for more activations,
+  program calls and boundary crossings, and need at least 2 blocks per stage (one per
+  chunk; a stage's blocks become even chunks, :func:`h2jax.plan.chunked_variant`) and
+  their microbatch counts (interleaved: a multiple of the stage count; zb-v: at least 2p - 1).
 
 Objective: the cost model's iteration time (:mod:`h2jax.plan._cost`); constraint: every
 stage fits its chip's memory. Per configuration and order each schedule is solved in turn
-(split ones first, so the faster sets the bar); ZB-H1's T_pipe has the same shape
-(``(m - 1) max t + sum fill + max end``, fill and end affine in the layer count), so the
-exact round below covers it unchanged. Every bound below is taken per schedule, with that
+(split ones first, so the faster sets the bar); every schedule's T_pipe has the same shape
+(``(m - 1) max t + sum fill + max end``, fill and end non-decreasing in the layer count: affine,
+but for zb-v's maximum of affine terms, priced at every count), so the exact round below
+covers them unchanged (a chunked stage's fill is infinite below 2 blocks). Every bound below is taken per schedule, with that
 schedule's memory caps (:func:`count_floors`) and fills, and a schedule is solved only
 where its own bound leaves it a chance: ZB-H1's shorter fill does not loosen the bound of
 configurations where its extra memory cannot fit.
@@ -107,13 +112,13 @@ from h2jax.plan._cost import (
     layer_fill_s,
     part_costs,
     part_fill_s,
-    schedule_terms,
+    pipeline_terms,
     searched_schedules,
     split_backward,
     stage_cost,
     transfer_s,
 )
-from h2jax.plan._plan import SCHEDULES, Plan, PlanError, StageSpec
+from h2jax.plan._plan import CHUNKED_SCHEDULES, SCHEDULES, Plan, PlanError, StageSpec, chunked_variant
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 from h2jax.plan._schedule import memory_counts
 
@@ -130,11 +135,13 @@ LOCAL_STARTS = 3  # coordinate descent starts from the best configuration and th
 class SearchOptions:
     """The space HeteroAuto searches, and how.
 
-    schedule: one schedule the plans use ("gpipe", "1f1b", "zb-h1"); None: the search
+    schedule: one schedule the plans use (any of `schedules`); None: the search
         chooses among `schedules` as one more dimension of the space.
-    schedules: the schedules a free search chooses among: gpipe, 1f1b, zb-h1
-        (``h2jax.plan.SCHEDULES``; interleaved and zb-v, whose stages hold several layer
-        chunks, are refused: the cost model does not price chunks yet).
+    schedules: the schedules a free search chooses among, any of the runtime's
+        (``h2jax.plan.RUN_SCHEDULES``: gpipe, 1f1b, zb-h1, interleaved with v = 2 chunks per
+        stage, zb-v); by default the one-chunk ones (``h2jax.plan.SCHEDULES``, as ``h2jax
+        plan``: with the chunked ones too the search takes up to ~1.5x as long, 0.78 -> 1.20 s
+        at 1,024 chips, and the lower bound, which must cover their short fills, drops).
         GPipe is skipped beside 1F1B: the cost model gives it 1F1B's time with at least
         1F1B's memory, so it never wins.
     microbatch_sizes: candidate microbatch sizes (sequences); None: every divisor of the
@@ -310,16 +317,20 @@ def _memory_model(
     data: int,
     tensor: int,
     microbatch: int,
+    chunks: int = 1,
 ) -> dict[bool, tuple[np.ndarray, np.ndarray, float]]:
     """Per recompute flag, a middle stage's memory as ``base . (1, j, q) + l slope . (1, j, q)``
     and the chip's limit: params, grads and moments grow with its block count l, activations
     with l x j (j microbatches awaiting B; with recompute their inputs, j alone) and l x q (q
-    awaiting W in a split schedule) -- so six priced corners give every (l, j, q)."""
+    awaiting W in a split schedule) -- so six priced corners give every (l, j, q). `chunks`: the
+    stage's blocks in that many chunks (interleaved, zb-v): j and q count (chunk, microbatch)."""
     out = {}
     for rc in (False, True):
         kw = dict(first=False, last=False, data=data, tensor=tensor, microbatch=microbatch, recompute=rc, table=table)
         c = {
-            (l, j, q): stage_cost(model, chip, layers=l, in_flight=j, split=q > 0, pending_w=q, opts=opts.cost, **kw)
+            (l, j, q): stage_cost(
+                model, chip, layers=l, in_flight=j, split=q > 0, pending_w=q, opts=opts.cost, chunks=chunks, **kw
+            )
             for l in (0, 1)
             for j, q in ((1, 0), (2, 0), (1, 1))
         }
@@ -372,12 +383,21 @@ def count_floors(schedule: str, *, k: int, m: int, n_types: int, L: int) -> list
     - zb-h1: (min(p - s, m), min(s + 1, m)) (:func:`h2jax.plan._schedule.memory_counts`): j
       at least min(r, m), q at least 1, both at most m, and j + q >= min(p + 1, m + 1) with
       p >= k + n_types - 1 (every chip type has a stage): the vertices of that polytope
-      nearest the origin, the two ends of its edge j + q = T.
+      nearest the origin, the two ends of its edge j + q = T;
+    - interleaved (v = 2; (chunk, microbatch) counts): stage s holds min(2(p - s - 1) + p + 1,
+      2m), so the r-th fewest at least min(2(r - 1) + p + 1, 2m) with p >= r + n_types - 1;
+    - zb-v (chunk counts): (2p, 2s + 1): j at least 2(r + n_types - 1), q at least 2r - 1.
+
+    The chunked floors use p >= r + n_types - 1 rather than k's, so they do not depend on k.
     """
     r = np.arange(1, L + 1, dtype=np.float64)
     j_lo = np.minimum(r, m)
     if schedule == "gpipe":
         return [(np.full(L, float(m)), np.zeros(L))]
+    if schedule == "interleaved":
+        return [(np.minimum(2 * (r - 1) + (r + n_types - 1) + 1, 2 * m), np.zeros(L))]
+    if schedule == "zb-v":
+        return [(2 * (r + n_types - 1), 2 * r - 1)]
     if not split_backward(schedule):
         return [(j_lo, np.zeros(L))]
     if schedule != "zb-h1":
@@ -446,31 +466,42 @@ def chip_choices(
                 blk = part_costs(model, chip, table, tensor=t, microbatch_per_device=microbatch // d)["block"]
                 rc_s = blk.fwd_s * 2 + blk.bwd_s
                 key = (chip.name, t, microbatch // d)
-                if key not in caps_cache:
-                    caps_cache[key] = _memory_model(model, chip, table, opts, data=d, tensor=t, microbatch=microbatch)
+                for v in {2 if s in CHUNKED_SCHEDULES else 1 for s in schedules}:
+                    if (key, v) not in caps_cache:
+                        caps_cache[key, v] = _memory_model(
+                            model, chip, table, opts, data=d, tensor=t, microbatch=microbatch, chunks=v
+                        )
                 fills = {s: layer_fill_s(model, blk, tensor=t, schedules=(s,)) for s in schedules}
                 n_types = len(cluster.names)
                 per_k: dict[str, list[StageCaps]] = {}
                 for s in schedules:
                     # caps depend on k only through ZB-H1's floor total: one object per distinct total,
                     # shared by every choice with it (one row of _Held), all totals priced at once
-                    tot = zb_floor_total(np.array(ks), m=m, n_types=n_types) if split_backward(s) else np.zeros(len(ks))
+                    tot = zb_floor_total(np.array(ks), m=m, n_types=n_types) if s == "zb-h1" else np.zeros(len(ks))
                     want = [v for v in dict.fromkeys(tot.tolist()) if (key, s, m, v) not in caps_cache]
                     if want:
                         kk = np.array(want)[:, None] - n_types + 1  # a k with that total
                         floors = count_floors(s, k=kk, m=m, n_types=n_types, L=L)
-                        ln, lr = _caps_at(caps_cache[key], floors, L, opts.allow_recompute)
+                        mm = caps_cache[key, 2 if s in CHUNKED_SCHEDULES else 1]
+                        ln, lr = _caps_at(mm, floors, L, opts.allow_recompute)
                         ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
                         for i, v in enumerate(want):
                             caps_cache[key, s, m, v] = StageCaps(ln[i], lr[i], fills[s])
                     per_k[s] = [caps_cache[key, s, m, v] for v in tot.tolist()]
                 for ik, k in enumerate(ks):
                     caps = {s: per_k[s][ik] for s in schedules}
-                    if "1f1b" in caps:  # its caps are the loosest: its floors lie below the others'
-                        lkey = (key, m, "loose")
+                    if "1f1b" in caps:
+                        # 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
+                        # schedules' (a chunk's activations, their own counts) may lie above
+                        # either, and like 1F1B's they do not depend on k: one loose object
+                        lkey = (key, m, "loose", tuple(schedules))
                         if lkey not in caps_cache:
-                            one = caps["1f1b"]
-                            caps_cache[lkey] = StageCaps(one.max_layers, one.max_layers_rc, min(fills.values()))
+                            over = [c for s, c in caps.items() if s != "zb-h1"]
+                            caps_cache[lkey] = StageCaps(
+                                np.max([c.max_layers for c in over], axis=0),
+                                np.max([c.max_layers_rc for c in over], axis=0),
+                                min(fills.values()),
+                            )
                         loose = caps_cache[lkey]
                     else:
                         loose = StageCaps(
@@ -644,6 +675,7 @@ class _Solver:
         if hit is not None:
             return hit
         split = split_backward(schedule)
+        chunks = 2 if schedule in CHUNKED_SCHEDULES else 1
         comp = self._affine(chip, data, tensor, mb, first, last, schedule)
         fits = {}
         for rc in (False, True):
@@ -656,9 +688,9 @@ class _Solver:
         t = np.where(fit_n, t_n, np.where(fit_r, t_r, INF))
         t[0] = INF
         fill = None
-        if split:
+        if split or chunks > 1:
             fill = np.where(fit_n, f_n, np.where(fit_r, f_r, INF))
-            fill[0] = INF
+            fill[:chunks] = INF  # a chunk holds at least one block (t stays finite: the caps count from 1)
         arr = _StageArrays(t=t, g=g, recompute=~fit_n, fill=fill)
         self._arrays[key] = arr
         return arr
@@ -666,9 +698,12 @@ class _Solver:
     def _affine(self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, schedule: str) -> dict:
         """Per recompute flag: time, fill and end over l, and the memory over l as
         mem(l, j, q) = mem1 + (j - 1) per_j + q per_q -- affine in the microbatches awaiting B
-        (j) and W (q), from six priced corners, so every stage position shares one pricing."""
+        (j) and W (q), from six priced corners, so every stage position shares one pricing. The
+        fill and end come from the seconds over l (:func:`h2jax.plan._cost.pipeline_terms`):
+        affine but for ZB-V's, a maximum of affine terms."""
         split = split_backward(schedule)
-        base = (chip, data, tensor, mb, first, last, split)
+        chunks = 2 if schedule in CHUNKED_SCHEDULES else 1
+        base = (chip, data, tensor, mb, first, last, schedule)
         hit = self._affine_cache.get(base)
         if hit is not None:
             return hit
@@ -681,7 +716,7 @@ class _Solver:
         for rc in (False, True):
             c = {
                 (n, j, q): stage_cost(
-                    self.model, prof, layers=n, recompute=rc, in_flight=j, split=split, pending_w=q, **kw
+                    self.model, prof, layers=n, recompute=rc, in_flight=j, split=split, pending_w=q, chunks=chunks, **kw
                 )
                 for n in (0, 1)
                 for j, q in ((1, 0), (2, 0), (1, 1))[: 3 if split else 2]  # nothing awaits W unsplit
@@ -691,12 +726,21 @@ class _Solver:
             def over_l(v0: float, v1: float) -> np.ndarray:
                 return v0 + l * (v1 - v0)
 
-            (f0, g0), (f1, g1) = schedule_terms(c0, schedule), schedule_terms(c1, schedule)
+            fill, end = pipeline_terms(
+                schedule,
+                t=over_l(c0.t, c1.t),
+                fwd=over_l(c0.fwd_s, c1.fwd_s),
+                b=over_l(c0.b_s, c1.b_s),
+                w=over_l(c0.w_s, c1.w_s),
+                hidden=over_l(c0.w_hidden_s, c1.w_hidden_s),
+                tail=over_l(c0.tail_s, c1.tail_s),
+                chunks=chunks,
+            )
             mem = {k: v.memory.total for k, v in c.items()}
             out[rc] = (
                 over_l(c0.t, c1.t),
-                over_l(f0, f1),
-                over_l(g0, g1),
+                fill,
+                end,
                 over_l(mem[0, 1, 0], mem[1, 1, 0]),
                 over_l(mem[0, 2, 0] - mem[0, 1, 0], mem[1, 2, 0] - mem[1, 1, 0]),
                 over_l(mem[0, 1, 1] - mem[0, 1, 0], mem[1, 1, 1] - mem[1, 1, 0]) if split else np.zeros_like(l),
@@ -777,7 +821,7 @@ class _Solver:
         if lo >= len(cand_b):
             return None
         b0 = float(cand_b[lo])
-        base = float(np.stack(fills)[:, 1].sum())
+        base = float(np.stack(fills)[:, 1:].min(axis=1).sum())  # each stage's least fill (chunked: from 2 blocks)
         if (m - 1) * b0 + base + g_floor + transfers >= best:
             return None
         free = self._dp(fills, full)
@@ -1324,10 +1368,13 @@ class _Run:
                 for a, b in zip(seq, seq[1:])
             )
             for schedule in schedules:  # the schedule: one more dimension, split ones first
+                if not runs(schedule, S, m, L):
+                    continue
                 limit = min(own, self.best if cutoff is None else max(cutoff, self.best))
                 counts = memory_counts(schedule, S, m)  # (awaiting B, awaiting W) per stage
+                head = 0 if schedule == "zb-v" else S - 1  # the V's last chunk is stage 0's
                 arrays = [
-                    solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == S - 1, *counts[i], schedule)
+                    solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == head, *counts[i], schedule)
                     for i, c in enumerate(seq)
                 ]
                 self.stats["orders"] += 1
@@ -1348,6 +1395,7 @@ class _Run:
                             opts.cost,
                         ),
                         allow_recompute=opts.allow_recompute,
+                        min_layers=2 if schedule in CHUNKED_SCHEDULES else 1,
                     )
                     if value >= limit:
                         continue
@@ -1524,7 +1572,13 @@ def _full_time(plan: Plan, model: ModelShape, cluster: Cluster, table: ProfileTa
 
 
 def polish_split(
-    seq: Sequence[ChipChoice], layers: list[int], recompute: list[bool], price, *, allow_recompute: bool
+    seq: Sequence[ChipChoice],
+    layers: list[int],
+    recompute: list[bool],
+    price,
+    *,
+    allow_recompute: bool,
+    min_layers: int = 1,
 ) -> tuple[float, list[int], list[bool]]:
     """Hill-climb from a layer split by the full estimate `price(layers, recompute)`: give one
     layer of any stage to any other (the stages between keep their counts, their ranges
@@ -1533,13 +1587,13 @@ def polish_split(
     wants while they run together), which the T_pipe-optimal split the dynamic program
     finds does not see. Moves between any two stages, not only neighbours: a one-layer
     stage between them would otherwise wall the better split off (a move through it
-    empties it)."""
+    empties it). Every stage keeps `min_layers` blocks (a chunked schedule's: one per chunk)."""
     value = price(layers, recompute)
     while True:
         moves: list[tuple[list[int], list[bool]]] = []
         for a in range(len(seq)):
             for b in range(len(seq)):
-                if a != b and layers[a] > 1:  # a layer from stage a to stage b
+                if a != b and layers[a] > min_layers:  # a layer from stage a to stage b
                     ls = list(layers)
                     ls[a] -= 1
                     ls[b] += 1
@@ -1580,7 +1634,21 @@ def build_plan(
             StageSpec(chip=c.chip, layers=(start, start + n), data=c.data, tensor=c.tensor, recompute=bool(rc))
         )
         start += n
+    if schedule in CHUNKED_SCHEDULES:  # each stage's blocks as even chunks where the schedule puts them
+        one = Plan(stages=tuple(stages), global_batch=global_batch, num_microbatches=num_microbatches)
+        return chunked_variant(one, schedule)
     return Plan(stages=tuple(stages), global_batch=global_batch, num_microbatches=num_microbatches, schedule=schedule)
+
+
+def runs(schedule: str, num_stages: int, num_microbatches: int, num_layers: int) -> bool:
+    """Whether `schedule` can run a pipeline of this shape: interleaved (v = 2) needs the
+    microbatches in groups of the stage count, zb-v at least 2p - 1 of them; both two blocks
+    per stage at least (one per chunk)."""
+    if schedule == "interleaved":
+        return num_microbatches % num_stages == 0 and 2 * num_stages <= num_layers
+    if schedule == "zb-v":
+        return num_microbatches >= 2 * num_stages - 1 and 2 * num_stages <= num_layers
+    return True
 
 
 # -- the reference: every plan of the same space --------------------------------------------------
@@ -1625,6 +1693,10 @@ def exhaustive(
                     continue
                 for split in _compositions(L, S):
                     for rc, schedule in itertools.product(itertools.product(flags, repeat=S), schedules):
+                        if schedule in CHUNKED_SCHEDULES and (
+                            min(split) < 2 or not runs(schedule, S, m, L)
+                        ):  # what chunked_variant refuses
+                            continue
                         plan = build_plan(
                             seq, split, rc, global_batch=global_batch, num_microbatches=m, schedule=schedule
                         )

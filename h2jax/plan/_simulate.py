@@ -514,6 +514,8 @@ def simulate_plan(
         wgt=[s.w_s for s in st],
         transfer_fwd=cost.transfers_fwd,
         transfer_bwd=cost.transfers_bwd,
+        transfer_wrap=cost.transfer_wrap,
+        num_chunks=plan.num_chunks if plan.schedule == "interleaved" else None,
         tail=[s.tail_s for s in st],
         chips=[s.chip for s in plan.stages],
         hosts=[s.host for s in st],

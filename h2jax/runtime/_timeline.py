@@ -377,6 +377,7 @@ def bubble_fraction(events: Iterable[TraceEvent], num_stages: int) -> float:
 _COLOURS = {
     "fwd": "#4C72B0",
     "bwd": "#DD8452",
+    "wgt": "#937860",  # a split backward's W task (a bwd event with part "W"), as SimResult.plot draws it
     "update": "#55A868",
     "send": "#8172B3",
     "recv": "#C44E52",
@@ -385,6 +386,7 @@ _COLOURS = {
 _LEGEND_NAMES = {
     "fwd": "forward",
     "bwd": "backward",
+    "wgt": "weight gradient (W)",
     "update": "optimizer update",
     "send": "send",
     "recv": "recv",
@@ -394,6 +396,11 @@ _LEGEND_NAMES = {
 _COMPUTE_TOP, _COMPUTE_H = -0.40, 0.58
 _COMM_TOP, _COMM_H = 0.22, 0.17
 _COMM_LANE = {"send": (0.225, 0.075), "recv": (0.31, 0.075)}  # kind -> (top, height)
+
+
+def colour_key(ev: Any) -> str:
+    """The legend entry an event is drawn as: its kind, or "wgt" for a split backward's W task."""
+    return "wgt" if ev.kind == "bwd" and ev.extra.get("part") == "W" else ev.kind
 
 
 def plot_gantt(
@@ -461,8 +468,9 @@ def plot_gantt(
     for ev in events:
         x = (ev.start_us - origin) / 1e3
         w = ev.dur_us / 1e3
-        colour = _COLOURS.get(ev.kind, _COLOURS["other"])
-        kinds_seen.add(ev.kind)
+        look = colour_key(ev)
+        colour = _COLOURS.get(look, _COLOURS["other"])
+        kinds_seen.add(look)
         if ev.kind in COMM_KINDS:
             top, h = _COMM_LANE[ev.kind]
             ax.broken_barh([(x, max(w, 0.0))], (ev.stage + top, h), facecolors=colour, edgecolor="none", zorder=3)
@@ -494,7 +502,8 @@ def plot_gantt(
                 clip_on=True,
             )
 
-    order = [k for k in EVENT_KINDS if k in kinds_seen] or ["fwd", "bwd"]
+    legend = [k for kind in EVENT_KINDS for k in ((kind, "wgt") if kind == "bwd" else (kind,))]
+    order = [k for k in legend if k in kinds_seen] or ["fwd", "bwd"]
     handles = [Patch(facecolor=_COLOURS[k], label=_LEGEND_NAMES[k]) for k in order]
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=9)
 

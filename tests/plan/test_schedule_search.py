@@ -1,16 +1,13 @@
 """The schedule as one more dimension of HeteroAuto's space: on random small instances the
-search, free to choose among the schedules the cost model prices (gpipe, 1f1b, zb-h1), finds a
-plan as fast as the brute force over (every plan of the space) x (every schedule), each
-priced by `estimate`; the chunked schedules (interleaved, zb-v) are refused."""
+search, free to choose among the one-chunk schedules (gpipe, 1f1b, zb-h1), finds a plan as fast
+as the brute force over (every plan of the space) x (every schedule), each priced by
+`estimate`. The chunked schedules join the space in tests/plan/test_chunked_cost.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import random
-import re
-import subprocess
-import sys
 
 import pytest
 
@@ -20,7 +17,6 @@ from h2jax.plan import (
     Cluster,
     CostOptions,
     ModelShape,
-    PlanError,
     SearchOptions,
     estimate,
     exhaustive,
@@ -66,6 +62,7 @@ def _instance(seed: int):
     )
     opts = SearchOptions(
         schedule=None,
+        schedules=SCHEDULES,
         max_stages_per_chip=2,
         stage_in_node=rng.random() < 0.5,
         max_microbatch=4,
@@ -125,7 +122,7 @@ def test_memory_that_zb_h1_overflows_keeps_1f1b(memory_gib):
         ),
         name="tight",
     )
-    opts = SearchOptions(schedule=None, max_stages_per_chip=2, microbatch_sizes=(2,))
+    opts = SearchOptions(schedule=None, schedules=SCHEDULES, max_stages_per_chip=2, microbatch_sizes=(2,))
     assert _check(cluster, model, 8, opts) == "1f1b"
     zb = search(cluster, model, global_batch=8, opts=dataclasses.replace(opts, schedule="zb-h1"))
     one = search(cluster, model, global_batch=8, opts=dataclasses.replace(opts, schedule="1f1b"))
@@ -141,32 +138,3 @@ def test_search_with_the_schedule_free_equals_exhaustive_on_a_shared_host(seed):
         name=cluster.name,
     )
     _check(cluster, model, gb, opts)
-
-
-def test_chunked_schedules_are_refused():
-    cluster, model, gb, opts = _instance(0)
-    for name in ("interleaved", "zb-v"):
-        with pytest.raises(PlanError, match="price gpipe, 1f1b, zb-h1"):
-            search(cluster, model, global_batch=gb, opts=dataclasses.replace(opts, schedules=("1f1b", name)))
-        with pytest.raises(PlanError, match="price gpipe, 1f1b, zb-h1"):
-            search(cluster, model, global_batch=gb, opts=dataclasses.replace(opts, schedule=name))
-
-
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "h2jax.cli", *args], capture_output=True, text=True, timeout=300)
-
-
-def test_cli_plan_names_the_schedule_and_prices_the_others():
-    from h2jax import cli_plan
-
-    assert cli_plan.SCHEDULE_CHOICES == SCHEDULES  # kept apart only so --help imports nothing
-    free = _cli("plan", "configs/clusters/sim_mix.yaml")
-    assert free.returncode == 0, free.stderr
-    out = " ".join(free.stdout.split())
-    chosen = re.search(r"schedule (\S+) \(chosen\); the same stages under (.*)", out)
-    assert chosen and chosen.group(1) in SCHEDULES, out
-    assert all(f"{s} " in chosen.group(2) for s in SCHEDULES if s != chosen.group(1))
-    pinned = _cli("plan", "configs/clusters/sim_mix.yaml", "--schedule", "1f1b")
-    assert pinned.returncode == 0 and "schedule 1f1b (pinned by --schedule)" in " ".join(pinned.stdout.split())
-    refused = _cli("plan", "configs/clusters/sim_mix.yaml", "--schedule", "zb-v")
-    assert refused.returncode == 2 and "zb-v" in refused.stderr

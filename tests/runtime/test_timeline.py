@@ -11,6 +11,7 @@ from h2jax.runtime._timeline import (
     Timeline,
     TraceEvent,
     bubble_fraction,
+    colour_key,
     load_trace,
     plot_gantt,
     stage_busy,
@@ -281,3 +282,13 @@ def test_plot_gantt_many_microbatches_and_empty(tmp_path) -> None:
     plot_gantt([], tmp_path / "empty.png", stage_labels=["only"])
     assert (tmp_path / "many.png").stat().st_size > 10_000
     assert (tmp_path / "empty.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_gantt_draws_a_split_backwards_w_apart_from_b(tmp_path) -> None:
+    tl = Timeline(stage_labels=["a"], t0=0.0)
+    tl.add("fwd", stage=0, step=0, microbatch=0, start=0.0, end=1e-3)
+    tl.add("bwd", stage=0, step=0, microbatch=0, start=1e-3, end=2e-3, part="B")
+    tl.add("bwd", stage=0, step=0, microbatch=0, start=2e-3, end=3e-3, part="W")
+    assert [colour_key(ev) for ev in tl.events()] == ["fwd", "bwd", "wgt"]
+    plot_gantt(tl.events(), tmp_path / "zb.png", stage_labels=tl.stage_labels)
+    assert (tmp_path / "zb.png").read_bytes()[:4] == b"\x89PNG"
