@@ -26,10 +26,10 @@ stage fits its chip's memory. Per configuration and order each schedule is solve
 (split ones first, so the faster sets the bar); every schedule's T_pipe has the same shape
 (``(m - 1) max t + sum fill + max end``, fill and end non-decreasing in the layer count: affine,
 but for zb-v's maximum of affine terms, priced at every count), so the exact round below
-covers them unchanged (a chunked stage's fill is infinite below 2 blocks). Every bound below is taken per schedule, with that
-schedule's memory caps (:func:`count_floors`) and fills, and a schedule is solved only
-where its own bound leaves it a chance: ZB-H1's shorter fill does not loosen the bound of
-configurations where its extra memory cannot fit.
+covers them unchanged (a chunked stage's fill is infinite below 2 blocks). Every bound below
+is taken per schedule, with that schedule's memory caps (:func:`count_floors`) and fills,
+and a schedule is solved only where its own bound leaves it a chance: ZB-H1's shorter fill
+does not loosen the bound of configurations where its extra memory cannot fit.
 
 Why the exact round is exact. For a fixed (mb, per-chip choice, order) every stage's time,
 tail and memory are affine in its layer count, and time and tail grow with it, so the exact
