@@ -530,18 +530,42 @@ def test_chunked_dropout_draws_the_sequential_masks(name, tmp_path):
     trainer.close()
 
 
-def test_the_planner_refuses_a_chunked_plan_in_one_line():
-    """The cost model, simulator and search price one layer range per stage; handed a chunked
-    plan they refuse it by its schedule rather than price only its first chunks."""
+def test_the_planner_prices_every_chunk_of_a_chunked_plan():
+    """The cost model and the simulator price a chunked plan by all of its chunks (not its first
+    ones only): interleaved's stages cost what one-range stages with their block counts cost,
+    plus nothing (this roofline table has no per-call cost); zb-v's stage 0 carries the head
+    too; the replay runs one forward per (stage, chunk, microbatch)."""
+    import dataclasses
+
     from h2jax.plan import ChipProfile, ModelShape, estimate, simulate_plan
 
     model = ModelShape(n_layers=8, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=16, act_bytes=4)
     spec = dict(memory_gib=1.0, peak_tflops=0.1, mem_bw_gbps=40, intra_node_gbps=10, inter_node_gbps=5)
     chips = {n: ChipProfile(n, devices_per_node=4, **spec) for n in ("sim_a", "sim_b")}
-    for raw in (INTERLEAVED, ZBV):
-        plan = Plan.from_dict(raw)
-        for fn in (estimate, simulate_plan):
-            with pytest.raises(PlanError) as info:
-                fn(plan, model, chips)
-            assert info.value.key == "plan.schedule" and raw["schedule"] in str(info.value)
-            assert "\n" not in str(info.value)
+    inter = Plan.from_dict(INTERLEAVED)
+    flat = dataclasses.replace(
+        inter,
+        schedule="1f1b",
+        stages=tuple(
+            StageSpec(s.chip, (a, a + s.num_layers), s.data, s.tensor, s.recompute)
+            for s, a in zip(inter.stages, (0, inter.stages[0].num_layers))
+        ),
+    )
+    got, want = estimate(inter, model, chips), estimate(flat, model, chips)
+    for g, w in zip(got.stages, want.stages):
+        assert g.fwd_s == pytest.approx(w.fwd_s, rel=1e-12) and g.bwd_s == pytest.approx(w.bwd_s, rel=1e-12)
+    zbv = Plan.from_dict(ZBV)
+    cost = estimate(zbv, model, chips)
+
+    def fwd(a: int) -> list[float]:  # two one-range stages on sim_a 1x1, split at block a
+        split = (StageSpec("sim_a", (0, a)), StageSpec("sim_a", (a, 8)))
+        return [s.fwd_s for s in estimate(dataclasses.replace(flat, stages=split), model, chips).stages]
+
+    (embed_3, blocks_5_head), (_, blocks_3_head) = fwd(3), fwd(5)
+    block = (blocks_5_head - blocks_3_head) / 2
+    # zb-v's stage 0 (sim_a 1x1, blocks 0 and 5-7): the embedding, 4 blocks and the head
+    assert cost.stages[0].fwd_s == pytest.approx(embed_3 + blocks_3_head - 2 * block, rel=1e-9)
+    for plan in (inter, zbv):
+        sim, _ = simulate_plan(plan, model, chips)
+        fwds = sorted((e.stage, e.extra.get("chunk", 0), e.microbatch) for e in sim.events if e.kind == "fwd")
+        assert fwds == sorted((s, c, m) for s in range(2) for c in range(2) for m in range(4))
