@@ -181,15 +181,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _drop_unretrieved_task_errors(record) -> bool:
+    """A logging filter: False for asyncio's "Task exception was never retrieved" records."""
+    return not str(record.msg).startswith("Task exception was never retrieved")
+
+
 def _quiet_libraries() -> None:
     """orbax logs through absl: every failed background write as an ERROR with a traceback, and
-    routine notes as WARNINGs. h2jax reports each failure once, as one line naming the path and
-    step, so those logs show only with ``H2JAX_DEBUG=1``."""
+    routine notes as WARNINGs. When several of its concurrent writes fail (a full disk), the save
+    raises the first and asyncio logs each other one, with a traceback, as "Task exception was
+    never retrieved". h2jax reports the failed save once, as one line naming the path and step,
+    so those logs show only with ``H2JAX_DEBUG=1``."""
     import logging
     import os
 
     if os.environ.get("H2JAX_DEBUG", "") in ("", "0"):
         logging.getLogger("absl").setLevel(logging.CRITICAL)
+        asyncio_log = logging.getLogger("asyncio")
+        if _drop_unretrieved_task_errors not in asyncio_log.filters:
+            asyncio_log.addFilter(_drop_unretrieved_task_errors)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
