@@ -805,22 +805,11 @@ class _Solver:
         if full.min() < 1 or full.sum() < L:
             return None
         g_floor = float(G[:, 0].max())
-        cand_b = np.unique(T[np.isfinite(T)])
-        # smallest B whose caps can hold L layers (caps grow with B): bisection over the candidates
-        lo, hi = 0, len(cand_b) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            c = (T <= cand_b[mid]).sum(axis=1)
-            if c.sum() >= L and c.min() >= 1:
-                hi = mid
-            else:
-                lo = mid + 1
-        c = (T <= cand_b[lo]).sum(axis=1)
-        if c.sum() < L or c.min() < 1:
-            lo = len(cand_b)
-        if lo >= len(cand_b):
+        # smallest B whose caps can hold L layers (caps grow with B): every stage holds a block
+        # (B >= each row's least entry) and L entries of T lie at or below it (its L-th smallest)
+        b0 = max(float(T.min(axis=1).max()), float(np.partition(T, L - 1, axis=None)[L - 1]))
+        if not math.isfinite(b0):
             return None
-        b0 = float(cand_b[lo])
         base = float(np.stack(fills)[:, 1:].min(axis=1).sum())  # each stage's least fill (chunked: from 2 blocks)
         if (m - 1) * b0 + base + g_floor + transfers >= best:
             return None
@@ -833,7 +822,8 @@ class _Solver:
         found: tuple[float, list[int]] | None = None
         seen: dict[tuple[int, ...], tuple[float, list[int]] | None] = {}
         prev_caps = None
-        for b in cand_b[lo:]:
+        cand_b = np.unique(T[(T >= b0) & np.isfinite(T)])
+        for b in cand_b:
             b = float(b)
             if (m - 1) * b + sum_free + g_floor + transfers >= best:
                 break
