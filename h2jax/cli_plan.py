@@ -17,6 +17,7 @@ EXIT_CONFIG = 2
 DEFAULT_TIME_BUDGET_S = 3.0  # h2jax.plan._search.DEFAULT_TIME_BUDGET_S (not imported: keeps --help fast)
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")  # h2jax.plan.RUN_SCHEDULES (ditto)
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # h2jax.plan.SCHEDULES: what a free search chooses among
+DEFAULT_INTERLEAVED_CHUNKS = (2, 3, 4)  # h2jax.plan.INTERLEAVED_CHUNKS (ditto)
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +41,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         choices=SCHEDULE_CHOICES,
         help="pin the pipeline schedule (default: the search chooses among --schedules, as one more "
-        "dimension; interleaved means v = 2 chunks per stage)",
+        "dimension; interleaved with each v of --interleaved-chunks)",
     )
     p.add_argument(
         "--schedules",
@@ -48,6 +49,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated schedules a free search chooses among, or 'all' (default %(default)s: the "
         "one-chunk ones; interleaved and zb-v are then priced on the chosen plan's stages and printed "
         "beside it; searching them too takes up to ~1.5x as long: 1,024 chips 0.78 -> 1.20 s)",
+    )
+    p.add_argument(
+        "--interleaved-chunks",
+        default=",".join(map(str, DEFAULT_INTERLEAVED_CHUNKS)),
+        help="comma-separated chunk counts v (each >= 2) the search tries for interleaved (default %(default)s)",
     )
     p.add_argument(
         "--time-budget",
@@ -178,11 +184,24 @@ def _schedules_arg(text: str) -> tuple[str, ...]:
     return names
 
 
+def _chunks_arg(text: str) -> tuple[int, ...]:
+    from h2jax.plan._profiles import ProfileError
+
+    try:
+        vs = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        vs = ()
+    if not vs or min(vs) < 2:
+        raise ProfileError(f"--interleaved-chunks: expected a comma-separated list of integers >= 2, got {text!r}")
+    return vs
+
+
 def search_options(
     cluster,
     *,
     schedule: str | None = None,
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES,
+    interleaved_chunks: tuple[int, ...] = DEFAULT_INTERLEAVED_CHUNKS,
     group_size: int | None = None,
     beam: int | None = None,
     max_orders: int = 120,
@@ -197,6 +216,7 @@ def search_options(
     return SearchOptions(
         schedule=schedule,
         schedules=schedules,
+        interleaved_chunks=interleaved_chunks,
         group_size=group_size,
         max_options_per_chip=beam,
         max_orders=max_orders,
@@ -209,20 +229,31 @@ def search_options(
 
 def _schedules_line(res, model, cluster, table, opts) -> str:
     """The chosen schedule, and the same stages priced under the others."""
+    from h2jax.plan import schedule_variant, variant_label
     from h2jax.plan._cost import schedule_estimates
 
+    def shown(label: str) -> str:
+        name, v = schedule_variant(label)
+        return f"{name} v={v}" if name == "interleaved" else name
+
     how = "pinned by --schedule" if opts.schedule is not None else "chosen"
+    chosen = variant_label(res.plan.schedule, res.plan.num_chunks)
+    labels = [
+        variant_label(s, v)
+        for s in SCHEDULE_CHOICES
+        for v in (opts.interleaved_chunks if s == "interleaved" else (schedule_variant(s)[1],))
+    ]
     others = []
-    for name, c in schedule_estimates(res.plan, model, cluster, table=table, opts=opts.cost).items():
-        if name == res.plan.schedule:
+    for label, c in schedule_estimates(res.plan, model, cluster, table=table, opts=opts.cost, schedules=labels).items():
+        if label == chosen:
             continue
-        label = "interleaved v=2" if name == "interleaved" else name
+        label = shown(label)
         if isinstance(c, str):
             others.append(f"{label} cannot run ({c})")
             continue
         fit = "" if c.fits else ", does not fit"
         others.append(f"{label} {_fmt_s(c.iteration_s)} ({100 * (c.iteration_s / res.iteration_s - 1):+.1f} %{fit})")
-    return f"schedule {res.plan.schedule} ({how}); the same stages under " + ", ".join(others)
+    return f"schedule {shown(chosen)} ({how}); the same stages under " + ", ".join(others)
 
 
 def heteros_speedup(cluster, model, *, global_batch: int, hetero_tps: float, table, opts) -> tuple[float, dict]:
@@ -307,6 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             cluster,
             schedule=args.schedule,
             schedules=_schedules_arg(args.schedules),
+            interleaved_chunks=_chunks_arg(args.interleaved_chunks),
             group_size=args.group_size,
             beam=args.beam,
             max_orders=args.max_orders,

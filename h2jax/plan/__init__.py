@@ -8,6 +8,7 @@ reverse.
 
 from h2jax.plan._plan import (
     CHUNKED_SCHEDULES,
+    INTERLEAVED_CHUNKS,
     RUN_SCHEDULES,
     SCHEDULES,
     Plan,
@@ -17,6 +18,8 @@ from h2jax.plan._plan import (
     check_plan,
     chunked_variant,
     even_layers,
+    schedule_variant,
+    variant_label,
 )
 from h2jax.plan._reshard import Transfer, bytes_crossing, reshard_pattern
 from h2jax.plan._schedule import (
@@ -40,6 +43,7 @@ from h2jax.plan._schedule import (
 
 __all__ = [
     "CHUNKED_SCHEDULES",
+    "INTERLEAVED_CHUNKS",
     "RUN_SCHEDULES",
     "SCHEDULES",
     "Event",
@@ -66,6 +70,8 @@ __all__ = [
     "grid_events",
     "idle_fraction",
     "reshard_pattern",
+    "schedule_variant",
+    "variant_label",
     "stage_tasks",
     "timed_events",
 ]

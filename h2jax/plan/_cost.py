@@ -133,6 +133,7 @@ from h2jax.plan._plan import (
     StageSpec,
     assign_devices,
     chunked_variant,
+    schedule_variant,
 )
 from h2jax.plan._profiles import (
     GB,
@@ -383,13 +384,15 @@ def searched_schedules(schedule: str | None, schedules: Sequence[str]) -> tuple[
 def part_fill_s(model: ModelShape, name: str, part: LayerCost, *, tensor: int, schedules: Sequence[str]) -> float:
     """The least one part ("embed", "block", "head") adds to sum_s fill_s (:func:`schedule_terms`)
     under any of `schedules` (the search's lower bounds): fwd + bwd; less twice the W it hides
-    under ZB-H1; (fwd + bwd) / 2 under interleaved (v = 2); under ZB-V half its forward (a
-    stage's fill is at least its chunk forward, half the stage's)."""
+    under ZB-H1; (fwd + bwd) / v under interleaved with v chunks (``interleaved:v`` labels,
+    :func:`h2jax.plan.schedule_variant`); under ZB-V half its forward (a stage's fill is at
+    least its chunk forward, half the stage's)."""
     full = part.fwd_s + part.bwd_s
     least = full
-    for s in schedules:
+    for label in schedules:
+        s, v = schedule_variant(label)
         if s == "interleaved":
-            least = min(least, full / 2)
+            least = min(least, full / v)
         elif s == "zb-v":
             least = min(least, part.fwd_s / 2)
         elif split_backward(s):
@@ -774,16 +777,22 @@ def schedule_estimates(
 ) -> dict[str, PlanCost | str]:
     """The same stages and batch priced under each of `schedules` (``h2jax plan`` prints them
     beside the one it chose): the time each schedule takes, and whether it still fits. A
-    chunked schedule (interleaved v = 2, zb-v) gets each stage's blocks as even chunks
-    (:func:`h2jax.plan.chunked_variant`), or, where it cannot run these stages, the reason."""
+    chunked schedule (interleaved, v = 2 or as its label says: ``interleaved:3``; zb-v) gets
+    each stage's blocks as even chunks (:func:`h2jax.plan.chunked_variant`), or, where it
+    cannot run these stages, the reason. Keyed by the labels given."""
     out: dict[str, PlanCost | str] = {}
     for s in schedules:
-        if s in CHUNKED_SCHEDULES:
+        name, v = schedule_variant(s)
+        if name in CHUNKED_SCHEDULES:
             try:
-                variant = chunked_variant(plan, s)
+                variant = chunked_variant(plan, name, num_chunks=v)
             except PlanError as e:
                 out[s] = e.message
                 continue
+        elif plan.num_chunks > 1:  # one range per stage, the same block counts, in stage order
+            starts = np.cumsum([0, *(st.num_layers for st in plan.stages)]).tolist()
+            stages = tuple(replace(st, layers=(a, a + st.num_layers), chunks=()) for st, a in zip(plan.stages, starts))
+            variant = replace(plan, stages=stages, schedule=s)
         else:
             variant = replace(plan, schedule=s)
         out[s] = estimate(variant, model, cluster, table=table, opts=opts)

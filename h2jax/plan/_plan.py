@@ -24,11 +24,28 @@ from h2jax.plan._schedule import get_schedule
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zb-h1")
 """Schedules of one layer range per stage: the runtime runs them and the planner prices them."""
 CHUNKED_SCHEDULES: tuple[str, ...] = ("interleaved", "zb-v")
-"""Schedules whose stages hold several layer chunks (``chunks``): the runtime runs them and the
-cost model prices them; the search does not choose them (``h2jax plan`` prices them on the
-searched plan's stages, :func:`chunked_variant`)."""
+"""Schedules whose stages hold several layer chunks (``chunks``): the runtime runs them, the
+cost model prices them, the search chooses them where asked (``SearchOptions.schedules``), and
+``h2jax plan`` prices them on the searched plan's stages (:func:`chunked_variant`)."""
 RUN_SCHEDULES: tuple[str, ...] = SCHEDULES + CHUNKED_SCHEDULES
 """Every schedule a plan may name (what :func:`check_plan` accepts and the runtime runs)."""
+INTERLEAVED_CHUNKS: tuple[int, ...] = (2, 3, 4)
+"""The chunk counts v a search tries for interleaved (``SearchOptions.interleaved_chunks``)."""
+
+
+def schedule_variant(label: str) -> tuple[str, int]:
+    """(schedule, chunks per stage) of a searched schedule label: ``interleaved:3`` is
+    interleaved with 3 chunks (``interleaved`` alone: 2), zb-v holds 2, the others 1."""
+    name, _, v = label.partition(":")
+    if name == "interleaved":
+        return name, int(v) if v else 2
+    return name, 2 if name == "zb-v" else 1
+
+
+def variant_label(schedule: str, chunks: int) -> str:
+    """The label :func:`schedule_variant` reads back: interleaved carries its chunk count."""
+    return f"{schedule}:{chunks}" if schedule == "interleaved" else schedule
+
 
 _STAGE_KEYS = ("chip", "layers", "data", "tensor", "recompute", "chunks")
 _STAGE_REQUIRED = ("chip",)

@@ -16,17 +16,19 @@ The space (the exhaustive enumerator in this module walks exactly the same one):
 - the schedule, among every one the runtime runs (``SearchOptions.schedules``; GPipe only where
   1F1B is not offered: same time, more memory): ZB-H1's split backward shortens the fill
   and drain but keeps more activations alive, so where memory is tight 1F1B wins; the
-  chunked ones (interleaved with v = 2, zb-v) shorten them further for more activations,
-  program calls and boundary crossings, and need at least 2 blocks per stage (one per
-  chunk; a stage's blocks become even chunks, :func:`h2jax.plan.chunked_variant`) and
-  their microbatch counts (interleaved: a multiple of the stage count; zb-v: at least 2p - 1).
+  chunked ones (interleaved with each v of ``SearchOptions.interleaved_chunks``, zb-v with 2)
+  shorten them further for more activations, program calls and boundary crossings, and
+  need a block per chunk on every stage (a stage's blocks become even chunks,
+  :func:`h2jax.plan.chunked_variant`) and their microbatch counts (interleaved: a multiple of
+  the stage count; zb-v: at least 2p - 1). Internally interleaved with v chunks is the
+  schedule label ``interleaved:v`` (:func:`h2jax.plan.schedule_variant`).
 
 Objective: the cost model's iteration time (:mod:`h2jax.plan._cost`); constraint: every
 stage fits its chip's memory. Per configuration and order each schedule is solved in turn
 (split ones first, so the faster sets the bar); every schedule's T_pipe has the same shape
 (``(m - 1) max t + sum fill + max end``, fill and end non-decreasing in the layer count: affine,
 but for zb-v's maximum of affine terms, priced at every count), so the exact round below
-covers them unchanged (a chunked stage's fill is infinite below 2 blocks). Every bound below
+covers them unchanged (a chunked stage's fill is infinite below one block per chunk). Every bound below
 is taken per schedule, with that schedule's memory caps (:func:`count_floors`) and fills,
 and a schedule is solved only where its own bound leaves it a chance: ZB-H1's shorter fill
 does not loosen the bound of configurations where its extra memory cannot fit.
@@ -118,7 +120,17 @@ from h2jax.plan._cost import (
     stage_cost,
     transfer_s,
 )
-from h2jax.plan._plan import CHUNKED_SCHEDULES, SCHEDULES, Plan, PlanError, StageSpec, chunked_variant
+from h2jax.plan._plan import (
+    CHUNKED_SCHEDULES,
+    INTERLEAVED_CHUNKS,
+    SCHEDULES,
+    Plan,
+    PlanError,
+    StageSpec,
+    chunked_variant,
+    schedule_variant,
+    variant_label,
+)
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 from h2jax.plan._schedule import memory_counts
 
@@ -138,12 +150,15 @@ class SearchOptions:
     schedule: one schedule the plans use (any of `schedules`); None: the search
         chooses among `schedules` as one more dimension of the space.
     schedules: the schedules a free search chooses among, any of the runtime's
-        (``h2jax.plan.RUN_SCHEDULES``: gpipe, 1f1b, zb-h1, interleaved with v = 2 chunks per
+        (``h2jax.plan.RUN_SCHEDULES``: gpipe, 1f1b, zb-h1, interleaved with v chunks per
         stage, zb-v); by default the one-chunk ones (``h2jax.plan.SCHEDULES``, as ``h2jax
         plan``: with the chunked ones too the search takes up to ~1.5x as long, 0.78 -> 1.20 s
         at 1,024 chips, and the lower bound, which must cover their short fills, drops).
         GPipe is skipped beside 1F1B: the cost model gives it 1F1B's time with at least
         1F1B's memory, so it never wins.
+    interleaved_chunks: the chunk counts v (each >= 2) the search tries wherever it searches
+        interleaved: more chunks shorten the fill and drain (t / v per stage) for more
+        activations, program calls and transfers, and need v blocks per stage.
     microbatch_sizes: candidate microbatch sizes (sequences); None: every divisor of the
         global batch up to `max_microbatch`.
     max_stages_per_chip: cap on k_c; None: up to the layer count.
@@ -177,6 +192,7 @@ class SearchOptions:
 
     schedule: str | None = None
     schedules: tuple[str, ...] = SCHEDULES
+    interleaved_chunks: tuple[int, ...] = INTERLEAVED_CHUNKS
     microbatch_sizes: tuple[int, ...] | None = None
     max_microbatch: int | None = None
     max_stages_per_chip: int | None = None
@@ -369,6 +385,26 @@ def _caps_at(
     return caps_n, (caps_r if allow_recompute else caps_n)
 
 
+def searched_labels(opts: SearchOptions) -> tuple[str, ...]:
+    """The schedules a search prices (:func:`h2jax.plan._cost.searched_schedules`) as labels:
+    interleaved once per chunk count of `opts.interleaved_chunks`, as ``interleaved:v``
+    (:func:`h2jax.plan.schedule_variant` reads them)."""
+    return _expand_interleaved(searched_schedules(opts.schedule, opts.schedules), opts)
+
+
+def _expand_interleaved(names: Sequence[str], opts: SearchOptions) -> tuple[str, ...]:
+    out: list[str] = []
+    for name in names:
+        if name != "interleaved":
+            out.append(name)
+            continue
+        vs = opts.interleaved_chunks
+        if not vs or any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in vs):
+            raise PlanError("interleaved_chunks", f"interleaved_chunks={tuple(vs)!r}; expected integers >= 2")
+        out.extend(variant_label(name, v) for v in dict.fromkeys(vs))
+    return tuple(out)
+
+
 def count_floors(schedule: str, *, k: int, m: int, n_types: int, L: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """The (awaiting B, awaiting W) counts that bound the memory of a chip type's k stages from
     below, per stage rank r = 1..L (its stages ranked by microbatches awaiting B, fewest
@@ -384,18 +420,20 @@ def count_floors(schedule: str, *, k: int, m: int, n_types: int, L: int) -> list
       at least min(r, m), q at least 1, both at most m, and j + q >= min(p + 1, m + 1) with
       p >= k + n_types - 1 (every chip type has a stage): the vertices of that polytope
       nearest the origin, the two ends of its edge j + q = T;
-    - interleaved (v = 2; (chunk, microbatch) counts): stage s holds min(2(p - s - 1) + p + 1,
-      2m), so the r-th fewest at least min(2(r - 1) + p + 1, 2m) with p >= r + n_types - 1;
+    - interleaved with v chunks (label ``interleaved:v``; (chunk, microbatch) counts): stage s
+      holds min(2(p - s - 1) + (v - 1)p + 1, vm), so the r-th fewest at least
+      min(2(r - 1) + (v - 1)p + 1, vm) with p >= r + n_types - 1;
     - zb-v (chunk counts): (2p, 2s + 1): j at least 2(r + n_types - 1), q at least 2r - 1.
 
     The chunked floors use p >= r + n_types - 1 rather than k's, so they do not depend on k.
     """
     r = np.arange(1, L + 1, dtype=np.float64)
     j_lo = np.minimum(r, m)
+    schedule, v = schedule_variant(schedule)
     if schedule == "gpipe":
         return [(np.full(L, float(m)), np.zeros(L))]
     if schedule == "interleaved":
-        return [(np.minimum(2 * (r - 1) + (r + n_types - 1) + 1, 2 * m), np.zeros(L))]
+        return [(np.minimum(2 * (r - 1) + (v - 1) * (r + n_types - 1) + 1, v * m), np.zeros(L))]
     if schedule == "zb-v":
         return [(2 * (r + n_types - 1), 2 * r - 1)]
     if not split_backward(schedule):
@@ -432,7 +470,7 @@ def chip_choices(
     depends on, and the caps by counts, shared between microbatch sizes.
     """
     caps_cache = {} if caps_cache is None else caps_cache
-    schedules = searched_schedules(opts.schedule, opts.schedules)
+    schedules = searched_labels(opts)
     out: dict[str, list[ChipChoice]] = {}
     L = model.n_layers
     m = num_microbatches
@@ -466,7 +504,7 @@ def chip_choices(
                 blk = part_costs(model, chip, table, tensor=t, microbatch_per_device=microbatch // d)["block"]
                 rc_s = blk.fwd_s * 2 + blk.bwd_s
                 key = (chip.name, t, microbatch // d)
-                for v in {2 if s in CHUNKED_SCHEDULES else 1 for s in schedules}:
+                for v in {schedule_variant(s)[1] for s in schedules}:
                     if (key, v) not in caps_cache:
                         caps_cache[key, v] = _memory_model(
                             model, chip, table, opts, data=d, tensor=t, microbatch=microbatch, chunks=v
@@ -482,7 +520,7 @@ def chip_choices(
                     if want:
                         kk = np.array(want)[:, None] - n_types + 1  # a k with that total
                         floors = count_floors(s, k=kk, m=m, n_types=n_types, L=L)
-                        mm = caps_cache[key, 2 if s in CHUNKED_SCHEDULES else 1]
+                        mm = caps_cache[key, schedule_variant(s)[1]]
                         ln, lr = _caps_at(mm, floors, L, opts.allow_recompute)
                         ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
                         for i, v in enumerate(want):
@@ -634,7 +672,9 @@ def is_memory_descending(plan: Plan, cluster: Cluster) -> bool:
 @dataclass
 class _StageArrays:
     t: np.ndarray  # [L + 1] seconds of fwd+bwd per microbatch with l layers; inf: does not fit
-    g: np.ndarray  # [L + 1] end term: tail seconds (gradient sync + update), + 2 h with a split backward
+    g: (
+        np.ndarray
+    )  # [L + 1] end term (``pipeline_terms``): the tail (gradient sync + update), + 2 h under ZB-H1, + t - fill chunked
     recompute: np.ndarray  # [L + 1] bool: the cheapest fitting choice recomputes
     fill: np.ndarray | None = None  # [L + 1] the stage's share of sum_s fill_s; None: t (unsplit schedules)
 
@@ -674,19 +714,22 @@ class _Solver:
         hit = self._arrays.get(key)
         if hit is not None:
             return hit
-        split = split_backward(schedule)
-        chunks = 2 if schedule in CHUNKED_SCHEDULES else 1
+        name, chunks = schedule_variant(schedule)
+        split = split_backward(name)
         comp = self._affine(chip, data, tensor, mb, first, last, schedule)
         fits = {}
         for rc in (False, True):
             _, _, _, mem1, per_j, per_q, limit = comp[rc]
             fits[rc] = mem1 + (infl - 1) * per_j + pending * per_q <= limit
-        (t_n, f_n, g, *_), (t_r, f_r, *_) = comp[False], comp[True]
+        (t_n, f_n, g_n, *_), (t_r, f_r, g_r, *_) = comp[False], comp[True]
         fit_n, fit_r = fits[False], fits[True]
         if not self.opts.allow_recompute:
             fit_r = np.zeros_like(fit_r)
         t = np.where(fit_n, t_n, np.where(fit_r, t_r, INF))
         t[0] = INF
+        # the end of the layer count's own choice: a chunked stage's end grows with its t, and
+        # recompute lengthens t (unsplit and ZB-H1 ends do not depend on it)
+        g = np.where(fit_n, g_n, g_r)
         fill = None
         if split or chunks > 1:
             fill = np.where(fit_n, f_n, np.where(fit_r, f_r, INF))
@@ -701,8 +744,8 @@ class _Solver:
         (j) and W (q), from six priced corners, so every stage position shares one pricing. The
         fill and end come from the seconds over l (:func:`h2jax.plan._cost.pipeline_terms`):
         affine but for ZB-V's, a maximum of affine terms."""
-        split = split_backward(schedule)
-        chunks = 2 if schedule in CHUNKED_SCHEDULES else 1
+        name, chunks = schedule_variant(schedule)
+        split = split_backward(name)
         base = (chip, data, tensor, mb, first, last, schedule)
         hit = self._affine_cache.get(base)
         if hit is not None:
@@ -727,7 +770,7 @@ class _Solver:
                 return v0 + l * (v1 - v0)
 
             fill, end = pipeline_terms(
-                schedule,
+                name,
                 t=over_l(c0.t, c1.t),
                 fwd=over_l(c0.fwd_s, c1.fwd_s),
                 b=over_l(c0.b_s, c1.b_s),
@@ -1041,7 +1084,7 @@ class _Run:
         self.names = cluster.names
         self.solver = _Solver(model, cluster, table, opts)
         # split schedules first: the fastest of a configuration sets the bar the others must beat
-        self.schedules = sorted(searched_schedules(opts.schedule, opts.schedules), key=lambda s: not split_backward(s))
+        self.schedules = sorted(searched_labels(opts), key=lambda s: not split_backward(schedule_variant(s)[0]))
         self.shared = opts.cost.host_contention and has_shared_host(cluster)
         self.best = INF
         self.best_plan: tuple | None = None
@@ -1361,8 +1404,9 @@ class _Run:
                 if not runs(schedule, S, m, L):
                     continue
                 limit = min(own, self.best if cutoff is None else max(cutoff, self.best))
-                counts = memory_counts(schedule, S, m)  # (awaiting B, awaiting W) per stage
-                head = 0 if schedule == "zb-v" else S - 1  # the V's last chunk is stage 0's
+                name, v = schedule_variant(schedule)
+                counts = memory_counts(name, S, m, v if name == "interleaved" else None)  # awaiting (B, W)
+                head = 0 if name == "zb-v" else S - 1  # the V's last chunk is stage 0's
                 arrays = [
                     solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == head, *counts[i], schedule)
                     for i, c in enumerate(seq)
@@ -1385,7 +1429,7 @@ class _Run:
                             opts.cost,
                         ),
                         allow_recompute=opts.allow_recompute,
-                        min_layers=2 if schedule in CHUNKED_SCHEDULES else 1,
+                        min_layers=v,
                     )
                     if value >= limit:
                         continue
@@ -1624,18 +1668,20 @@ def build_plan(
             StageSpec(chip=c.chip, layers=(start, start + n), data=c.data, tensor=c.tensor, recompute=bool(rc))
         )
         start += n
-    if schedule in CHUNKED_SCHEDULES:  # each stage's blocks as even chunks where the schedule puts them
+    name, v = schedule_variant(schedule)
+    if name in CHUNKED_SCHEDULES:  # each stage's blocks as even chunks where the schedule puts them
         one = Plan(stages=tuple(stages), global_batch=global_batch, num_microbatches=num_microbatches)
-        return chunked_variant(one, schedule)
+        return chunked_variant(one, name, num_chunks=v)
     return Plan(stages=tuple(stages), global_batch=global_batch, num_microbatches=num_microbatches, schedule=schedule)
 
 
 def runs(schedule: str, num_stages: int, num_microbatches: int, num_layers: int) -> bool:
-    """Whether `schedule` can run a pipeline of this shape: interleaved (v = 2) needs the
-    microbatches in groups of the stage count, zb-v at least 2p - 1 of them; both two blocks
-    per stage at least (one per chunk)."""
+    """Whether `schedule` (a label: ``interleaved:v``) can run a pipeline of this shape:
+    interleaved needs the microbatches in groups of the stage count and v blocks per stage,
+    zb-v at least 2p - 1 microbatches and two blocks per stage (one per chunk)."""
+    schedule, v = schedule_variant(schedule)
     if schedule == "interleaved":
-        return num_microbatches % num_stages == 0 and 2 * num_stages <= num_layers
+        return num_microbatches % num_stages == 0 and v * num_stages <= num_layers
     if schedule == "zb-v":
         return num_microbatches >= 2 * num_stages - 1 and 2 * num_stages <= num_layers
     return True
@@ -1667,8 +1713,9 @@ def exhaustive(
     L = model.n_layers
     best, best_plan, count = INF, None, 0
     flags = (False, True) if opts.allow_recompute else (False,)
-    schedules = (opts.schedule,) if opts.schedule is not None else tuple(dict.fromkeys(opts.schedules))
-    searched_schedules(opts.schedule, opts.schedules)  # refuses what the cost model does not price
+    searched_labels(opts)  # refuses what the cost model does not price
+    names = (opts.schedule,) if opts.schedule is not None else tuple(dict.fromkeys(opts.schedules))
+    schedules = _expand_interleaved(names, opts)
     for mb in microbatch_sizes(global_batch, opts):
         m = global_batch // mb
         choices = chip_choices(cluster, model, mb, opts, table, num_microbatches=m)
@@ -1683,8 +1730,8 @@ def exhaustive(
                     continue
                 for split in _compositions(L, S):
                     for rc, schedule in itertools.product(itertools.product(flags, repeat=S), schedules):
-                        if schedule in CHUNKED_SCHEDULES and (
-                            min(split) < 2 or not runs(schedule, S, m, L)
+                        if schedule_variant(schedule)[0] in CHUNKED_SCHEDULES and (
+                            min(split) < schedule_variant(schedule)[1] or not runs(schedule, S, m, L)
                         ):  # what chunked_variant refuses
                             continue
                         plan = build_plan(

@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from pathlib import Path
 
 import pytest
+import yaml
 
 from h2jax.plan import (
     RUN_SCHEDULES,
@@ -24,12 +26,14 @@ from h2jax.plan import (
     chunked_variant,
     estimate,
     exhaustive,
+    schedule_variant,
     search,
     simulate_plan,
     stage_cost,
 )
 from h2jax.plan._cost import in_flight, pipeline_time, schedule_estimates
 
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ModelShape(n_layers=8, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=64, act_bytes=4)
 SPEC = dict(memory_gib=1.0, mem_bw_gbps=20, intra_node_gbps=10, inter_node_gbps=5, devices_per_node=2)
 CHIPS = {"a": ChipProfile("a", peak_tflops=0.1, **SPEC), "b": ChipProfile("b", peak_tflops=0.05, **SPEC)}
@@ -169,6 +173,14 @@ def test_h2jax_plan_prices_the_chunked_schedules_beside_the_searched_plan():
     assert est["zb-v"].plan.schedule == "zb-v"
     odd = schedule_estimates(_plan([4, 4, 0 + 4], ["a", "b", "a"], m=4), MODEL, CHIPS, schedules=("interleaved",))
     assert "not a multiple" in odd["interleaved"]  # the reason, not a price
+    # from a chunked plan: interleaved with another v, and one range per stage for the others
+    three = chunked_variant(plan, "interleaved", num_chunks=3)
+    est = schedule_estimates(three, MODEL, CHIPS, schedules=("interleaved:2", "interleaved:4", "interleaved:5", "1f1b"))
+    assert est["interleaved:2"].plan.stages[0].layer_chunks == ((0, 2), (4, 6))
+    assert est["interleaved:4"].plan.num_chunks == 4
+    assert "needs 5 chunks" in est["interleaved:5"]
+    assert est["1f1b"].plan.stages == plan.stages
+    assert est["1f1b"].iteration_s == estimate(plan, MODEL, CHIPS).iteration_s
 
 
 def _instance(seed: int):
@@ -224,17 +236,108 @@ def test_search_with_chunked_schedules_equals_exhaustive(seed, schedule):
 
 
 def test_the_chunked_schedules_win_some_of_these_instances():
-    chosen = set()
+    chosen, interleaved = set(), set()
     for seed in range(12):
         cluster, model, gb, opts = _instance(seed)
         chosen.add(search(cluster, model, global_batch=gb, opts=opts).plan.schedule)
+        pinned = search(cluster, model, global_batch=gb, opts=dataclasses.replace(opts, schedule="interleaved")).plan
+        interleaved.add(pinned.num_chunks)
     assert "zb-v" in chosen
+    assert interleaved == {2, 3}  # v is searched (INTERLEAVED_CHUNKS), and 3 chunks win some instances
+
+
+def test_interleaved_chunks_are_checked():
+    cluster, model, gb, opts = _instance(0)
+    for bad in ((), (1,), (2, 0), (2.5,)):
+        with pytest.raises(PlanError, match="interleaved_chunks"):
+            search(cluster, model, global_batch=gb, opts=dataclasses.replace(opts, interleaved_chunks=bad))
+    assert schedule_variant("interleaved:3") == ("interleaved", 3)
+    assert schedule_variant("interleaved") == ("interleaved", 2)
+    assert schedule_variant("zb-v") == ("zb-v", 2) and schedule_variant("zb-h1") == ("zb-h1", 1)
 
 
 def test_h2jax_plan_offers_every_schedule():
-    from h2jax.cli_plan import DEFAULT_SCHEDULES, SCHEDULE_CHOICES, _schedules_arg
+    from h2jax.cli_plan import (
+        DEFAULT_INTERLEAVED_CHUNKS,
+        DEFAULT_SCHEDULES,
+        SCHEDULE_CHOICES,
+        _chunks_arg,
+        _schedules_arg,
+    )
+    from h2jax.plan import INTERLEAVED_CHUNKS
+    from h2jax.plan._profiles import ProfileError
 
     assert SCHEDULE_CHOICES == RUN_SCHEDULES
     assert SearchOptions().schedules == DEFAULT_SCHEDULES == SCHEDULES
+    assert SearchOptions().interleaved_chunks == DEFAULT_INTERLEAVED_CHUNKS == INTERLEAVED_CHUNKS
     assert _schedules_arg("all") == RUN_SCHEDULES
     assert _schedules_arg("1f1b, zb-v") == ("1f1b", "zb-v")
+    assert _chunks_arg("2, 4") == (2, 4)
+    for bad in ("1", "2,x", "", "2.5"):
+        with pytest.raises(ProfileError, match="--interleaved-chunks"):
+            _chunks_arg(bad)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved:2", "interleaved:4", "zb-v"])
+def test_the_searchs_stage_arrays_price_each_layer_count_as_the_cost_model_does(schedule):
+    # every layer count's time, fill and end as stage_cost + pipeline_terms give them with the
+    # recompute flag the search picks for it -- a recomputing chunked stage's end is longer
+    from h2jax.plan._cost import pipeline_terms
+    from h2jax.plan._search import _Solver
+
+    path = ROOT / "configs" / "clusters" / "mixed_gaudi2_h100.yaml"
+    cluster = Cluster.load(path)
+    model = ModelShape.from_config(yaml.safe_load(path.read_text())["model"])
+    solver = _Solver(model, cluster, None, SearchOptions())
+    name, v = schedule_variant(schedule)
+    recomputed = 0
+    for chip, first, last, infl, pending in (("h100_sxm", True, False, 39, 0), ("gaudi2", False, True, 12, 3)):
+        pending = pending if name in ("zb-h1", "zb-v") else 0
+        arr = solver.arrays(chip, 16, 4, 16, first, last, infl, pending, schedule)
+        for layers in range(v, model.n_layers + 1):
+            if not math.isfinite(arr.t[layers]):
+                continue
+            rc = bool(arr.recompute[layers])
+            recomputed += rc
+            c = stage_cost(
+                model,
+                cluster.profile(chip),
+                layers=layers,
+                first=first,
+                last=last,
+                data=16,
+                tensor=4,
+                microbatch=16,
+                recompute=rc,
+                in_flight=infl,
+                split=name in ("zb-h1", "zb-v"),
+                pending_w=pending,
+                chunks=v,
+            )
+            assert c.fits
+            fill, end = pipeline_terms(
+                name, t=c.t, fwd=c.fwd_s, b=c.b_s, w=c.w_s, hidden=c.w_hidden_s, tail=c.tail_s, chunks=v
+            )
+            assert math.isclose(arr.t[layers], c.t, rel_tol=1e-9)
+            assert math.isclose(arr.g[layers], end, rel_tol=1e-9), (layers, rc)
+            if arr.fill is not None:
+                assert math.isclose(arr.fill[layers], fill, rel_tol=1e-9)
+    assert recomputed > 0  # the layer counts that need recompute are among those checked
+
+
+def test_offering_more_schedules_never_gives_a_slower_exact_plan():
+    # on the 512-chip mix the chunked plans need recompute; when the search priced their end
+    # without it, it took an interleaved v = 4 plan it thought 14.44 s (14.52 s priced) over
+    # the 14.45 s 1F1B plan
+    from h2jax.cli_plan import search_options
+
+    path = ROOT / "configs" / "clusters" / "mixed_gaudi2_h100.yaml"
+    raw = yaml.safe_load(path.read_text())
+    cluster, model = Cluster.load(path), ModelShape.from_config(raw["model"])
+    got = {}
+    for schedules in (("1f1b",), ("1f1b", "interleaved")):
+        opts = search_options(cluster, schedules=schedules, interleaved_chunks=(4,), time_budget=0)
+        res = search(cluster, model, global_batch=raw["global_batch"], opts=opts)
+        assert res.exhaustive, res.note
+        got[schedules] = res.iteration_s
+    assert got["1f1b", "interleaved"] <= got[("1f1b",)] * (1 + 1e-12), got
