@@ -48,7 +48,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         default=",".join(DEFAULT_SCHEDULES),
         help="comma-separated schedules a free search chooses among, or 'all' (default %(default)s: the "
         "one-chunk ones; interleaved and zb-v are then priced on the chosen plan's stages and printed "
-        "beside it; searching them too takes up to ~1.5x as long: 1,024 chips 0.78 -> 1.20 s)",
+        "beside it; searching them too takes ~2x as long: 1,024 chips 0.64 -> 1.25 s)",
     )
     p.add_argument(
         "--interleaved-chunks",

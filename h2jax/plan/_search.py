@@ -152,8 +152,9 @@ class SearchOptions:
     schedules: the schedules a free search chooses among, any of the runtime's
         (``h2jax.plan.RUN_SCHEDULES``: gpipe, 1f1b, zb-h1, interleaved with v chunks per
         stage, zb-v); by default the one-chunk ones (``h2jax.plan.SCHEDULES``, as ``h2jax
-        plan``: with the chunked ones too the search takes up to ~1.5x as long, 0.78 -> 1.20 s
-        at 1,024 chips, and the lower bound, which must cover their short fills, drops).
+        plan``: with the chunked ones too, interleaved at v = 2, 3, 4, the search takes ~2x
+        as long, 0.64 -> 1.25 s at 1,024 chips, and the lower bound, which must cover their
+        short fills, drops).
         GPipe is skipped beside 1F1B: the cost model gives it 1F1B's time with at least
         1F1B's memory, so it never wins.
     interleaved_chunks: the chunk counts v (each >= 2) the search tries wherever it searches
