@@ -2,11 +2,11 @@
 
 The stage runner talks to its stage's channel and to nothing else that moves bytes::
 
-    x = channel.recv(FWD, m)             # stage input of microbatch m (None: received in-program)
-    channel.send(FWD, m, y, ready=None)  # stage output; never waits for the receiver
-    dy = channel.recv(BWD, m)            # gradient of the output
-    channel.send(BWD, m, dx)             # gradient of the input
-    channel.flush()                      # end of a step: every send has left
+    x = channel.recv(FWD, m, after=last)   # stage input of microbatch m (None: received in-program)
+    channel.send(FWD, m, y, ready=None)    # stage output; never waits for the receiver
+    dy = channel.recv(BWD, m, after=last)  # gradient of the output
+    channel.send(BWD, m, dx)               # gradient of the input
+    channel.flush()                        # end of a step: every send has left
 
 ``make_channels(train.transport, ...)`` chooses the mechanism once:
 
@@ -146,7 +146,7 @@ class Channel(Protocol):
     in_program: bool
     record: Record | None
 
-    def recv(self, direction: int, microbatch: int) -> jax.Array | None: ...
+    def recv(self, direction: int, microbatch: int, *, after: Any = None) -> jax.Array | None: ...
 
     def send(self, direction: int, microbatch: int, x: jax.Array, *, ready: threading.Event | None = None) -> None: ...
 
@@ -276,7 +276,7 @@ class LocalChannel:
         self.hub, self.stage_idx = hub, stage_idx
         self.record: Record | None = None
 
-    def recv(self, direction: int, microbatch: int) -> jax.Array:
+    def recv(self, direction: int, microbatch: int, *, after: Any = None) -> jax.Array:
         return self.hub._inbox[(self.stage_idx, direction)].get(microbatch)
 
     def send(self, direction: int, microbatch: int, x: jax.Array, *, ready: threading.Event | None = None) -> None:
@@ -351,9 +351,11 @@ class PeerChannel:
                 bytes=int(x.nbytes),
             )
 
-    def recv(self, direction: int, microbatch: int) -> jax.Array:
+    def recv(self, direction: int, microbatch: int, *, after: Any = None) -> jax.Array:
         import jax.numpy as jnp
 
+        if after is not None:
+            jax.block_until_ready(after)  # never poll beside a running program (module docstring)
         b, pattern, peers = self._routes[(direction, False)]
         base = self.link.tag_base(microbatch, direction, False)
         t0 = time.perf_counter()
@@ -448,7 +450,7 @@ class FfiChannel:
         base = base + lane_offset(self.link.lane(direction, True))
         return send_boundary(y, self.link.mesh, b, peer=peer, tag_base=base, comm=self.comm, timeout_s=self.timeout_s)
 
-    def recv(self, direction: int, microbatch: int) -> None:
+    def recv(self, direction: int, microbatch: int, *, after: Any = None) -> None:
         return None  # the program receives it
 
     def send(self, direction: int, microbatch: int, x: jax.Array, *, ready: threading.Event | None = None) -> None:

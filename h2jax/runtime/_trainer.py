@@ -21,6 +21,7 @@ counted once by the global norm, and its copies stay bit-identical (h2jax.runtim
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -532,10 +533,18 @@ class Trainer:
                 console=self.console,
             )
         restore_signals = self._catch_signals()
+        frozen = False
         try:
             while self.step < steps:
                 stats = self.train_step()
                 history.append(stats)
+                if not frozen:
+                    # the first step compiled; the model, its state and programs exist. Keep every
+                    # object alive now out of the collector's full passes, which otherwise walk them
+                    # all inside a step every so often (90-140 ms pauses in 0.5 s steps, docs/LOG.md)
+                    gc.collect()
+                    gc.freeze()
+                    frozen = True
                 if stats.step % cfg.train.log_every == 0 or self.step == steps or stats.skipped:
                     metrics = self.step_metrics(stats)
                     if log is not None:
@@ -561,6 +570,8 @@ class Trainer:
             self.close_checkpoints()  # the last committed checkpoint stays the restart point
             raise
         finally:
+            if frozen:
+                gc.unfreeze()
             restore_signals()
             if log is not None:
                 log.close()
