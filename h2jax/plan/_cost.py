@@ -218,6 +218,8 @@ class StageCost:
     w_hidden_s: float = 0.0  # the W work that fills the schedule's waits for B (module docstring)
     pending_w: int = 0  # microbatches whose W has not run after their B (at most at once)
     chunks: int = 1  # layer chunks the stage holds (interleaved, zb-v); in_flight, pending_w count chunks
+    in_flight_bytes: float = 0.0  # activation bytes one more (chunk, microbatch) awaiting B adds
+    pending_w_bytes: float = 0.0  # bytes one more (chunk, microbatch) awaiting W adds (split schedules)
 
     @property
     def t(self) -> float:
@@ -496,10 +498,12 @@ def stage_cost(
     if recompute:  # the backward program runs the forward again (inside the same program)
         bwd += fwd
         bwd_w += fwd_w
+        per_j = inp
         activations = in_flight * inp + act / chunks
     else:
-        activations = in_flight * act / chunks
-    wgt = hidden = 0.0
+        per_j = act / chunks
+        activations = in_flight * per_j
+    wgt = hidden = per_q = 0.0
     if split:
         share = weight_grad_share(model, tensor=tensor)
         names = ("block", "embed", "head")
@@ -508,7 +512,8 @@ def stage_cost(
         # W fills a wait for B at most as long as the forward it stands in for, part by part
         hidden = sum(n * min(sh * p.bwd_s, p.fwd_s) for p, n, sh in counted)
         keep = weight_grad_keep_bytes(model, tensor=tensor, microbatch_per_device=max(1, microbatch // data))
-        activations += pending_w / chunks * sum(n * keep[k] for k, n in zip(names, (layers, int(first), int(last))))
+        per_q = sum(n * keep[k] for k, n in zip(names, (layers, int(first), int(last)))) / chunks
+        activations += pending_w * per_q
     prog = parts.get(PROGRAM)
     if prog is not None:  # one call per program, whatever it fuses; a program per chunk
         fwd += chunks * prog.fwd_s
@@ -569,6 +574,8 @@ def stage_cost(
         w_hidden_s=hidden,
         pending_w=pending_w,
         chunks=chunks,
+        in_flight_bytes=per_j,
+        pending_w_bytes=per_q,
     )
 
 

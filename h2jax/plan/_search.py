@@ -339,25 +339,21 @@ def _memory_model(
     """Per recompute flag, a middle stage's memory as ``base . (1, j, q) + l slope . (1, j, q)``
     and the chip's limit: params, grads and moments grow with its block count l, activations
     with l x j (j microbatches awaiting B; with recompute their inputs, j alone) and l x q (q
-    awaiting W in a split schedule) -- so six priced corners give every (l, j, q). `chunks`: the
+    awaiting W in a split schedule) -- so two pricings (l = 0, 1) with their per-count slopes give
+    every (l, j, q). `chunks`: the
     stage's blocks in that many chunks (interleaved, zb-v): j and q count (chunk, microbatch)."""
     out = {}
     for rc in (False, True):
         kw = dict(first=False, last=False, data=data, tensor=tensor, microbatch=microbatch, recompute=rc, table=table)
-        c = {
-            (l, j, q): stage_cost(
-                model, chip, layers=l, in_flight=j, split=q > 0, pending_w=q, opts=opts.cost, chunks=chunks, **kw
-            )
+        # one pricing per block count: the counts' slopes are the stage's own (StageCost.in_flight_bytes,
+        # .pending_w_bytes); split=True prices what W keeps and with nothing awaiting W adds nothing
+        c = [
+            stage_cost(model, chip, layers=l, in_flight=1, split=True, pending_w=0, opts=opts.cost, chunks=chunks, **kw)
             for l in (0, 1)
-            for j, q in ((1, 0), (2, 0), (1, 1))
-        }
-        mem = {key: v.memory.total for key, v in c.items()}
+        ]
         # mem(l, j, q) = m1(l) + (j - 1) pj(l) + q pq(l), each affine in l
-        per = []
-        for l in (0, 1):
-            m1, pj, pq = mem[l, 1, 0], mem[l, 2, 0] - mem[l, 1, 0], mem[l, 1, 1] - mem[l, 1, 0]
-            per.append(np.array([m1 - pj, pj, pq]))
-        out[rc] = (per[0], per[1] - per[0], c[0, 1, 0].memory_limit)
+        per = [np.array([v.memory.total - v.in_flight_bytes, v.in_flight_bytes, v.pending_w_bytes]) for v in c]
+        out[rc] = (per[0], per[1] - per[0], c[0].memory_limit)
     return out
 
 
@@ -384,6 +380,24 @@ def _caps_at(
         out.append(best)
     caps_n, caps_r = out
     return caps_n, (caps_r if allow_recompute else caps_n)
+
+
+class _CapsByJ:
+    """:func:`_caps_at` of one memory model with nothing awaiting W, tabulated over the count
+    awaiting B (j = 0, 1, 2, ...): the floors of the unsplit schedules differ between
+    microbatch counts only in which j each rank takes, so every microbatch size indexes one
+    table (the same numbers as :func:`_caps_at`: the same formula at the same j)."""
+
+    def __init__(self, mm: dict[bool, tuple[np.ndarray, np.ndarray, float]], L: int, allow_recompute: bool):
+        self.mm, self.L, self.allow_recompute = mm, L, allow_recompute
+        self.caps_n = self.caps_r = np.zeros(0)
+
+    def __call__(self, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.asarray(j).astype(np.intp)
+        if int(idx.max()) >= len(self.caps_n):
+            js = np.arange(max(2 * int(idx.max()), 2 * self.L) + 1, dtype=np.float64)
+            self.caps_n, self.caps_r = _caps_at(self.mm, [(js, np.zeros_like(js))], self.L, self.allow_recompute)
+        return self.caps_n[idx], self.caps_r[idx]
 
 
 def searched_labels(opts: SearchOptions) -> tuple[str, ...]:
@@ -521,8 +535,15 @@ def chip_choices(
                     if want:
                         kk = np.array(want)[:, None] - n_types + 1  # a k with that total
                         floors = count_floors(s, k=kk, m=m, n_types=n_types, L=L)
-                        mm = caps_cache[key, schedule_variant(s)[1]]
-                        ln, lr = _caps_at(mm, floors, L, opts.allow_recompute)
+                        v_chunks = schedule_variant(s)[1]
+                        mm = caps_cache[key, v_chunks]
+                        if len(floors) == 1 and not floors[0][1].any():  # nothing awaits W: caps by j alone
+                            by_j = caps_cache.get((key, v_chunks, "by j"))
+                            if by_j is None:
+                                by_j = caps_cache[key, v_chunks, "by j"] = _CapsByJ(mm, L, opts.allow_recompute)
+                            ln, lr = by_j(floors[0][0])
+                        else:
+                            ln, lr = _caps_at(mm, floors, L, opts.allow_recompute)
                         ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
                         for i, v in enumerate(want):
                             caps_cache[key, s, m, v] = StageCaps(ln[i], lr[i], fills[s])
@@ -742,7 +763,8 @@ class _Solver:
     def _affine(self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, schedule: str) -> dict:
         """Per recompute flag: time, fill and end over l, and the memory over l as
         mem(l, j, q) = mem1 + (j - 1) per_j + q per_q -- affine in the microbatches awaiting B
-        (j) and W (q), from six priced corners, so every stage position shares one pricing. The
+        (j) and W (q), from the stage costs at l = 0 and 1 with their per-count slopes
+        (``StageCost.in_flight_bytes``, ``.pending_w_bytes``), so every stage position shares one pricing. The
         fill and end come from the seconds over l (:func:`h2jax.plan._cost.pipeline_terms`):
         affine but for ZB-V's, a maximum of affine terms."""
         name, chunks = schedule_variant(schedule)
@@ -758,14 +780,10 @@ class _Solver:
         l = self.layers
         out = {}
         for rc in (False, True):
-            c = {
-                (n, j, q): stage_cost(
-                    self.model, prof, layers=n, recompute=rc, in_flight=j, split=split, pending_w=q, chunks=chunks, **kw
-                )
+            c0, c1 = (
+                stage_cost(self.model, prof, layers=n, recompute=rc, in_flight=1, split=split, chunks=chunks, **kw)
                 for n in (0, 1)
-                for j, q in ((1, 0), (2, 0), (1, 1))[: 3 if split else 2]  # nothing awaits W unsplit
-            }
-            c0, c1 = c[0, 1, 0], c[1, 1, 0]
+            )
 
             def over_l(v0: float, v1: float) -> np.ndarray:
                 return v0 + l * (v1 - v0)
@@ -780,14 +798,13 @@ class _Solver:
                 tail=over_l(c0.tail_s, c1.tail_s),
                 chunks=chunks,
             )
-            mem = {k: v.memory.total for k, v in c.items()}
             out[rc] = (
                 over_l(c0.t, c1.t),
                 fill,
                 end,
-                over_l(mem[0, 1, 0], mem[1, 1, 0]),
-                over_l(mem[0, 2, 0] - mem[0, 1, 0], mem[1, 2, 0] - mem[1, 1, 0]),
-                over_l(mem[0, 1, 1] - mem[0, 1, 0], mem[1, 1, 1] - mem[1, 1, 0]) if split else np.zeros_like(l),
+                over_l(c0.memory.total, c1.memory.total),
+                over_l(c0.in_flight_bytes, c1.in_flight_bytes),
+                over_l(c0.pending_w_bytes, c1.pending_w_bytes),  # 0 unsplit: nothing awaits W
                 c0.memory_limit,
             )
         self._affine_cache[base] = out
@@ -879,16 +896,19 @@ class _Solver:
             mask = np.arange(L)[None, :] < cap_b[:, None]
             cand_g = np.unique(G[mask])
             cand_g = cand_g[(cand_g >= g_floor) & (cand_g <= g_top)]
-            for gthr in cand_g:
-                gthr = float(gthr)
+            # every threshold's caps at once: row s holds (G[s] <= cand_g[i]).sum() at column i
+            n_g = len(cand_g)
+            first_within = np.searchsorted(cand_g, G, side="left") + (n_g + 1) * np.arange(S)[:, None]
+            within = np.bincount(first_within.ravel(), minlength=S * (n_g + 1)).reshape(S, n_g + 1).cumsum(axis=1)
+            caps_g = np.minimum(cap_b[:, None], within[:, :n_g])
+            usable = (caps_g.min(axis=0) >= 1) & (caps_g.sum(axis=0) >= L)
+            for i in np.flatnonzero(usable):
+                gthr = float(cand_g[i])
                 if (m - 1) * b + gthr + sum_free + transfers >= best:
                     break
-                caps = np.minimum(cap_b, (G <= gthr).sum(axis=1))
-                if caps.min() < 1 or caps.sum() < L:
-                    continue
-                key = tuple(caps.tolist())
+                key = tuple(caps_g[:, i].tolist())
                 if key not in seen:
-                    seen[key] = self._dp(fills, caps)
+                    seen[key] = self._dp(fills, caps_g[:, i])
                 res = seen[key]
                 if res is None:
                     continue
@@ -899,8 +919,6 @@ class _Solver:
                 if value < best:
                     best = value
                     found = (value, layers)
-                if gthr >= g_top:
-                    break
         if found is None:
             return None
         value, layers = found
@@ -1142,14 +1160,22 @@ class _Run:
     def lower_bound(self, *, timed: bool = True) -> float:
         """:func:`root_bound` over every microbatch size, per schedule with its own memory caps
         and fills, the least over the schedules (each kept: a size or a schedule whose bound
-        cannot beat the best plan so far is skipped by every round)."""
+        cannot beat the best plan so far is skipped by every round). A size whose bound with
+        the loosest caps and fills of every schedule cannot beat the best plan already is not
+        bounded per schedule: that bound holds for each of them."""
         for mb, choices in self.space.items():
-            for schedule in self.schedules:
-                self.schedule_bound[mb, schedule] = root_bound(
-                    choices, m=self.gb // mb, L=self.L, fixed_s=self.fixed_s(mb, schedule), schedule=schedule
-                )
-                if timed:
-                    self.tick()
+            m = self.gb // mb
+            fixed = min(self.fixed_s(mb, s) for s in self.schedules)
+            loose = root_bound(choices, m=m, L=self.L, fixed_s=fixed) if len(self.schedules) > 1 else -INF
+            if loose >= self.best:
+                self.schedule_bound.update({(mb, s): loose for s in self.schedules})
+            else:
+                for schedule in self.schedules:
+                    self.schedule_bound[mb, schedule] = root_bound(
+                        choices, m=m, L=self.L, fixed_s=self.fixed_s(mb, schedule), schedule=schedule
+                    )
+                    if timed:
+                        self.tick()
             self.mb_bound[mb] = min(self.schedule_bound[mb, s] for s in self.schedules)
         return min(self.mb_bound.values(), default=INF)
 
