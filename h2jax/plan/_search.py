@@ -526,44 +526,42 @@ def chip_choices(
                         )
                 fills = {s: layer_fill_s(model, blk, tensor=t, schedules=(s,)) for s in schedules}
                 n_types = len(cluster.names)
-                per_k: dict[str, list[StageCaps]] = {}
+                # caps depend on k only through ZB-H1's floor total: one object per distinct total,
+                # shared by every choice with it (one row of _Held), all totals priced at once; the
+                # other schedules' do not depend on k: one object each
+                shared: dict[str | None, StageCaps] = {}
                 for s in schedules:
-                    # caps depend on k only through ZB-H1's floor total: one object per distinct total,
-                    # shared by every choice with it (one row of _Held), all totals priced at once
-                    tot = zb_floor_total(np.array(ks), m=m, n_types=n_types) if s == "zb-h1" else np.zeros(len(ks))
-                    want = [v for v in dict.fromkeys(tot.tolist()) if (key, s, m, v) not in caps_cache]
+                    if s != "zb-h1":
+                        shared[s] = _schedule_caps(caps_cache, key, s, m, n_types, L, fills[s], opts.allow_recompute)
+                by_k = [shared] * len(ks)
+                if "zb-h1" in schedules:
+                    tot = zb_floor_total(np.array(ks), m=m, n_types=n_types).tolist()
+                    want = [v for v in dict.fromkeys(tot) if (key, "zb-h1", m, v) not in caps_cache]
                     if want:
                         kk = np.array(want)[:, None] - n_types + 1  # a k with that total
-                        floors = count_floors(s, k=kk, m=m, n_types=n_types, L=L)
-                        v_chunks = schedule_variant(s)[1]
-                        mm = caps_cache[key, v_chunks]
-                        if len(floors) == 1 and not floors[0][1].any():  # nothing awaits W: caps by j alone
-                            by_j = caps_cache.get((key, v_chunks, "by j"))
-                            if by_j is None:
-                                by_j = caps_cache[key, v_chunks, "by j"] = _CapsByJ(mm, L, opts.allow_recompute)
-                            ln, lr = by_j(floors[0][0])
-                        else:
-                            ln, lr = _caps_at(mm, floors, L, opts.allow_recompute)
+                        floors = count_floors("zb-h1", k=kk, m=m, n_types=n_types, L=L)
+                        ln, lr = _caps_at(caps_cache[key, 1], floors, L, opts.allow_recompute)
                         ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
                         for i, v in enumerate(want):
-                            caps_cache[key, s, m, v] = StageCaps(ln[i], lr[i], fills[s])
-                    per_k[s] = [caps_cache[key, s, m, v] for v in tot.tolist()]
+                            caps_cache[key, "zb-h1", m, v] = StageCaps(ln[i], lr[i], fills["zb-h1"])
+                    by_k = [{**shared, "zb-h1": caps_cache[key, "zb-h1", m, v]} for v in tot]
+                if "1f1b" in schedules:
+                    # 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
+                    # schedules' (a chunk's activations, their own counts) may lie above either, and
+                    # like 1F1B's they do not depend on k: one loose object
+                    lkey = (key, m, "loose", tuple(schedules))
+                    if lkey not in caps_cache:
+                        caps_cache[lkey] = StageCaps(
+                            np.max([c.max_layers for c in shared.values()], axis=0),
+                            np.max([c.max_layers_rc for c in shared.values()], axis=0),
+                            min(fills.values()),
+                        )
+                    loose = caps_cache[lkey]
+                    if loose.max_layers_rc[0] < 1:
+                        continue  # not even one block fits a stage of this shape
                 for ik, k in enumerate(ks):
-                    caps = {s: per_k[s][ik] for s in schedules}
-                    if "1f1b" in caps:
-                        # 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
-                        # schedules' (a chunk's activations, their own counts) may lie above
-                        # either, and like 1F1B's they do not depend on k: one loose object
-                        lkey = (key, m, "loose", tuple(schedules))
-                        if lkey not in caps_cache:
-                            over = [c for s, c in caps.items() if s != "zb-h1"]
-                            caps_cache[lkey] = StageCaps(
-                                np.max([c.max_layers for c in over], axis=0),
-                                np.max([c.max_layers_rc for c in over], axis=0),
-                                min(fills.values()),
-                            )
-                        loose = caps_cache[lkey]
-                    else:
+                    caps = dict(by_k[ik])
+                    if "1f1b" not in schedules:
                         loose = StageCaps(
                             np.max([c.max_layers for c in caps.values()], axis=0),
                             np.max([c.max_layers_rc for c in caps.values()], axis=0),
@@ -571,8 +569,8 @@ def chip_choices(
                         )
                         lkey = (key, m, loose.max_layers.tobytes(), loose.max_layers_rc.tobytes(), loose.fill_s)
                         loose = caps_cache.setdefault(lkey, loose)  # one object per value: one row of _Held
-                    if loose.max_layers_rc[0] < 1:
-                        continue  # not even one block fits a stage of this shape
+                        if loose.max_layers_rc[0] < 1:
+                            continue  # not even one block fits a stage of this shape
                     caps[None] = loose
                     choices.append(ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps))
         choices.sort(key=lambda c: (-c.capability, c.stages, c.tensor))
@@ -580,6 +578,32 @@ def chip_choices(
     if opts.max_options_per_chip:
         out = beam(out, L, opts.max_options_per_chip)
     return out
+
+
+def _schedule_caps(
+    caps_cache: dict, key: tuple, schedule: str, m: int, n_types: int, L: int, fill_s: float, allow_recompute: bool
+) -> StageCaps:
+    """The caps of a chip shape (`key`: chip, tensor, sequences per device) under a schedule
+    whose floors do not depend on its stage count k (all but ZB-H1), at m microbatches. The
+    unsplit schedules' caps come from one table over the count awaiting B (:class:`_CapsByJ`);
+    ZB-V's floors do not depend on m either: one pricing per shape."""
+    hit = caps_cache.get((key, schedule, m))
+    if hit is not None:
+        return hit
+    floors = count_floors(schedule, k=1, m=m, n_types=n_types, L=L)
+    chunks = schedule_variant(schedule)[1]
+    if len(floors) == 1 and not floors[0][1].any():  # nothing awaits W: caps by j alone
+        by_j = caps_cache.get((key, chunks, "by j"))
+        if by_j is None:
+            by_j = caps_cache[key, chunks, "by j"] = _CapsByJ(caps_cache[key, chunks], L, allow_recompute)
+        ln, lr = by_j(floors[0][0])
+    else:
+        fkey = (key, schedule, "floors", b"".join(np.ascontiguousarray(a).tobytes() for p in floors for a in p))
+        if fkey not in caps_cache:
+            caps_cache[fkey] = _caps_at(caps_cache[key, chunks], floors, L, allow_recompute)
+        ln, lr = caps_cache[fkey]
+    hit = caps_cache[key, schedule, m] = StageCaps(ln, lr, fill_s)
+    return hit
 
 
 def measured_rows(table: ProfileTable | None, chip: str, model: ModelShape) -> frozenset[tuple[int, int]]:
@@ -693,12 +717,12 @@ def is_memory_descending(plan: Plan, cluster: Cluster) -> bool:
 
 @dataclass
 class _StageArrays:
-    t: np.ndarray  # [L + 1] seconds of fwd+bwd per microbatch with l layers; inf: does not fit
-    g: (
-        np.ndarray
-    )  # [L + 1] end term (``pipeline_terms``): the tail (gradient sync + update), + 2 h under ZB-H1, + t - fill chunked
-    recompute: np.ndarray  # [L + 1] bool: the cheapest fitting choice recomputes
-    fill: np.ndarray | None = None  # [L + 1] the stage's share of sum_s fill_s; None: t (unsplit schedules)
+    """Per layer count l = 0..L (the last axis; a leading axis: several stages at once)."""
+
+    t: np.ndarray  # seconds of fwd+bwd per microbatch with l layers; inf: does not fit
+    g: np.ndarray  # end term (``pipeline_terms``): the tail (sync + update), + 2 h under ZB-H1, + t - fill chunked
+    recompute: np.ndarray  # bool: the cheapest fitting choice recomputes
+    fill: np.ndarray | None = None  # the stage's share of sum_s fill_s; None: t (unsplit schedules)
 
 
 class _Solver:
@@ -732,30 +756,50 @@ class _Solver:
     ) -> _StageArrays:
         """One stage's time, fill, end and fit for every layer count l (affine in l) under
         `schedule`, with `infl` microbatches awaiting B and `pending` awaiting W."""
-        key = (chip, data, tensor, mb, first, last, infl, pending, schedule)
+        rows = self.rows(chip, data, tensor, mb, first, last, np.array([infl]), np.array([pending]), schedule)
+        return _StageArrays(
+            t=rows.t[0], g=rows.g[0], recompute=rows.recompute[0], fill=None if rows.fill is None else rows.fill[0]
+        )
+
+    def rows(
+        self,
+        chip: str,
+        data: int,
+        tensor: int,
+        mb: int,
+        first: bool,
+        last: bool,
+        infl: np.ndarray,
+        pending: np.ndarray,
+        schedule: str,
+    ) -> _StageArrays:
+        """:meth:`arrays` of stages of one shape at several positions at once (row i: `infl[i]`
+        awaiting B, `pending[i]` awaiting W): arrays of shape [len(infl), L + 1]."""
+        key = (chip, data, tensor, mb, first, last, infl.tobytes(), pending.tobytes(), schedule)
         hit = self._arrays.get(key)
         if hit is not None:
             return hit
         name, chunks = schedule_variant(schedule)
         split = split_backward(name)
         comp = self._affine(chip, data, tensor, mb, first, last, schedule)
+        j, q = infl[:, None], pending[:, None]
         fits = {}
         for rc in (False, True):
             _, _, _, mem1, per_j, per_q, limit = comp[rc]
-            fits[rc] = mem1 + (infl - 1) * per_j + pending * per_q <= limit
+            fits[rc] = mem1 + (j - 1) * per_j + q * per_q <= limit
         (t_n, f_n, g_n, *_), (t_r, f_r, g_r, *_) = comp[False], comp[True]
         fit_n, fit_r = fits[False], fits[True]
         if not self.opts.allow_recompute:
             fit_r = np.zeros_like(fit_r)
         t = np.where(fit_n, t_n, np.where(fit_r, t_r, INF))
-        t[0] = INF
+        t[:, 0] = INF
         # the end of the layer count's own choice: a chunked stage's end grows with its t, and
         # recompute lengthens t (unsplit and ZB-H1 ends do not depend on it)
         g = np.where(fit_n, g_n, g_r)
         fill = None
         if split or chunks > 1:
             fill = np.where(fit_n, f_n, np.where(fit_r, f_r, INF))
-            fill[:chunks] = INF  # a chunk holds at least one block (t stays finite: the caps count from 1)
+            fill[:, :chunks] = INF  # a chunk holds at least one block (t stays finite: the caps count from 1)
         arr = _StageArrays(t=t, g=g, recompute=~fit_n, fill=fill)
         self._arrays[key] = arr
         return arr
@@ -851,17 +895,17 @@ class _Solver:
         return float(v[L]), layers
 
     def solve(
-        self, stages: Sequence[_StageArrays], m: int, transfers: float, best: float
+        self, stages: _StageArrays, m: int, transfers: float, best: float
     ) -> tuple[float, list[int], list[bool]] | None:
-        """The best layer split and recompute flags of this stage sequence, if it beats `best`."""
-        L, S = self.L, len(stages)
+        """The best layer split and recompute flags of this stage sequence (`stages`: one row per
+        stage), if it beats `best`."""
+        L, S = self.L, len(stages.t)
         if S > L:
             return None
-        ts = [s.t for s in stages]
-        gs = [s.g for s in stages]
-        fills = [s.t if s.fill is None else s.fill for s in stages]  # what sum_s adds up (1F1B: t)
-        T = np.stack(ts)[:, 1:]  # [S, L]: row s, column l - 1; non-decreasing, inf where it does not fit
-        G = np.stack(gs)[:, 1:]
+        ts, gs = stages.t, stages.g
+        fills = ts if stages.fill is None else stages.fill  # what sum_s adds up (1F1B: t)
+        T = ts[:, 1:]  # [S, L]: row s, column l - 1; non-decreasing, inf where it does not fit
+        G = gs[:, 1:]
         full = np.isfinite(T).sum(axis=1)  # most layers each stage can hold
         if full.min() < 1 or full.sum() < L:
             return None
@@ -871,7 +915,7 @@ class _Solver:
         b0 = max(float(T.min(axis=1).max()), float(np.partition(T, L - 1, axis=None)[L - 1]))
         if not math.isfinite(b0):
             return None
-        base = float(np.stack(fills)[:, 1:].min(axis=1).sum())  # each stage's least fill (chunked: from 2 blocks)
+        base = float(fills[:, 1:].min(axis=1).sum())  # each stage's least fill (chunked: from 2 blocks)
         if (m - 1) * b0 + base + g_floor + transfers >= best:
             return None
         free = self._dp(fills, full)
@@ -913,16 +957,15 @@ class _Solver:
                 if res is None:
                     continue
                 _, layers = res
-                tt = [float(t[l_]) for t, l_ in zip(ts, layers)]
-                ff = [float(f[l_]) for f, l_ in zip(fills, layers)]
-                value = (m - 1) * max(tt) + sum(ff) + transfers + max(float(g[l_]) for g, l_ in zip(gs, layers))
+                at = (np.arange(S), layers)
+                value = (m - 1) * float(ts[at].max()) + sum(fills[at].tolist()) + transfers + float(gs[at].max())
                 if value < best:
                     best = value
                     found = (value, layers)
         if found is None:
             return None
         value, layers = found
-        return value, layers, [bool(s.recompute[l_]) for s, l_ in zip(stages, layers)]
+        return value, layers, stages.recompute[np.arange(S), layers].tolist()
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -1035,9 +1078,14 @@ def root_bound(
     b_feasible = b_lb * (1 + 1e-7) + 1e-15
     f_feasible = fill(b_feasible)
     if not math.isfinite(f_feasible):  # the first slot time with a split: growing steps, then bisection
+        # at b_all every choice holds all its memory allows: no split there, none at all (a chip
+        # type that cannot hold a block under this schedule, though the others hold the model)
+        b_all = 2 * L * max(float(np.where(np.isfinite(h.arc), h.arc, h.a).max()) for h in helds)
+        if not math.isfinite(fill(b_all)):
+            return INF
         lo, step = b_feasible, 0.01
         while not math.isfinite(f_feasible):
-            lo, b_feasible = b_feasible, b_feasible * (1 + step)
+            lo, b_feasible = b_feasible, min(b_feasible * (1 + step), b_all)
             f_feasible, step = fill(b_feasible), step * 2
         for _ in range(12):
             mid = 0.5 * (lo + b_feasible)
@@ -1263,7 +1311,7 @@ class _Run:
             for config in dict.fromkeys(configs):
                 self.stats["configs"] += 1
                 cutoff = self.best * SEED_SLACK
-                value, order = self.evaluate(config, mb, self.gb // mb, list(orders), cutoff=cutoff)
+                value, order = self.evaluate(config, mb, self.gb // mb, list(orders), cutoff=cutoff, screen=True)
                 if order is not None:
                     self.starts.append((value, config, mb, order, self.last_schedule))
 
@@ -1385,7 +1433,7 @@ class _Run:
                 return
             if i == len(names):
                 self.stats["configs"] += 1
-                self.evaluate(chosen, bd.mb, bd.m, self.quick_orders(orders) if quick else orders)
+                self.evaluate(chosen, bd.mb, bd.m, self.quick_orders(orders) if quick else orders, screen=quick)
                 return
             for c, grid, fill in zip(bd.lists[i], bd.grids[i], bd.fills[i]):
                 chosen.append(c)
@@ -1402,20 +1450,46 @@ class _Run:
         orders: list[tuple[str, ...]],
         cutoff: float | None = None,
         only: str | Sequence[str] | None = None,
+        screen: bool = False,
     ) -> tuple[float, tuple[str, ...] | None]:
         """Solve `config` in each of `orders` (and each schedule, or `only` these); keep it if it
         beats the best plan. Returns its best time and order among those below `cutoff`
         (default: the best plan's time; a higher cutoff prices configurations that cannot win
         yet, for local search to start from), else (inf, None); `last_schedule` says which
         schedule gave that time. A schedule is solved only where its bounds (:meth:`live`,
-        :meth:`beats`: its own memory caps and fills) leave it a chance."""
+        :meth:`beats`: its own memory caps and fills) leave it a chance. `screen` (the rounds
+        before the exact one): the chunked schedules only in the order the one-chunk ones found
+        best for this configuration (in every order where none beat the cutoff)."""
         schedules = self.schedules if only is None else [only] if isinstance(only, str) else list(only)
         start = self.best if cutoff is None else max(cutoff, self.best)  # the limit only falls from here
         schedules = [s for s in self.live(mb, start) if s in schedules and self.beats(config, mb, m, s, start)]
-        opts, solver, L = self.opts, self.solver, self.L
         self.stats["solved"] += 1
-        by_chip = {c.chip: c for c in config}
         own, own_order = INF, None
+        if screen and len(orders) > 1:
+            chunked = [s for s in schedules if schedule_variant(s)[0] in CHUNKED_SCHEDULES]
+            flat = [s for s in schedules if s not in chunked]
+            if chunked and flat:
+                own, own_order = self._orders(config, mb, m, orders, cutoff, flat, own, own_order)
+                return self._orders(
+                    config, mb, m, [own_order] if own_order else orders, cutoff, chunked, own, own_order
+                )
+        return self._orders(config, mb, m, orders, cutoff, schedules, own, own_order)
+
+    def _orders(
+        self,
+        config: Sequence[ChipChoice],
+        mb: int,
+        m: int,
+        orders: list[tuple[str, ...]],
+        cutoff: float | None,
+        schedules: Sequence[str],
+        own: float,
+        own_order: tuple[str, ...] | None,
+    ) -> tuple[float, tuple[str, ...] | None]:
+        """:meth:`evaluate`'s solves: `config` in each of `orders` under each of `schedules`,
+        from its best so far (`own` in `own_order`)."""
+        opts, solver, L = self.opts, self.solver, self.L
+        by_chip = {c.chip: c for c in config}
         for order in orders:
             limit = min(own, self.best if cutoff is None else max(cutoff, self.best))
             self.tick()
@@ -1423,23 +1497,53 @@ class _Run:
             S = len(seq)
             if S > L:
                 return own, own_order
-            xfer = sum(
-                solver.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
-                for a, b in zip(seq, seq[1:])
+            groups = [by_chip[name] for name in order]
+            ends = np.cumsum([c.stages for c in groups]).tolist()  # a chip type's stages end here
+            xfer = (
+                sum(  # a chip type's stages pass (stages - 1) boundaries among themselves
+                    (c.stages - 1) * solver.transfer((c.chip, c.data, c.tensor), (c.chip, c.data, c.tensor), mb)
+                    for c in groups
+                )
+                + sum(
+                    solver.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
+                    for a, b in zip(groups, groups[1:])
+                )
             )
             for schedule in schedules:  # the schedule: one more dimension, split ones first
                 if not runs(schedule, S, m, L):
                     continue
                 limit = min(own, self.best if cutoff is None else max(cutoff, self.best))
                 name, v = schedule_variant(schedule)
-                counts = memory_counts(name, S, m, v if name == "interleaved" else None)  # awaiting (B, W)
+                counts = np.array(memory_counts(name, S, m, v if name == "interleaved" else None))  # awaiting (B, W)
                 head = 0 if name == "zb-v" else S - 1  # the V's last chunk is stage 0's
-                arrays = [
-                    solver.arrays(c.chip, c.data, c.tensor, mb, i == 0, i == head, *counts[i], schedule)
-                    for i, c in enumerate(seq)
+                # the stages as runs of one shape: a chip type's stages, the first and the head apart
+                cuts = sorted({0, 1, head, head + 1, *ends} - {S + 1})
+                parts = [
+                    solver.rows(
+                        seq[a].chip,
+                        seq[a].data,
+                        seq[a].tensor,
+                        mb,
+                        a == 0,
+                        a == head,
+                        counts[a:b, 0],
+                        counts[a:b, 1],
+                        schedule,
+                    )
+                    for a, b in zip(cuts, cuts[1:])
                 ]
+                stacked = (
+                    parts[0]
+                    if len(parts) == 1
+                    else _StageArrays(
+                        t=np.concatenate([p.t for p in parts]),
+                        g=np.concatenate([p.g for p in parts]),
+                        recompute=np.concatenate([p.recompute for p in parts]),
+                        fill=None if parts[0].fill is None else np.concatenate([p.fill for p in parts]),
+                    )
+                )
                 self.stats["orders"] += 1
-                res = solver.solve(arrays, m, xfer, limit)
+                res = solver.solve(stacked, m, xfer, limit)
                 if res is None or res[0] >= limit:
                     continue
                 value, layers, recompute = res[0], list(res[1]), list(res[2])

@@ -123,3 +123,25 @@ def test_bound_below_the_brute_force_optimum_with_few_microbatches(seed):
         assert got.lower_bound_s <= want * (1 + 1e-12)
         pinned = search(cluster, model, global_batch=gb, opts=dataclasses.replace(opts, schedule="1f1b"))
         assert pinned.lower_bound_s <= pinned.iteration_s * (1 + 1e-12)
+
+
+@pytest.mark.timeout(20)
+def test_root_bound_is_infinite_where_a_chip_type_holds_no_block_under_the_schedule():
+    # the other chip type holds the whole model within the slot-time bound, but every chip type
+    # needs a stage: no plan of this schedule exists -- the bound says so (it used to search
+    # for a first feasible slot time forever: hetero_10000 at its largest microbatch, 1F1B)
+    import numpy as np
+
+    from h2jax.plan._search import ChipChoice, StageCaps, root_bound
+
+    def choice(chip, stages, under_1f1b, loose):
+        caps = {
+            "1f1b": StageCaps(np.array(under_1f1b, float), np.array(under_1f1b, float), 1.0),
+            None: StageCaps(np.array(loose, float), np.array(loose, float), 0.5),
+        }
+        return ChipChoice(chip, stages, 1, 1, 1.0, 1.5, caps)
+
+    choices = {"big": [choice("big", 2, [4, 4], [4, 4])], "small": [choice("small", 1, [0], [2])]}
+    assert root_bound(choices, m=2, L=4, schedule="1f1b") == math.inf
+    loose = root_bound(choices, m=2, L=4, schedule=None)  # the loosest caps let "small" hold two
+    assert math.isfinite(loose) and loose > 0
