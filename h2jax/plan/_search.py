@@ -918,6 +918,8 @@ class _Solver:
         base = float(fills[:, 1:].min(axis=1).sum())  # each stage's least fill (chunked: from 2 blocks)
         if (m - 1) * b0 + base + g_floor + transfers >= best:
             return None
+        if (m - 1) * b0 + _least_fill_sum(fills[:, 1:], full, L) + g_floor + transfers >= best:
+            return None  # cheaper than the dynamic program below, and nearly as tight
         free = self._dp(fills, full)
         if free is None:
             return None
@@ -966,6 +968,30 @@ class _Solver:
             return None
         value, layers = found
         return value, layers, stages.recompute[np.arange(S), layers].tolist()
+
+
+def _least_fill_sum(F: np.ndarray, full: np.ndarray, L: int) -> float:
+    """A lower bound on min sum_s F[s, l_s - 1] over 1 <= l_s <= full[s], sum_s l_s = L (what
+    :meth:`_Solver._dp` computes exactly), in O(S L): each row from its first finite entry on
+    grows at least by its least step, so the relaxation gives each stage its first finite
+    count and the remaining blocks to the least steps first (inf: no split)."""
+    finite = np.isfinite(F)
+    if not finite.any(axis=1).all():
+        return INF
+    first = finite.argmax(axis=1)  # column of each row's first finite entry (l0 - 1)
+    rows = np.arange(len(F))
+    rest = L - int((first + 1).sum())
+    room = full - (first + 1)  # blocks each stage may take beyond l0
+    if rest < 0 or int(room.sum()) < rest:
+        return INF
+    with np.errstate(invalid="ignore"):
+        step = np.diff(F, axis=1)
+    step = np.where(np.isfinite(step), step, INF).min(axis=1) if F.shape[1] > 1 else np.full(len(F), INF)
+    order = np.argsort(step, kind="stable")
+    room_o, step_o = room[order], step[order]
+    take = np.clip(rest - (np.cumsum(room_o) - room_o), 0, room_o)
+    extra = float((take[take > 0] * step_o[take > 0]).sum())
+    return float(F[rows, first].sum()) + extra
 
 
 # -- the search ------------------------------------------------------------------------------

@@ -145,3 +145,44 @@ def test_root_bound_is_infinite_where_a_chip_type_holds_no_block_under_the_sched
     assert root_bound(choices, m=2, L=4, schedule="1f1b") == math.inf
     loose = root_bound(choices, m=2, L=4, schedule=None)  # the loosest caps let "small" hold two
     assert math.isfinite(loose) and loose > 0
+
+
+def test_least_fill_sum_never_exceeds_the_exact_split():
+    # the cheap prune before the exact split's dynamic program: on random rows shaped like the
+    # search's (inf below a chunk's least blocks and past the memory cap, steps of any size,
+    # a recompute jump) it stays at or below the dynamic program's optimum, is inf exactly
+    # where no split exists, and equals the optimum where every row is affine
+    import numpy as np
+
+    from h2jax.plan._search import _least_fill_sum, _Solver
+
+    rng = np.random.default_rng(0)
+    checked = affine_checked = 0
+    for _ in range(400):
+        L, S = int(rng.integers(2, 25)), int(rng.integers(1, 7))
+        affine = rng.random() < 0.3
+        model = ModelShape(n_layers=L, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=32)
+        cluster = Cluster(((ChipProfile(name="c", memory_gib=1.0, peak_tflops=1.0, mem_bw_gbps=1.0), 1),))
+        solver = _Solver(model, cluster, None, SearchOptions())
+        fills = np.full((S, L + 1), np.inf)
+        for s in range(S):
+            lo, cap = int(rng.integers(1, 3)), int(rng.integers(1, L + 1))
+            if affine:
+                row = rng.exponential(2.0) + rng.exponential(1.0) * np.arange(L + 1)
+            else:
+                steps = rng.exponential(1.0, L + 1) * rng.choice([1.0, 0.0], p=[0.9, 0.1], size=L + 1)
+                row = rng.exponential(2.0) + np.cumsum(steps)
+                row[int(rng.integers(1, L + 1)) :] += rng.exponential(3.0)  # recompute from here on
+            fills[s, lo : cap + 1] = row[lo : cap + 1]
+        full = np.array([int(np.isfinite(fills[s, 1:]).nonzero()[0].max(initial=-1)) + 1 for s in range(S)])
+        exact = solver._dp(fills, full) if full.min() >= 1 else None
+        bound = _least_fill_sum(fills[:, 1:], full, L)
+        if exact is None:
+            assert bound == math.inf  # the rows are finite on one range each: no split, no relaxed one
+            continue
+        checked += 1
+        assert bound <= exact[0] * (1 + 1e-12), (bound, exact[0])
+        if affine:
+            affine_checked += 1
+            assert bound == pytest.approx(exact[0], rel=1e-9)
+    assert checked >= 150 and affine_checked >= 40
