@@ -16,7 +16,7 @@ import yaml
 EXIT_CONFIG = 2
 DEFAULT_TIME_BUDGET_S = 3.0  # h2jax.plan._search.DEFAULT_TIME_BUDGET_S (not imported: keeps --help fast)
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")  # h2jax.plan.RUN_SCHEDULES (ditto)
-DEFAULT_SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # h2jax.plan.SCHEDULES: what a free search chooses among
+DEFAULT_SCHEDULES = SCHEDULE_CHOICES  # SearchOptions().schedules: a free search chooses among every schedule
 DEFAULT_INTERLEAVED_CHUNKS = (2, 3, 4)  # h2jax.plan.INTERLEAVED_CHUNKS (ditto)
 
 
@@ -45,10 +45,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--schedules",
-        default=",".join(DEFAULT_SCHEDULES),
-        help="comma-separated schedules a free search chooses among, or 'all' (default %(default)s: the "
-        "one-chunk ones; interleaved and zb-v are then priced on the chosen plan's stages and printed "
-        "beside it; searching them too takes ~2x as long: 1,024 chips 0.64 -> 1.25 s)",
+        default="all",
+        help="comma-separated schedules a free search chooses among, or 'all' (the default; interleaved "
+        "with each v of --interleaved-chunks). A subset searches faster; the schedules left out are "
+        "priced on the chosen plan's stages and printed beside it",
     )
     p.add_argument(
         "--interleaved-chunks",
@@ -374,7 +374,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             str(i),
             s.chip,
             f"{s.data} x {s.tensor}",
-            f"{s.layers[0]}-{s.layers[1] - 1}",
+            ", ".join(f"{a}-{b - 1}" for a, b in s.layer_chunks),  # a chunked stage: each chunk
             "yes" if s.recompute else "no",
             _fmt_s(c.t),
             f"roofline ({s.tensor}, {res.plan.microbatch_size // s.data})" if c.estimated else "measured",

@@ -25,8 +25,9 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zb-h1")
 """Schedules of one layer range per stage: the runtime runs them and the planner prices them."""
 CHUNKED_SCHEDULES: tuple[str, ...] = ("interleaved", "zb-v")
 """Schedules whose stages hold several layer chunks (``chunks``): the runtime runs them, the
-cost model prices them, the search chooses them where asked (``SearchOptions.schedules``), and
-``h2jax plan`` prices them on the searched plan's stages (:func:`chunked_variant`)."""
+cost model prices them, the search chooses among them as among the others
+(``SearchOptions.schedules``), and ``h2jax plan`` prices them on the chosen plan's stages too
+(:func:`chunked_variant`)."""
 RUN_SCHEDULES: tuple[str, ...] = SCHEDULES + CHUNKED_SCHEDULES
 """Every schedule a plan may name (what :func:`check_plan` accepts and the runtime runs)."""
 INTERLEAVED_CHUNKS: tuple[int, ...] = (2, 3, 4)

@@ -63,7 +63,10 @@ best configuration and the two best other seeds (a chip type's stage count and t
 degree together, or the microbatch size, while that helps; then the order, by the
 neighbourhood and adjacent swaps); beams of the best 2, 3, 4, 8, ... choices per chip type
 by the same ranking, each followed by coordinate descent; last the exact round, which the
-incumbent lets prune hard. The search stops at the exact round's end (exhaustive), at the
+incumbent lets prune hard. Before the exact round a configuration's chunked schedules are
+solved only in the stage order its one-chunk schedules found best (a heuristic, like those
+rounds; the exact round tries every order under every schedule).
+The search stops at the exact round's end (exhaustive), at the
 time budget, or -- in a space of more than EXACT_AFTER_LOCAL triples -- when two beam
 rounds in a row found nothing better after 15 % of the budget (converged, not exhaustive). How near that is to the optimum is measured, not
 proven: on instances of 64-256 chips whose whole space the exact search covers in seconds
@@ -123,7 +126,7 @@ from h2jax.plan._cost import (
 from h2jax.plan._plan import (
     CHUNKED_SCHEDULES,
     INTERLEAVED_CHUNKS,
-    SCHEDULES,
+    RUN_SCHEDULES,
     Plan,
     PlanError,
     StageSpec,
@@ -149,12 +152,11 @@ class SearchOptions:
 
     schedule: one schedule the plans use (any of `schedules`); None: the search
         chooses among `schedules` as one more dimension of the space.
-    schedules: the schedules a free search chooses among, any of the runtime's
-        (``h2jax.plan.RUN_SCHEDULES``: gpipe, 1f1b, zb-h1, interleaved with v chunks per
-        stage, zb-v); by default the one-chunk ones (``h2jax.plan.SCHEDULES``, as ``h2jax
-        plan``: with the chunked ones too, interleaved at v = 2, 3, 4, the search takes ~2x
-        as long, 0.64 -> 1.25 s at 1,024 chips, and the lower bound, which must cover their
-        short fills, drops).
+    schedules: the schedules a free search chooses among, any of the runtime's; by default
+        all of them (``h2jax.plan.RUN_SCHEDULES``: gpipe, 1f1b, zb-h1, interleaved with each
+        v of `interleaved_chunks`, zb-v), as ``h2jax plan``. The one-chunk ones alone
+        (``h2jax.plan.SCHEDULES``) search a third faster, with a higher lower bound (the
+        chunked ones' short fills lower it).
         GPipe is skipped beside 1F1B: the cost model gives it 1F1B's time with at least
         1F1B's memory, so it never wins.
     interleaved_chunks: the chunk counts v (each >= 2) the search tries wherever it searches
@@ -192,7 +194,7 @@ class SearchOptions:
     """
 
     schedule: str | None = None
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[str, ...] = RUN_SCHEDULES
     interleaved_chunks: tuple[int, ...] = INTERLEAVED_CHUNKS
     microbatch_sizes: tuple[int, ...] | None = None
     max_microbatch: int | None = None

@@ -15,7 +15,6 @@ import yaml
 
 from h2jax.plan import (
     RUN_SCHEDULES,
-    SCHEDULES,
     ChipProfile,
     Cluster,
     ModelShape,
@@ -268,7 +267,7 @@ def test_h2jax_plan_offers_every_schedule():
     from h2jax.plan._profiles import ProfileError
 
     assert SCHEDULE_CHOICES == RUN_SCHEDULES
-    assert SearchOptions().schedules == DEFAULT_SCHEDULES == SCHEDULES
+    assert SearchOptions().schedules == DEFAULT_SCHEDULES == RUN_SCHEDULES
     assert SearchOptions().interleaved_chunks == DEFAULT_INTERLEAVED_CHUNKS == INTERLEAVED_CHUNKS
     assert _schedules_arg("all") == RUN_SCHEDULES
     assert _schedules_arg("1f1b, zb-v") == ("1f1b", "zb-v")
