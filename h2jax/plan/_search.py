@@ -689,10 +689,11 @@ def beam(choices: dict[str, list[ChipChoice]], L: int, width: int) -> dict[str, 
     whole cluster's bound needs (memory-capped capability, not raw speed)."""
     if any(not cs for cs in choices.values()):
         return choices
-    b_star = slot_time_bound([_Held(cs) for cs in choices.values()], L)
+    helds = {name: _Held(cs) for name, cs in choices.items()}
+    b_star = slot_time_bound(list(helds.values()), L)
     out = {}
     for name, cs in choices.items():
-        held = _Held(cs).each(b_star) if math.isfinite(b_star) else np.zeros(len(cs))
+        held = helds[name].each(b_star) if math.isfinite(b_star) else np.zeros(len(cs))
         rank = sorted(range(len(cs)), key=lambda i: (-float(held[i]), cs[i].stages, cs[i].tensor))
         out[name] = [cs[i] for i in rank[:width]]
     return out
@@ -1054,7 +1055,13 @@ class _OutOfTime(Exception):
 
 
 def root_bound(
-    choices: dict[str, list[ChipChoice]], *, m: int, L: int, fixed_s: float = 0.0, schedule: str | None = None
+    choices: dict[str, list[ChipChoice]],
+    *,
+    m: int,
+    L: int,
+    fixed_s: float = 0.0,
+    schedule: str | None = None,
+    helds: Sequence[_Held] | None = None,
 ) -> float:
     """A lower bound on every plan of one microbatch size (any configuration, any order).
 
@@ -1069,11 +1076,12 @@ def root_bound(
     [B_i, B_i+1] counted at its cheapest: ``(m - 1) B_i + F(B_i+1)``. `fixed_s`: seconds
     every plan pays beyond the blocks (the cheapest embedding and head). `schedule`: the
     plans of that schedule, with its memory caps and fills (None: of every searched
-    schedule, with the loosest).
+    schedule, with the loosest). `helds`: the choices' :class:`_Held` under `schedule`, where
+    the caller has them.
     """
     if any(not cs for cs in choices.values()):
         return INF
-    helds = [_Held(cs, schedule) for cs in choices.values()]
+    helds = [_Held(cs, schedule) for cs in choices.values()] if helds is None else helds
     b_lb = slot_time_bound(helds, L)
     if not math.isfinite(b_lb):
         return INF
@@ -1193,6 +1201,8 @@ class _Run:
         self.starts: list[tuple[float, tuple[ChipChoice, ...], int, tuple[str, ...], str]] = []
         self.last_schedule = ""  # the schedule of evaluate's result
         self._ranked_cache: dict[int, dict] = {}
+        self._helds: dict[tuple[int, str | None], list[_Held]] = {}
+        self._memo: dict[tuple, tuple] = {}  # evaluate's results by (config, mb, orders, schedules, screen)
         space_opts = SearchOptions(**{**_fields(opts), "max_options_per_chip": None})
         self.space: dict[int, dict[str, list[ChipChoice]]] = {}
         caps_cache: dict = {}
@@ -1218,11 +1228,19 @@ class _Run:
     def quick_bounds(self) -> None:
         """A first lower bound per microbatch size, cheap enough to order the first round by:
         ``(m - 1) B_lb + L min a`` (the slot-time bound alone)."""
-        for mb, choices in self.space.items():
-            helds = [_Held(cs) for cs in choices.values()]
+        for mb in self.space:
+            helds = self.helds(mb, None)
             b = slot_time_bound(helds, self.L)
             self.mb_bound[mb] = (self.gb // mb - 1) * b + self.L * min(h.amin for h in helds)
             self.tick()
+
+    def helds(self, mb: int, schedule: str | None) -> list[_Held]:
+        """The :class:`_Held` of every chip type's choices at microbatch `mb` under `schedule`."""
+        key = (mb, schedule)
+        hit = self._helds.get(key)
+        if hit is None:
+            hit = self._helds[key] = [_Held(cs, schedule) for cs in self.space[mb].values()]
+        return hit
 
     def fixed_s(self, mb: int, schedule: str) -> float:
         """The cheapest embedding and head's fill under `schedule` at microbatch `mb`."""
@@ -1242,7 +1260,11 @@ class _Run:
         for mb, choices in self.space.items():
             m = self.gb // mb
             fixed = min(self.fixed_s(mb, s) for s in self.schedules)
-            loose = root_bound(choices, m=m, L=self.L, fixed_s=fixed) if len(self.schedules) > 1 else -INF
+            loose = (
+                root_bound(choices, m=m, L=self.L, fixed_s=fixed, helds=self.helds(mb, None))
+                if len(self.schedules) > 1
+                else -INF
+            )
             if loose >= self.best:
                 self.schedule_bound.update({(mb, s): loose for s in self.schedules})
             else:
@@ -1490,6 +1512,16 @@ class _Run:
         best for this configuration (in every order where none beat the cutoff)."""
         schedules = self.schedules if only is None else [only] if isinstance(only, str) else list(only)
         start = self.best if cutoff is None else max(cutoff, self.best)  # the limit only falls from here
+        # solved before with a limit at least this one (another climb, a later round): the solves are
+        # exact below their limit, so the best under it was `value`, and anything under this one is
+        memo_key = (tuple(map(id, config)), mb, tuple(orders), tuple(schedules), screen)
+        hit = self._memo.get(memo_key)
+        if hit is not None and hit[0] >= start:
+            _, value, order, schedule = hit
+            if value < start:
+                self.last_schedule = schedule
+                return value, order
+            return INF, None
         schedules = [s for s in self.live(mb, start) if s in schedules and self.beats(config, mb, m, s, start)]
         self.stats["solved"] += 1
         own, own_order = INF, None
@@ -1498,10 +1530,14 @@ class _Run:
             flat = [s for s in schedules if s not in chunked]
             if chunked and flat:
                 own, own_order = self._orders(config, mb, m, orders, cutoff, flat, own, own_order)
-                return self._orders(
+                own, own_order = self._orders(
                     config, mb, m, [own_order] if own_order else orders, cutoff, chunked, own, own_order
                 )
-        return self._orders(config, mb, m, orders, cutoff, schedules, own, own_order)
+                self._memo[memo_key] = (start, own, own_order, self.last_schedule)
+                return own, own_order
+        own, own_order = self._orders(config, mb, m, orders, cutoff, schedules, own, own_order)
+        self._memo[memo_key] = (start, own, own_order, self.last_schedule)
+        return own, own_order
 
     def _orders(
         self,
