@@ -342,8 +342,8 @@ def _memory_model(
     and the chip's limit: params, grads and moments grow with its block count l, activations
     with l x j (j microbatches awaiting B; with recompute their inputs, j alone) and l x q (q
     awaiting W in a split schedule) -- so two pricings (l = 0, 1) with their per-count slopes give
-    every (l, j, q). `chunks`: the
-    stage's blocks in that many chunks (interleaved, zb-v): j and q count (chunk, microbatch)."""
+    every (l, j, q). `chunks`: the stage's blocks in that many chunks (interleaved, zb-v): j and
+    q count (chunk, microbatch)."""
     out = {}
     for rc in (False, True):
         kw = dict(first=False, last=False, data=data, tensor=tensor, microbatch=microbatch, recompute=rc, table=table)
@@ -811,9 +811,9 @@ class _Solver:
         """Per recompute flag: time, fill and end over l, and the memory over l as
         mem(l, j, q) = mem1 + (j - 1) per_j + q per_q -- affine in the microbatches awaiting B
         (j) and W (q), from the stage costs at l = 0 and 1 with their per-count slopes
-        (``StageCost.in_flight_bytes``, ``.pending_w_bytes``), so every stage position shares one pricing. The
-        fill and end come from the seconds over l (:func:`h2jax.plan._cost.pipeline_terms`):
-        affine but for ZB-V's, a maximum of affine terms."""
+        (``StageCost.in_flight_bytes``, ``.pending_w_bytes``), so every stage position shares one
+        pricing. The fill and end come from the seconds over l
+        (:func:`h2jax.plan._cost.pipeline_terms`): affine but for ZB-V's, a maximum of affine terms."""
         name, chunks = schedule_variant(schedule)
         split = split_backward(name)
         base = (chip, data, tensor, mb, first, last, schedule)
