@@ -369,19 +369,18 @@ def _caps_at(
     counts may be any of `points` (arrays over the stage ranks): the max over them. Rounded up
     by a hair so floating-point noise can only loosen it (caps feed bounds, never a plan)."""
     out = []
-    for rc in (False, True):
-        base, slope, limit = mm[rc]
-        best = None
-        for js, qs in points:
-            room = limit - (base[0] + base[1] * js + base[2] * qs)
-            sl = slope[0] + slope[1] * js + slope[2] * qs
-            with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for rc in (False, True) if allow_recompute else (False,):
+            base, slope, limit = mm[rc]
+            best = None
+            for js, qs in points:
+                room = limit - (base[0] + base[1] * js + base[2] * qs)
+                sl = slope[0] + slope[1] * js + slope[2] * qs
                 caps = np.where(sl > 0, np.floor(room / sl * (1 + 1e-9) + 1e-9), np.where(room >= 0, L, 0.0))
-            caps = np.clip(caps, 0.0, float(L))
-            best = caps if best is None else np.maximum(best, caps)
-        out.append(best)
-    caps_n, caps_r = out
-    return caps_n, (caps_r if allow_recompute else caps_n)
+                caps = np.clip(caps, 0.0, float(L))
+                best = caps if best is None else np.maximum(best, caps)
+            out.append(best)
+    return out[0], out[-1]
 
 
 class _CapsByJ:
@@ -540,8 +539,11 @@ def chip_choices(
                     tot = zb_floor_total(np.array(ks), m=m, n_types=n_types).tolist()
                     want = [v for v in dict.fromkeys(tot) if (key, "zb-h1", m, v) not in caps_cache]
                     if want:
-                        kk = np.array(want)[:, None] - n_types + 1  # a k with that total
-                        floors = count_floors("zb-h1", k=kk, m=m, n_types=n_types, L=L)
+                        fkey = ("zb-h1", "floors", m, n_types, L, tuple(want))  # no chip shape in it
+                        floors = caps_cache.get(fkey)
+                        if floors is None:
+                            kk = np.array(want)[:, None] - n_types + 1  # a k with that total
+                            floors = caps_cache[fkey] = count_floors("zb-h1", k=kk, m=m, n_types=n_types, L=L)
                         ln, lr = _caps_at(caps_cache[key, 1], floors, L, opts.allow_recompute)
                         ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
                         for i, v in enumerate(want):
@@ -592,7 +594,10 @@ def _schedule_caps(
     hit = caps_cache.get((key, schedule, m))
     if hit is not None:
         return hit
-    floors = count_floors(schedule, k=1, m=m, n_types=n_types, L=L)
+    fkey = (schedule, "floors", m, n_types, L)  # the floors depend on no chip shape: once per search
+    floors = caps_cache.get(fkey)
+    if floors is None:
+        floors = caps_cache[fkey] = count_floors(schedule, k=1, m=m, n_types=n_types, L=L)
     chunks = schedule_variant(schedule)[1]
     if len(floors) == 1 and not floors[0][1].any():  # nothing awaits W: caps by j alone
         by_j = caps_cache.get((key, chunks, "by j"))
