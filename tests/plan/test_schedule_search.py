@@ -24,10 +24,22 @@ from h2jax.plan import (
 )
 
 # instances whose brute force takes over 20 s on 2 busy cores (tens of thousands of plans,
-# each priced three times) run with the slow tests
+# each priced three times) run with the slow tests; a few of them only with -m long (the
+# suite's time on 2 cores)
 HEAVY = {1, 2, 16, 17, 22}
-SEEDS = [pytest.param(seed, marks=pytest.mark.slow) if seed in HEAVY else seed for seed in range(30)]
-SHARED_SEEDS = [pytest.param(seed, marks=pytest.mark.slow) if seed in HEAVY else seed for seed in range(8)]
+
+
+def _seeds(n: int, long: set[int]) -> list:
+    return [
+        pytest.param(seed, marks=[pytest.mark.slow, pytest.mark.long] if seed in long else pytest.mark.slow)
+        if seed in HEAVY
+        else seed
+        for seed in range(n)
+    ]
+
+
+SEEDS = _seeds(30, long={16, 17})
+SHARED_SEEDS = _seeds(8, long={1})
 
 
 def _instance(seed: int):

@@ -41,6 +41,7 @@ PLANS = {
 }
 CASES = [("2st-tp4-recompute", "1f1b"), ("3st-mixed", "1f1b"), ("2st-tp4-recompute", "zb-h1"), ("3st-mixed", "zb-h1")]
 FAST = ("2st-tp4-recompute", "1f1b")
+SLOW = ("3st-mixed", "zb-h1")
 
 
 def _bad(got, want):
@@ -49,7 +50,13 @@ def _bad(got, want):
 
 @pytest.mark.parametrize(
     "name,schedule",
-    [c if c == FAST else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+    # the default run: FAST (fast lane) and 3 stages under zb-h1; the other two with -m long
+    [
+        c
+        if c == FAST
+        else pytest.param(*c, marks=pytest.mark.slow if c == SLOW else [pytest.mark.slow, pytest.mark.long])
+        for c in CASES
+    ],
     ids=[f"{n}-{s}" for n, s in CASES],
 )
 def test_dropout_pipeline_equals_sequential_with_the_same_masks(name, schedule, tmp_path):

@@ -458,7 +458,14 @@ def _mpirun_helpers():
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "schedule,transport", [("interleaved", "host"), ("interleaved", "ffi"), ("zb-v", "ffi"), ("zb-v", "host")]
+    "schedule,transport",
+    [
+        # each schedule under mpirun once in the default run, the other transport with -m long
+        pytest.param("interleaved", "host", marks=pytest.mark.long),
+        ("interleaved", "ffi"),
+        pytest.param("zb-v", "ffi", marks=pytest.mark.long),
+        ("zb-v", "host"),
+    ],
 )
 def test_chunked_under_mpirun_equals_one_process(schedule, transport, tmp_path):
     """2 ranks, one stage (two chunks) each, 3 steps: the same losses and final parameters
@@ -502,7 +509,9 @@ def test_chunked_under_mpirun_equals_one_process(schedule, transport, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize(
+    "name", [FAST[0], pytest.param(FAST[1], marks=pytest.mark.long)]
+)  # zb-v's chunks with dropout: -m long
 def test_chunked_dropout_draws_the_sequential_masks(name, tmp_path):
     """Dropout keys are a pure function of (seed, step, microbatch, layer, site): a chunk's
     blocks keep their model layer indices, so a chunked step draws the sequential model's

@@ -135,7 +135,7 @@ def single_process_run(plan: str, tmp_path: Path):
         ("2st", "ffi-call"),
         ("3st", "ffi"),
         ("2st-per-device", "ffi"),
-        ("2st-per-device", "host"),
+        pytest.param("2st-per-device", "host", marks=pytest.mark.long),  # per-device: ffi above
     ],
 )
 def test_multiprocess_equals_single_process(plan, transport, tmp_path):

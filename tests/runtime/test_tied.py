@@ -110,7 +110,11 @@ def check_three_steps(cfg, trainer):
 
 @pytest.mark.parametrize(
     "name",
-    ["2st-1f1b", pytest.param("3st-gpipe", marks=pytest.mark.slow), pytest.param("2st-zb-h1", marks=pytest.mark.slow)],
+    [
+        "2st-1f1b",
+        pytest.param("3st-gpipe", marks=[pytest.mark.slow, pytest.mark.long]),
+        pytest.param("2st-zb-h1", marks=pytest.mark.slow),
+    ],
 )
 def test_tied_pipeline_equals_sequential(name, tmp_path):
     cfg = make_cfg(name)

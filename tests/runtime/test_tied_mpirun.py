@@ -60,8 +60,8 @@ def _reference(cfg):
     "plan,transport,nproc",
     [
         ("2st-1f1b", "ffi", 2),
-        pytest.param("3st-gpipe", "host", 3, marks=pytest.mark.slow),
-        pytest.param("2st-per-device", "ffi", 4, marks=pytest.mark.slow),
+        pytest.param("3st-gpipe", "host", 3, marks=[pytest.mark.slow, pytest.mark.long]),
+        pytest.param("2st-per-device", "ffi", 4, marks=[pytest.mark.slow, pytest.mark.long]),
     ],
 )
 def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
