@@ -5,6 +5,22 @@ process can register backends only before JAX initialises them.
 """
 
 import os
+import shutil
+import tempfile
+
+# One persistent compilation cache for the whole run, this process and every process it starts
+# (mpirun jobs, CLI runs inherit the environment): the many end-to-end tests compile the same
+# small stage programs again and again, and compiling is about half of such a test's time. It is
+# empty when the run starts and removed when it ends, so each run compiles every program once.
+# A maximum size turns on JAX's file lock, which makes concurrent writers and readers (the ranks
+# of one mpirun job) safe. A user's own JAX_COMPILATION_CACHE_DIR is left as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE_DIR = tempfile.mkdtemp(prefix="h2jax-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+else:
+    _CACHE_DIR = None
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -20,3 +36,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _CACHE_DIR is not None:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
