@@ -305,8 +305,10 @@ def _search_line(res) -> str:
         if res.exhaustive
         else f"not exhaustive: {res.note}"
     )
+    found = f"plan found at {res.found_s:.3f} s; " if res.plan is not None else ""
     return (
-        f"search: {res.search_s:.3f} s ({res.configs_solved} configurations, {res.orders_solved} orders solved; {how})"
+        f"search: {res.search_s:.3f} s ({found}{res.configs_solved} configurations, {res.orders_solved} orders solved; "
+        f"{how})"
     )
 
 

@@ -283,6 +283,7 @@ class SearchResult:
     note: str = ""
     exhaustive: bool = False  # every plan of the space was priced or excluded by a lower bound
     rounds: tuple[str, ...] = ()  # what each round of the search covered, in order
+    found_s: float = INF  # seconds into the search when the returned plan was found (the rest confirmed it)
 
     @property
     def gap(self) -> float:
@@ -1185,9 +1186,10 @@ class _Run:
     """One search: the best plan so far (kept across rounds, so every round prunes with it),
     the caches, and the clock."""
 
-    def __init__(self, cluster, model, global_batch, table, opts: SearchOptions, deadline: float):
+    def __init__(self, cluster, model, global_batch, table, opts: SearchOptions, deadline: float, start: float):
         self.cluster, self.model, self.gb, self.table, self.opts = cluster, model, global_batch, table, opts
-        self.deadline = deadline
+        self.deadline, self.start = deadline, start
+        self.found_s = INF  # when the best plan so far was found, in seconds from `start`
         self.L = model.n_layers
         self.names = cluster.names
         self.solver = _Solver(model, cluster, table, opts)
@@ -1638,6 +1640,7 @@ class _Run:
                 if value < self.best:
                     self.best = value
                     self.best_plan = (list(seq), layers, recompute, mb, m, schedule)
+                    self.found_s = time.perf_counter() - self.start
                     self.best_config = (tuple(config), mb)
         return own, own_order
 
@@ -1722,7 +1725,7 @@ def search(
     run: _Run | None = None
     stop = "time budget spent"
     try:
-        run = _Run(cluster, model, global_batch, table, opts, deadline)
+        run = _Run(cluster, model, global_batch, table, opts, deadline, t0)
         rounds = _rounds(run, cluster, opts)
         if rounds[0][0] == "seeds":
             run.quick_bounds()  # the full bound after the seeds: a first plan comes first
@@ -1797,6 +1800,7 @@ def search(
         note=note,
         exhaustive=exhaustive_,
         rounds=tuple(done),
+        found_s=run.found_s,
     )
 
 

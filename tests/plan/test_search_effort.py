@@ -95,6 +95,16 @@ def test_small_spaces_are_searched_exactly_by_default():
     assert got.exhaustive and got.rounds[0].startswith("exact"), got.note
 
 
+def test_the_result_says_when_its_plan_was_found():
+    # the search is anytime: the plan it returns was found at found_s, the rest of search_s
+    # looked for a better one
+    cluster, model, gb = _big("mixed_gaudi2_h100")
+    got = search(cluster, model, global_batch=gb)
+    assert got.plan is not None and 0 < got.found_s <= got.search_s, (got.found_s, got.search_s)
+    none = search(cluster, model, global_batch=gb, opts=SearchOptions(time_budget_s=1e-6))
+    assert none.plan is None and none.found_s == math.inf
+
+
 def test_a_model_that_does_not_fit_says_why_with_the_numbers():
     cluster, model, gb = _big("hetero_1024")
     a100 = load_chip("a100_80gb")[0]
