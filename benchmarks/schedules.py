@@ -9,9 +9,10 @@ every schedule h2jax runs (gpipe, 1f1b, zb-h1, and interleaved with v = 2 and zb
 stages hold two chunks of a quarter of the layers each) trains ``--steps`` steps; the runs are interleaved over
 ``--rounds`` rounds (round-robin over schedule and m, the schedules in reverse order every
 other round, so drift of a shared machine hits all alike) and every number is a median.
-The runs share a JAX compilation cache (a temporary folder, removed at the end): from the
-second round on a run loads its programs instead of compiling them (~19 s instead of ~31 s
-per run here), which buys rounds; compilation is outside every measured step either way.
+The runs share a JAX compilation cache (a temporary folder, removed at the end, unless
+``JAX_COMPILATION_CACHE_DIR`` names one): from the second round on a run loads its programs
+instead of compiling them (~19 s instead of ~31 s per run here), which buys rounds;
+compilation is outside every measured step either way.
 Beside each measured step time:
 
 - the simulator's prediction (``h2jax.plan.simulate``: the schedule's op lists replayed
@@ -96,11 +97,12 @@ def run_once(mpirun: str, args: argparse.Namespace, schedule: str, m: int, run_d
         cmd.append("--oversubscribe")
     cmd += [sys.executable, "-m", "h2jax.cli", "train", *overrides(args, schedule, m), "--run-dir", str(run_dir)]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(
-        JAX_COMPILATION_CACHE_DIR=str(run_dir.parent / "compilation-cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
+    if "JAX_COMPILATION_CACHE_DIR" not in env:  # a user's own cache is used as it is
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=str(run_dir.parent / "compilation-cache"),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if res.returncode != 0:
         sys.exit(f"{schedule} m={m}: mpirun exited {res.returncode}\n{res.stderr[-3000:]}")
