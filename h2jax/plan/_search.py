@@ -283,7 +283,7 @@ class SearchResult:
     note: str = ""
     exhaustive: bool = False  # every plan of the space was priced or excluded by a lower bound
     rounds: tuple[str, ...] = ()  # what each round of the search covered, in order
-    found_s: float = INF  # seconds into the search when the returned plan was found (the rest confirmed it)
+    found_s: float = INF  # seconds into the search when the returned plan was found (the rest found nothing better)
 
     @property
     def gap(self) -> float:
