@@ -255,6 +255,7 @@ class Trainer:
             )
         self.tokens_per_step = plan.global_batch * cfg.model.seq_len
         self.step = 0
+        self._first_step = 0  # run() sets it to the step it starts from; train_step() may run without it
         self.skipped_steps = 0
         self.preempted: str | None = None  # the stop signal that ended run(), if one did
         self._stop_signal: str | None = None

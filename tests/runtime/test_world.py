@@ -90,6 +90,65 @@ def test_thread_ranks_equal_one_process(tmp_path):
     assert (tmp_path / "ranks" / "summary.json").is_file() and (tmp_path / "ranks" / "gantt.png").is_file()
 
 
+class Watchdog:
+    """What a trainer uses of h2jax.launch.FailFast: the timeouts it is asked to watch."""
+
+    def __init__(self):
+        self.last_completed_step = -1
+        self.stop_signal = None
+        self.watched: list[float] = []
+
+    def watch(self, timeout_s: float) -> None:
+        self.watched.append(timeout_s)
+
+    def heartbeat(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_trainers_sharing_one_world_step_alone_and_alternately(tmp_path):
+    """Two trainers on every rank over one world and one hub, stepped by train_step() alone in
+    turn (no run(): as benchmarks/schedules.py runs its trainers under mpirun), with a launcher's
+    watchdog: each trains exactly as it does on its own, and the watchdog is kept armed."""
+    cfgs = {
+        s: load_config(None, [*BASE, "train.steps=3", "checkpoint.enabled=false", f"plan.schedule={s}"])
+        for s in ("1f1b", "zb-h1")
+    }
+    want = {s: local_run(cfg, tmp_path / s)[0] for s, cfg in cfgs.items()}
+    group, hub = ThreadGroup(2), LocalHub(2)
+    got: dict = {}
+    dogs = [Watchdog(), Watchdog()]
+    errors: list = []
+
+    def rank(r: int) -> None:
+        try:
+            world = MpiWorld(group.comm(r), [0, 1], launcher="threads")
+            trainers = {
+                s: Trainer(cfg, run_dir=None, world=world, hub=hub, fail_fast=dogs[r]) for s, cfg in cfgs.items()
+            }
+            for _ in range(3):
+                for s, tr in trainers.items():
+                    got.setdefault((r, s), []).append(tr.train_step())
+            for tr in trainers.values():
+                tr.close()
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    hub.close()
+    assert not errors, errors
+    for (r, s), history in got.items():
+        assert [h.loss for h in history] == pytest.approx([h.loss for h in want[s]], abs=1e-6), (r, s)
+        assert [h.grad_norm for h in history] == pytest.approx([h.grad_norm for h in want[s]], abs=1e-6), (r, s)
+    for dog in dogs:  # armed after every step but each trainer's first (which compiles)
+        assert len(dog.watched) == 2 * 2 and all(t > 0 for t in dog.watched)
+        assert dog.last_completed_step == 2
+
+
 def test_nonfinite_skip_is_decided_alike_on_every_rank(tmp_path):
     cfg = load_config(
         None,
