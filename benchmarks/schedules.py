@@ -1,6 +1,6 @@
 """Pipeline schedules where a bubble is real idle time: step time of each schedule, measured.
 
-    python benchmarks/schedules.py              # the measurement (~7 minutes; needs 2 free cores)
+    python benchmarks/schedules.py              # the measurement (~9 minutes; needs 2 free cores)
     python benchmarks/schedules.py --tiny       # a short plumbing check of this script
 
 Two equal stages, one process per stage under mpirun (the script re-launches itself under
@@ -217,7 +217,7 @@ def analyse(step_s: list[float], events: list, schedule: str, m: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=10, help="steps of every trainer after its first (compiling) one")
+    ap.add_argument("--rounds", type=int, default=16, help="steps of every trainer after its first (compiling) one")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
