@@ -14,8 +14,6 @@ in test_tied_mpirun.py.
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import numpy as np
 import optax
@@ -27,6 +25,7 @@ from h2jax.config import ConfigError
 from h2jax.models import build_model, shared_parameters
 from h2jax.runtime import MpiWorld, ThreadGroup, Trainer, flatten, make_optimizer, reference_loss_and_grads
 from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg
+from tests.runtime.test_world import on_thread_ranks
 
 TIED = {"model.n_kv_heads": "2", "model.tie_embeddings": "true"}
 TABLE = "embed/embedding"
@@ -208,23 +207,13 @@ def test_tied_thread_ranks_equal_one_process(tmp_path):
 
     group, hub = ThreadGroup(2), LocalHub(2)
     out: list = [None, None]
-    errors: list = []
 
     def rank(r: int) -> None:
-        try:
-            tr = Trainer(cfg, run_dir=tmp_path / "ranks", world=MpiWorld(group.comm(r), [0, 1]), hub=hub)
-            out[r] = (tr, tr.run(), {k: np.asarray(v) for k, v in tr.gathered_params().items()})
-            tr.close()
-        except BaseException as e:  # noqa: BLE001 -- reported below
-            errors.append((r, e))
+        tr = Trainer(cfg, run_dir=tmp_path / "ranks", world=MpiWorld(group.comm(r), [0, 1]), hub=hub)
+        out[r] = (tr, tr.run(), {k: np.asarray(v) for k, v in tr.gathered_params().items()})
+        tr.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    hub.close()
-    assert not errors, errors
+    on_thread_ranks(rank, hub)
     for _, history, gathered in out:
         assert [h.loss for h in history] == pytest.approx([h.loss for h in want_hist], abs=1e-6)
         assert [h.grad_norm for h in history] == pytest.approx([h.grad_norm for h in want_hist], abs=1e-6)

@@ -33,33 +33,43 @@ BASE = [
 ]
 
 
-def run_ranks(cfg, run_dir, *, before=None, steps_fn=None):
-    """Both ranks on threads: build, resume, run; returns [(trainer, resumed message, history)]."""
-    group = ThreadGroup(2)
-    hub = LocalHub(2)
-    out: list = [None, None]
+def on_thread_ranks(rank, hub: LocalHub, n: int = 2) -> None:
+    """``rank(r)`` for r = 0..n-1, each on its own thread (the ranks of a job); then closes the
+    hub they share and fails with every rank's exception, if any raised."""
     errors: list = []
 
-    def rank(r: int) -> None:
+    def run(r: int) -> None:
         try:
-            world = MpiWorld(group.comm(r), [0, 1], launcher="threads")
-            tr = Trainer(cfg, run_dir=run_dir, world=world, hub=hub)
-            if before is not None:
-                before(r, tr)
-            msg = tr.resume()
-            history = tr.run()
-            tr.close()
-            out[r] = (tr, msg, history)
+            rank(r)
         except BaseException as e:  # noqa: BLE001 -- reported below
             errors.append((r, e))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=600)
     hub.close()
     assert not errors, errors
+
+
+def run_ranks(cfg, run_dir, *, before=None, steps_fn=None):
+    """Both ranks on threads: build, resume, run; returns [(trainer, resumed message, history)]."""
+    group = ThreadGroup(2)
+    hub = LocalHub(2)
+    out: list = [None, None]
+
+    def rank(r: int) -> None:
+        world = MpiWorld(group.comm(r), [0, 1], launcher="threads")
+        tr = Trainer(cfg, run_dir=run_dir, world=world, hub=hub)
+        if before is not None:
+            before(r, tr)
+        msg = tr.resume()
+        history = tr.run()
+        tr.close()
+        out[r] = (tr, msg, history)
+
+    on_thread_ranks(rank, hub)
     return out
 
 
@@ -118,29 +128,17 @@ def test_trainers_sharing_one_world_step_alone_and_alternately(tmp_path):
     group, hub = ThreadGroup(2), LocalHub(2)
     got: dict = {}
     dogs = [Watchdog(), Watchdog()]
-    errors: list = []
 
     def rank(r: int) -> None:
-        try:
-            world = MpiWorld(group.comm(r), [0, 1], launcher="threads")
-            trainers = {
-                s: Trainer(cfg, run_dir=None, world=world, hub=hub, fail_fast=dogs[r]) for s, cfg in cfgs.items()
-            }
-            for _ in range(3):
-                for s, tr in trainers.items():
-                    got.setdefault((r, s), []).append(tr.train_step())
-            for tr in trainers.values():
-                tr.close()
-        except BaseException as e:  # noqa: BLE001 -- reported below
-            errors.append((r, e))
+        world = MpiWorld(group.comm(r), [0, 1], launcher="threads")
+        trainers = {s: Trainer(cfg, run_dir=None, world=world, hub=hub, fail_fast=dogs[r]) for s, cfg in cfgs.items()}
+        for _ in range(3):
+            for s, tr in trainers.items():
+                got.setdefault((r, s), []).append(tr.train_step())
+        for tr in trainers.values():
+            tr.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    hub.close()
-    assert not errors, errors
+    on_thread_ranks(rank, hub)
     for (r, s), history in got.items():
         assert [h.loss for h in history] == pytest.approx([h.loss for h in want[s]], abs=1e-6), (r, s)
         assert [h.grad_norm for h in history] == pytest.approx([h.grad_norm for h in want[s]], abs=1e-6), (r, s)
