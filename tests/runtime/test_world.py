@@ -139,6 +139,7 @@ def test_trainers_sharing_one_world_step_alone_and_alternately(tmp_path):
             tr.close()
 
     on_thread_ranks(rank, hub)
+    assert sorted(got) == sorted((r, s) for r in range(2) for s in cfgs)
     for (r, s), history in got.items():
         assert [h.loss for h in history] == pytest.approx([h.loss for h in want[s]], abs=1e-6), (r, s)
         assert [h.grad_norm for h in history] == pytest.approx([h.grad_norm for h in want[s]], abs=1e-6), (r, s)
