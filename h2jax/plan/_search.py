@@ -38,8 +38,8 @@ tail and memory are affine in its layer count, and time and tail grow with it, s
 optimum of ``(m - 1) max_s t_s + sum_s t_s + transfers + max_s g_s`` over layer splits and
 recompute flags is found by enumerating thresholds B >= max t and G >= max g in increasing
 order and solving ``min sum t`` under the per-stage layer caps they imply with a min-plus
-dynamic program (numpy), stopping as soon as ``(m - 1) B + G + min sum t`` cannot beat the
-best. Per-chip choices are walked depth first, every order for each; a configuration is
+dynamic program (compiled: :mod:`h2jax.plan._planner`), stopping as soon as
+``(m - 1) B + G + min sum t`` cannot beat the best. Per-chip choices are walked depth first, every order for each; a configuration is
 skipped only when a lower bound of every plan it can give -- ``(m - 1) B_lb + L min_s a_s``
 plus the cheapest embedding and head, with B_lb the slot time below which its stages cannot
 hold the L whole blocks within their memory (:meth:`ChipChoice.layers_within`: a stage with
@@ -110,6 +110,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from h2jax.plan import _planner
 from h2jax.plan._cost import (
     CostOptions,
     PlanCost,
@@ -338,15 +339,16 @@ def _memory_model(
     tensor: int,
     microbatch: int,
     chunks: int = 1,
-) -> dict[bool, tuple[np.ndarray, np.ndarray, float]]:
-    """Per recompute flag, a middle stage's memory as ``base . (1, j, q) + l slope . (1, j, q)``
-    and the chip's limit: params, grads and moments grow with its block count l, activations
-    with l x j (j microbatches awaiting B; with recompute their inputs, j alone) and l x q (q
-    awaiting W in a split schedule) -- so two pricings (l = 0, 1) with their per-count slopes give
-    every (l, j, q). `chunks`: the stage's blocks in that many chunks (interleaved, zb-v): j and
-    q count (chunk, microbatch)."""
-    out = {}
-    for rc in (False, True):
+) -> np.ndarray:
+    """Per recompute flag (no, yes), a middle stage's memory as ``base . (1, j, q) + l slope .
+    (1, j, q)`` and the chip's limit, as float64 [flag, (base (3), slope (3), limit)]: params,
+    grads and moments grow with its block count l, activations with l x j (j microbatches
+    awaiting B; with recompute their inputs, j alone) and l x q (q awaiting W in a split
+    schedule) -- so two pricings (l = 0, 1) with their per-count slopes give every (l, j, q).
+    `chunks`: the stage's blocks in that many chunks (interleaved, zb-v): j and q count (chunk,
+    microbatch)."""
+    out = np.empty((2, 7))
+    for i, rc in enumerate((False, True)):
         kw = dict(first=False, last=False, data=data, tensor=tensor, microbatch=microbatch, recompute=rc, table=table)
         # one pricing per block count: the counts' slopes are the stage's own (StageCost.in_flight_bytes,
         # .pending_w_bytes); split=True prices what W keeps and with nothing awaiting W adds nothing
@@ -356,32 +358,26 @@ def _memory_model(
         ]
         # mem(l, j, q) = m1(l) + (j - 1) pj(l) + q pq(l), each affine in l
         per = [np.array([v.memory.total - v.in_flight_bytes, v.in_flight_bytes, v.pending_w_bytes]) for v in c]
-        out[rc] = (per[0], per[1] - per[0], c[0].memory_limit)
+        out[i, :3] = per[0]
+        out[i, 3:6] = per[1] - per[0]
+        out[i, 6] = c[0].memory_limit
     return out
 
 
 def _caps_at(
-    mm: dict[bool, tuple[np.ndarray, np.ndarray, float]],
+    mm: np.ndarray,
     points: Sequence[tuple[np.ndarray, np.ndarray]],
     L: int,
     allow_recompute: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Most blocks a middle stage holds without / with recompute if its (awaiting B, awaiting W)
-    counts may be any of `points` (arrays over the stage ranks): the max over them. Rounded up
-    by a hair so floating-point noise can only loosen it (caps feed bounds, never a plan)."""
-    out = []
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for rc in (False, True) if allow_recompute else (False,):
-            base, slope, limit = mm[rc]
-            best = None
-            for js, qs in points:
-                room = limit - (base[0] + base[1] * js + base[2] * qs)
-                sl = slope[0] + slope[1] * js + slope[2] * qs
-                caps = np.where(sl > 0, np.floor(room / sl * (1 + 1e-9) + 1e-9), np.where(room >= 0, L, 0.0))
-                caps = np.clip(caps, 0.0, float(L))
-                best = caps if best is None else np.maximum(best, caps)
-            out.append(best)
-    return out[0], out[-1]
+    counts may be any of `points` (arrays over the stage ranks, of one shape): the max over them
+    (:func:`h2jax.plan._planner.caps_at`). `mm`: :func:`_memory_model`'s."""
+    shape = np.broadcast_shapes(*(np.shape(a) for point in points for a in point))
+    js = np.stack([np.broadcast_to(np.asarray(j, dtype=np.float64), shape).ravel() for j, _ in points])
+    qs = np.stack([np.broadcast_to(np.asarray(q, dtype=np.float64), shape).ravel() for _, q in points])
+    ln, lr = _planner.caps_at(mm, js, qs, L, allow_recompute)
+    return ln.reshape(shape), lr.reshape(shape)
 
 
 class _CapsByJ:
@@ -390,7 +386,7 @@ class _CapsByJ:
     microbatch counts only in which j each rank takes, so every microbatch size indexes one
     table (the same numbers as :func:`_caps_at`: the same formula at the same j)."""
 
-    def __init__(self, mm: dict[bool, tuple[np.ndarray, np.ndarray, float]], L: int, allow_recompute: bool):
+    def __init__(self, mm: np.ndarray, L: int, allow_recompute: bool):
         self.mm, self.L, self.allow_recompute = mm, L, allow_recompute
         self.caps_n = self.caps_r = np.zeros(0)
 
@@ -624,7 +620,8 @@ class _Held:
     (the vectorised :meth:`ChipChoice.layers_within`) under one schedule (None: the loosest
     over the searched ones). Choices with one caps object (one (data, tensor), and under
     ZB-H1 one count floor) share their per-rank caps and differ only in how many stages
-    they take, so a row per caps object and a running sum over its ranks give every choice."""
+    they take, so a row per caps object and a running sum over its ranks give every choice
+    (compiled: :class:`h2jax.plan._planner.Held`)."""
 
     def __init__(self, choices: Sequence[ChipChoice], schedule: str | None = None):
         rows: dict[int, ChipChoice] = {}
@@ -634,60 +631,39 @@ class _Held:
                 rows[key] = c
         keys = list(rows)
         k = max(c.stages for c in rows.values())
-        self.ln = np.zeros((len(keys), k))
-        self.lr = np.zeros((len(keys), k))
+        ln = np.zeros((len(keys), k))
+        lr = np.zeros((len(keys), k))
         for i, key in enumerate(keys):
             c = rows[key]
             caps = c.caps[schedule]
-            self.ln[i, : c.stages] = caps.max_layers[: c.stages]
-            self.lr[i, : c.stages] = caps.max_layers_rc[: c.stages]
-        self.a = np.array([rows[key].layer_s for key in keys])[:, None]
-        self.fill = np.array([rows[key].caps[schedule].fill_s for key in keys])[:, None]  # bounds sum_s fill_s
-        self.arc = np.array([rows[key].layer_rc_s for key in keys])[:, None]
+            ln[i, : c.stages] = caps.max_layers[: c.stages]
+            lr[i, : c.stages] = caps.max_layers_rc[: c.stages]
+        self.a = np.array([rows[key].layer_s for key in keys])
+        self.fill = np.array([rows[key].caps[schedule].fill_s for key in keys])  # bounds sum_s fill_s
+        self.arc = np.array([rows[key].layer_rc_s for key in keys])
         where = {key: i for i, key in enumerate(keys)}
-        self.row = np.array([where[id(c.caps[schedule])] for c in choices])
-        self.col = np.array([c.stages - 1 for c in choices])
+        row = np.array([where[id(c.caps[schedule])] for c in choices], dtype=np.int64)
+        col = np.array([c.stages - 1 for c in choices], dtype=np.int64)
         self.amin = float(self.fill.min())
-
-    def _per_stage(self, b: float) -> np.ndarray:
-        xn = np.floor(b / self.a * (1 + 1e-9))
-        xr = np.floor(b / self.arc * (1 + 1e-9))
-        return np.maximum(np.minimum(self.ln, xn), np.minimum(self.lr, xr))
+        self.kernel = _planner.Held(ln, lr, self.a, self.arc, row, col, self.fill[row])
 
     def each(self, b: float) -> np.ndarray:
-        return np.cumsum(self._per_stage(b), axis=1)[self.row, self.col]
+        return self.kernel.each(b)
 
     def most(self, b: float) -> float:
-        return float(self._per_stage(b).sum(axis=1).max())
+        return self.kernel.most(b)
 
     def each_on(self, grid: np.ndarray) -> np.ndarray:
         """[choice, grid point]: :meth:`each` at every point of `grid`."""
-        g = grid[None, None, :]
-        xn = np.floor(g / self.a[:, :, None] * (1 + 1e-9))
-        xr = np.floor(g / self.arc[:, :, None] * (1 + 1e-9))
-        per = np.maximum(np.minimum(self.ln[:, :, None], xn), np.minimum(self.lr[:, :, None], xr))
-        return np.cumsum(per, axis=1)[self.row, self.col]
+        return self.kernel.each_on(np.ascontiguousarray(grid, dtype=np.float64))
 
 
 def slot_time_bound(helds: Sequence[_Held], L: int) -> float:
     """The smallest slot time b at which the chip types together can hold all L blocks
     (each type with its best choice): no plan's slowest stage is faster. Bisection on a
     non-decreasing step function; the lower end is returned, so it never overshoots."""
-    lo = 0.0
-    hi = max(h.amin for h in helds) * L * 4 + 1e-12
-    while sum(h.most(hi) for h in helds) < L:
-        hi *= 2
-        if hi > 1e12:
-            return INF
-    for _ in range(64):
-        mid = 0.5 * (lo + hi)
-        if sum(h.most(mid) for h in helds) >= L:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-7 * hi:
-            break
-    return lo
+    top = max(h.amin for h in helds) * L * 4 + 1e-12
+    return _planner.slot_time_bound([h.kernel for h in helds], top, L)
 
 
 def beam(choices: dict[str, list[ChipChoice]], L: int, width: int) -> dict[str, list[ChipChoice]]:
@@ -735,19 +711,15 @@ class _StageArrays:
 
 
 class _Solver:
-    """Caches per-stage arrays and solves the layer split of one stage sequence exactly."""
+    """Caches per-stage pricings and solves the layer split of one stage sequence exactly."""
 
     def __init__(self, model: ModelShape, cluster: Cluster, table: ProfileTable | None, opts: SearchOptions):
         self.model, self.cluster, self.table, self.opts = model, cluster, table, opts
         L = model.n_layers
         self.L = L
         self.layers = np.arange(L + 1, dtype=np.float64)
-        n = np.arange(L + 1)[:, None]
-        lidx = np.arange(L + 1)[None, :]
-        prev = n - lidx
-        self._idx = np.where(prev >= 0, prev, L + 1)  # L + 1 -> an inf slot
-        self._arrays: dict[tuple, _StageArrays] = {}
-        self._affine_cache: dict[tuple, dict] = {}
+        self._tables: dict[tuple, np.ndarray] = {}
+        self._counts: dict[tuple, np.ndarray] = {}
         self._xfer: dict[tuple, float] = {}
         self.dp_solves = 0
 
@@ -763,76 +735,41 @@ class _Solver:
         pending: int = 0,
         schedule: str = "1f1b",
     ) -> _StageArrays:
-        """One stage's time, fill, end and fit for every layer count l (affine in l) under
-        `schedule`, with `infl` microbatches awaiting B and `pending` awaiting W."""
-        rows = self.rows(chip, data, tensor, mb, first, last, np.array([infl]), np.array([pending]), schedule)
-        return _StageArrays(
-            t=rows.t[0], g=rows.g[0], recompute=rows.recompute[0], fill=None if rows.fill is None else rows.fill[0]
+        """One stage's time, fill, end and fit for every layer count l under `schedule`, with
+        `infl` microbatches awaiting B and `pending` awaiting W: what :meth:`solve` prices."""
+        name, chunks = schedule_variant(schedule)
+        t, g, recompute, fill = _planner.stage_rows(
+            [self.pricing(chip, data, tensor, mb, first, last, schedule)],
+            [1],
+            np.array([[infl, pending]], dtype=np.int64),
+            self.opts.allow_recompute,
+            chunks,
+            split_backward(name) or chunks > 1,
         )
+        return _StageArrays(t=t[0], g=g[0], recompute=recompute[0], fill=None if fill is None else fill[0])
 
-    def rows(
-        self,
-        chip: str,
-        data: int,
-        tensor: int,
-        mb: int,
-        first: bool,
-        last: bool,
-        infl: np.ndarray,
-        pending: np.ndarray,
-        schedule: str,
-    ) -> _StageArrays:
-        """:meth:`arrays` of stages of one shape at several positions at once (row i: `infl[i]`
-        awaiting B, `pending[i]` awaiting W): arrays of shape [len(infl), L + 1]."""
-        key = (chip, data, tensor, mb, first, last, infl.tobytes(), pending.tobytes(), schedule)
-        hit = self._arrays.get(key)
+    def pricing(self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, schedule: str) -> np.ndarray:
+        """One stage shape's pricing over the layer count l, as :func:`h2jax.plan._planner.solve`
+        takes it: float64 [recompute flag (no, yes), quantity, l] with the quantities time,
+        fill, end, mem1, per_j, per_q and the memory limit. The memory is mem(l, j, q) = mem1 +
+        (j - 1) per_j + q per_q -- affine in the microbatches awaiting B (j) and W (q), from the
+        stage costs at l = 0 and 1 with their per-count slopes (``StageCost.in_flight_bytes``,
+        ``.pending_w_bytes``), so every stage position shares one pricing. The fill and end come
+        from the seconds over l (:func:`h2jax.plan._cost.pipeline_terms`): affine but for ZB-V's,
+        a maximum of affine terms."""
+        key = (chip, data, tensor, mb, first, last, schedule)
+        hit = self._tables.get(key)
         if hit is not None:
             return hit
         name, chunks = schedule_variant(schedule)
         split = split_backward(name)
-        comp = self._affine(chip, data, tensor, mb, first, last, schedule)
-        j, q = infl[:, None], pending[:, None]
-        fits = {}
-        for rc in (False, True):
-            _, _, _, mem1, per_j, per_q, limit = comp[rc]
-            fits[rc] = mem1 + (j - 1) * per_j + q * per_q <= limit
-        (t_n, f_n, g_n, *_), (t_r, f_r, g_r, *_) = comp[False], comp[True]
-        fit_n, fit_r = fits[False], fits[True]
-        if not self.opts.allow_recompute:
-            fit_r = np.zeros_like(fit_r)
-        t = np.where(fit_n, t_n, np.where(fit_r, t_r, INF))
-        t[:, 0] = INF
-        # the end of the layer count's own choice: a chunked stage's end grows with its t, and
-        # recompute lengthens t (unsplit and ZB-H1 ends do not depend on it)
-        g = np.where(fit_n, g_n, g_r)
-        fill = None
-        if split or chunks > 1:
-            fill = np.where(fit_n, f_n, np.where(fit_r, f_r, INF))
-            fill[:, :chunks] = INF  # a chunk holds at least one block (t stays finite: the caps count from 1)
-        arr = _StageArrays(t=t, g=g, recompute=~fit_n, fill=fill)
-        self._arrays[key] = arr
-        return arr
-
-    def _affine(self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, schedule: str) -> dict:
-        """Per recompute flag: time, fill and end over l, and the memory over l as
-        mem(l, j, q) = mem1 + (j - 1) per_j + q per_q -- affine in the microbatches awaiting B
-        (j) and W (q), from the stage costs at l = 0 and 1 with their per-count slopes
-        (``StageCost.in_flight_bytes``, ``.pending_w_bytes``), so every stage position shares one
-        pricing. The fill and end come from the seconds over l
-        (:func:`h2jax.plan._cost.pipeline_terms`): affine but for ZB-V's, a maximum of affine terms."""
-        name, chunks = schedule_variant(schedule)
-        split = split_backward(name)
-        base = (chip, data, tensor, mb, first, last, schedule)
-        hit = self._affine_cache.get(base)
-        if hit is not None:
-            return hit
         prof = self.cluster.profile(chip)
         kw = dict(
             first=first, last=last, data=data, tensor=tensor, microbatch=mb, table=self.table, opts=self.opts.cost
         )
         l = self.layers
-        out = {}
-        for rc in (False, True):
+        out = np.empty((2, 7, self.L + 1))
+        for i, rc in enumerate((False, True)):
             c0, c1 = (
                 stage_cost(self.model, prof, layers=n, recompute=rc, in_flight=1, split=split, chunks=chunks, **kw)
                 for n in (0, 1)
@@ -851,17 +788,46 @@ class _Solver:
                 tail=over_l(c0.tail_s, c1.tail_s),
                 chunks=chunks,
             )
-            out[rc] = (
-                over_l(c0.t, c1.t),
-                fill,
-                end,
-                over_l(c0.memory.total, c1.memory.total),
-                over_l(c0.in_flight_bytes, c1.in_flight_bytes),
-                over_l(c0.pending_w_bytes, c1.pending_w_bytes),  # 0 unsplit: nothing awaits W
-                c0.memory_limit,
-            )
-        self._affine_cache[base] = out
+            out[i, 0] = over_l(c0.t, c1.t)
+            out[i, 1] = fill
+            out[i, 2] = end
+            out[i, 3] = over_l(c0.memory.total, c1.memory.total)
+            out[i, 4] = over_l(c0.in_flight_bytes, c1.in_flight_bytes)
+            out[i, 5] = over_l(c0.pending_w_bytes, c1.pending_w_bytes)  # 0 unsplit: nothing awaits W
+            out[i, 6] = c0.memory_limit
+        self._tables[key] = out
         return out
+
+    def counts(self, name: str, S: int, m: int, v: int) -> np.ndarray:
+        """int64 [stage, (awaiting B, awaiting W)] of schedule `name` (:func:`memory_counts`)."""
+        key = (name, S, m, v)
+        hit = self._counts.get(key)
+        if hit is None:
+            hit = np.array(memory_counts(name, S, m, v if name == "interleaved" else None), dtype=np.int64)
+            self._counts[key] = hit
+        return hit
+
+    def solve(
+        self,
+        tables: list[np.ndarray],
+        runs: list[int],
+        counts: np.ndarray,
+        schedule: str,
+        m: int,
+        transfers: float,
+        best: float,
+    ) -> tuple[float, list[int], list[bool]] | None:
+        """The best layer split and recompute flags of a stage sequence under `schedule`, if it
+        beats `best` (module docstring, "Why the exact round is exact"; compiled:
+        :mod:`h2jax.plan._planner`): the stages as runs of one shape, ``runs[i]`` stages priced by
+        ``tables[i]`` (:meth:`pricing`), with `counts` (:meth:`counts`)."""
+        name, chunks = schedule_variant(schedule)
+        has_fill = split_backward(name) or chunks > 1
+        value, layers, recompute, n_dp = _planner.solve(
+            tables, runs, counts, self.opts.allow_recompute, chunks, has_fill, m, transfers, best
+        )
+        self.dp_solves += n_dp
+        return None if layers is None else (value, layers, recompute)
 
     def transfer(self, a: tuple[str, int, int], b: tuple[str, int, int], mb: int) -> float:
         key = (a, b, mb)
@@ -874,133 +840,6 @@ class _Solver:
             )
             self._xfer[key] = hit
         return hit
-
-    def _dp(self, ts: Sequence[np.ndarray], caps: np.ndarray) -> tuple[float, list[int]] | None:
-        """min sum_s t_s[l_s] s.t. 1 <= l_s <= caps[s], sum l_s = L; with the layer counts."""
-        self.dp_solves += 1
-        L = self.L
-        ext = np.full(L + 2, INF)
-        first = ts[0].copy()
-        first[caps[0] + 1 :] = INF
-        v = first
-        back = []
-        for t, cap in zip(ts[1:], caps[1:]):
-            cap = int(cap)
-            ext[: L + 1] = v
-            mat = ext[self._idx[:, : cap + 1]] + t[None, : cap + 1]  # columns past the cap would be inf
-            arg = np.argmin(mat, axis=1)
-            v = mat[np.arange(L + 1), arg]
-            back.append(arg)
-        if not math.isfinite(v[L]):
-            return None
-        layers = []
-        n = L
-        for arg in reversed(back):
-            layer = int(arg[n])
-            layers.append(layer)
-            n -= layer
-        layers.append(n)
-        layers.reverse()
-        return float(v[L]), layers
-
-    def solve(
-        self, stages: _StageArrays, m: int, transfers: float, best: float
-    ) -> tuple[float, list[int], list[bool]] | None:
-        """The best layer split and recompute flags of this stage sequence (`stages`: one row per
-        stage), if it beats `best`."""
-        L, S = self.L, len(stages.t)
-        if S > L:
-            return None
-        ts, gs = stages.t, stages.g
-        fills = ts if stages.fill is None else stages.fill  # what sum_s adds up (1F1B: t)
-        T = ts[:, 1:]  # [S, L]: row s, column l - 1; non-decreasing, inf where it does not fit
-        G = gs[:, 1:]
-        full = np.isfinite(T).sum(axis=1)  # most layers each stage can hold
-        if full.min() < 1 or full.sum() < L:
-            return None
-        g_floor = float(G[:, 0].max())
-        # smallest B whose caps can hold L layers (caps grow with B): every stage holds a block
-        # (B >= each row's least entry) and L entries of T lie at or below it (its L-th smallest)
-        b0 = max(float(T.min(axis=1).max()), float(np.partition(T, L - 1, axis=None)[L - 1]))
-        if not math.isfinite(b0):
-            return None
-        base = float(fills[:, 1:].min(axis=1).sum())  # each stage's least fill (chunked: from 2 blocks)
-        if (m - 1) * b0 + base + g_floor + transfers >= best:
-            return None
-        if (m - 1) * b0 + _least_fill_sum(fills[:, 1:], full, L) + g_floor + transfers >= best:
-            return None  # cheaper than the dynamic program below, and nearly as tight
-        free = self._dp(fills, full)
-        if free is None:
-            return None
-        sum_free = free[0]
-        if (m - 1) * b0 + sum_free + g_floor + transfers >= best:
-            return None
-        found: tuple[float, list[int]] | None = None
-        seen: dict[tuple[int, ...], tuple[float, list[int]] | None] = {}
-        prev_caps = None
-        cand_b = np.unique(T[(T >= b0) & np.isfinite(T)])
-        for b in cand_b:
-            b = float(b)
-            if (m - 1) * b + sum_free + g_floor + transfers >= best:
-                break
-            cap_b = (T <= b).sum(axis=1)
-            if prev_caps is not None and np.array_equal(cap_b, prev_caps):
-                continue  # same caps as the previous B: same solutions, larger B
-            prev_caps = cap_b
-            g_top = float(G[np.arange(S), cap_b - 1].max())
-            mask = np.arange(L)[None, :] < cap_b[:, None]
-            cand_g = np.unique(G[mask])
-            cand_g = cand_g[(cand_g >= g_floor) & (cand_g <= g_top)]
-            # every threshold's caps at once: row s holds (G[s] <= cand_g[i]).sum() at column i
-            n_g = len(cand_g)
-            first_within = np.searchsorted(cand_g, G, side="left") + (n_g + 1) * np.arange(S)[:, None]
-            within = np.bincount(first_within.ravel(), minlength=S * (n_g + 1)).reshape(S, n_g + 1).cumsum(axis=1)
-            caps_g = np.minimum(cap_b[:, None], within[:, :n_g])
-            usable = (caps_g.min(axis=0) >= 1) & (caps_g.sum(axis=0) >= L)
-            for i in np.flatnonzero(usable):
-                gthr = float(cand_g[i])
-                if (m - 1) * b + gthr + sum_free + transfers >= best:
-                    break
-                key = tuple(caps_g[:, i].tolist())
-                if key not in seen:
-                    seen[key] = self._dp(fills, caps_g[:, i])
-                res = seen[key]
-                if res is None:
-                    continue
-                _, layers = res
-                at = (np.arange(S), layers)
-                value = (m - 1) * float(ts[at].max()) + sum(fills[at].tolist()) + transfers + float(gs[at].max())
-                if value < best:
-                    best = value
-                    found = (value, layers)
-        if found is None:
-            return None
-        value, layers = found
-        return value, layers, stages.recompute[np.arange(S), layers].tolist()
-
-
-def _least_fill_sum(F: np.ndarray, full: np.ndarray, L: int) -> float:
-    """A lower bound on min sum_s F[s, l_s - 1] over 1 <= l_s <= full[s], sum_s l_s = L (what
-    :meth:`_Solver._dp` computes exactly), in O(S L): each row from its first finite entry on
-    grows at least by its least step, so the relaxation gives each stage its first finite
-    count and the remaining blocks to the least steps first (inf: no split)."""
-    finite = np.isfinite(F)
-    if not finite.any(axis=1).all():
-        return INF
-    first = finite.argmax(axis=1)  # column of each row's first finite entry (l0 - 1)
-    rows = np.arange(len(F))
-    rest = L - int((first + 1).sum())
-    room = full - (first + 1)  # blocks each stage may take beyond l0
-    if rest < 0 or int(room.sum()) < rest:
-        return INF
-    with np.errstate(invalid="ignore"):
-        step = np.diff(F, axis=1)
-    step = np.where(np.isfinite(step), step, INF).min(axis=1) if F.shape[1] > 1 else np.full(len(F), INF)
-    order = np.argsort(step, kind="stable")
-    room_o, step_o = room[order], step[order]
-    take = np.clip(rest - (np.cumsum(room_o) - room_o), 0, room_o)
-    extra = float((take[take > 0] * step_o[take > 0]).sum())
-    return float(F[rows, first].sum()) + extra
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -1092,26 +931,10 @@ def root_bound(
     if not math.isfinite(b_lb):
         return INF
     amin = min(h.amin for h in helds)
-    counts = np.arange(L + 1, dtype=np.float64)
-    prev = counts[:, None] - counts[None, :]
-    idx = np.where(prev >= 0, prev, L + 1).astype(np.intp)
-    per_choice_a = [h.fill[h.row, 0] for h in helds]
+    kernels = [h.kernel for h in helds]
 
     def fill(b: float) -> float:
-        v = None
-        for h, a in zip(helds, per_choice_a):
-            held = np.clip(h.each(b), 0, L).astype(np.intp)
-            best_a = np.full(L + 1, INF)
-            np.minimum.at(best_a, held, a)
-            best_a = np.minimum.accumulate(best_a[::-1])[::-1]  # a choice holding h blocks holds fewer too
-            cost = counts * best_a
-            cost[0] = INF  # every chip type holds at least one block
-            if v is None:
-                v = cost
-            else:
-                ext = np.append(v, INF)
-                v = (ext[idx] + cost[None, :]).min(axis=1)
-        return float(v[L])
+        return _planner.least_block_seconds(kernels, b, L)
 
     if m == 1:
         return max(b_lb, L * amin) + fixed_s
@@ -1585,37 +1408,17 @@ class _Run:
                     continue
                 limit = min(own, self.best if cutoff is None else max(cutoff, self.best))
                 name, v = schedule_variant(schedule)
-                counts = np.array(memory_counts(name, S, m, v if name == "interleaved" else None))  # awaiting (B, W)
+                counts = solver.counts(name, S, m, v)  # awaiting (B, W)
                 head = 0 if name == "zb-v" else S - 1  # the V's last chunk is stage 0's
                 # the stages as runs of one shape: a chip type's stages, the first and the head apart
                 cuts = sorted({0, 1, head, head + 1, *ends} - {S + 1})
-                parts = [
-                    solver.rows(
-                        seq[a].chip,
-                        seq[a].data,
-                        seq[a].tensor,
-                        mb,
-                        a == 0,
-                        a == head,
-                        counts[a:b, 0],
-                        counts[a:b, 1],
-                        schedule,
-                    )
-                    for a, b in zip(cuts, cuts[1:])
+                tables = [
+                    solver.pricing(seq[a].chip, seq[a].data, seq[a].tensor, mb, a == 0, a == head, schedule)
+                    for a in cuts[:-1]
                 ]
-                stacked = (
-                    parts[0]
-                    if len(parts) == 1
-                    else _StageArrays(
-                        t=np.concatenate([p.t for p in parts]),
-                        g=np.concatenate([p.g for p in parts]),
-                        recompute=np.concatenate([p.recompute for p in parts]),
-                        fill=None if parts[0].fill is None else np.concatenate([p.fill for p in parts]),
-                    )
-                )
                 self.stats["orders"] += 1
-                res = solver.solve(stacked, m, xfer, limit)
-                if res is None or res[0] >= limit:
+                res = solver.solve(tables, [b - a for a, b in zip(cuts, cuts[1:])], counts, schedule, m, xfer, limit)
+                if res is None:
                     continue
                 value, layers, recompute = res[0], list(res[1]), list(res[2])
                 if self.shared:  # contention on the host: price in full, then improve the split

@@ -155,16 +155,13 @@ def test_least_fill_sum_never_exceeds_the_exact_split():
     # where no split exists, and equals the optimum where every row is affine
     import numpy as np
 
-    from h2jax.plan._search import _least_fill_sum, _Solver
+    from h2jax.plan import _planner
 
     rng = np.random.default_rng(0)
     checked = affine_checked = 0
     for _ in range(400):
         L, S = int(rng.integers(2, 25)), int(rng.integers(1, 7))
         affine = rng.random() < 0.3
-        model = ModelShape(n_layers=L, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=32)
-        cluster = Cluster(((ChipProfile(name="c", memory_gib=1.0, peak_tflops=1.0, mem_bw_gbps=1.0), 1),))
-        solver = _Solver(model, cluster, None, SearchOptions())
         fills = np.full((S, L + 1), np.inf)
         for s in range(S):
             lo, cap = int(rng.integers(1, 3)), int(rng.integers(1, L + 1))
@@ -176,8 +173,8 @@ def test_least_fill_sum_never_exceeds_the_exact_split():
                 row[int(rng.integers(1, L + 1)) :] += rng.exponential(3.0)  # recompute from here on
             fills[s, lo : cap + 1] = row[lo : cap + 1]
         full = np.array([int(np.isfinite(fills[s, 1:]).nonzero()[0].max(initial=-1)) + 1 for s in range(S)])
-        exact = solver._dp(fills, full) if full.min() >= 1 else None
-        bound = _least_fill_sum(fills[:, 1:], full, L)
+        exact = _planner.min_split(fills, full) if full.min() >= 1 else None
+        bound = _planner.least_fill_sum(np.ascontiguousarray(fills[:, 1:]), full, L)
         if exact is None:
             assert bound == math.inf  # the rows are finite on one range each: no split, no relaxed one
             continue
@@ -187,3 +184,38 @@ def test_least_fill_sum_never_exceeds_the_exact_split():
             affine_checked += 1
             assert bound == pytest.approx(exact[0], rel=1e-9)
     assert checked >= 150 and affine_checked >= 40
+
+
+def test_the_compiled_split_is_the_least_over_every_split():
+    # the dynamic program under the exact round (h2jax.plan._planner.min_split) against every
+    # composition of L blocks into S stages within the caps, on random rows with inf entries
+    import itertools
+
+    import numpy as np
+
+    from h2jax.plan import _planner
+
+    rng = np.random.default_rng(1)
+    found = none = 0
+    for _ in range(300):
+        L, S = int(rng.integers(1, 10)), int(rng.integers(1, 5))
+        fills = np.cumsum(rng.exponential(1.0, (S, L + 1)), axis=1)
+        fills[:, 0] = np.inf
+        fills[rng.random((S, L + 1)) < 0.1] = np.inf
+        caps = rng.integers(1, L + 1, S)
+        best = np.inf
+        for cuts in itertools.combinations(range(1, L), S - 1):
+            split = [b - a for a, b in zip((0, *cuts), (*cuts, L))]
+            if any(n > c for n, c in zip(split, caps)):
+                continue
+            best = min(best, sum(float(fills[s, n]) for s, n in enumerate(split)))
+        got = _planner.min_split(fills, caps)
+        if not np.isfinite(best):
+            assert got is None
+            none += 1
+            continue
+        found += 1
+        assert got is not None and got[0] == pytest.approx(best, rel=1e-12)
+        assert sum(got[1]) == L and all(1 <= n <= c for n, c in zip(got[1], caps))
+        assert sum(float(fills[s, n]) for s, n in enumerate(got[1])) == pytest.approx(best, rel=1e-12)
+    assert found >= 100 and none >= 20
