@@ -45,6 +45,7 @@ using Counts = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device:
 using Matrix = nb::ndarray<const double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using IntVec = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Vec = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Flat = nb::ndarray<const double, nb::c_contig, nb::device::cpu>;  // any shape, read flat
 
 // Per stage and layer count, row-major [S][L + 1].
 struct Rows {
@@ -519,20 +520,25 @@ NB_MODULE(_planner, mod) {
       "A lower bound on min_split over F (column c: c + 1 layers), in O(S L).");
   mod.def(
       "caps_at",
-      [](const nb::ndarray<const double, nb::shape<2, 7>, nb::c_contig, nb::device::cpu>& mm, const Matrix& js,
-         const Matrix& qs, int L, bool allow_recompute) {
-        if (js.shape(0) != qs.shape(0) || js.shape(1) != qs.shape(1))
-          throw std::invalid_argument("caps_at: js and qs differ in shape");
-        const int P = static_cast<int>(js.shape(0));
-        const size_t N = js.shape(1);
-        if (P < 1) throw std::invalid_argument("caps_at: no points");
+      [](const nb::ndarray<const double, nb::shape<2, 7>, nb::c_contig, nb::device::cpu>& mm,
+         const std::vector<Flat>& js, const std::vector<Flat>& qs, int L, bool allow_recompute) {
+        const int P = static_cast<int>(js.size());
+        if (P < 1 || qs.size() != js.size()) throw std::invalid_argument("caps_at: one or more (js, qs) points");
+        const size_t N = js[0].size();
+        std::vector<double> j(P * N), q(P * N);
+        for (int p = 0; p < P; ++p) {
+          if (js[p].size() != N || qs[p].size() != N) throw std::invalid_argument("caps_at: points differ in size");
+          std::copy(js[p].data(), js[p].data() + N, j.begin() + p * N);
+          std::copy(qs[p].data(), qs[p].data() + N, q.begin() + p * N);
+        }
         std::vector<double> ln(N), lr(N);
-        caps_at(mm.data(), js.data(), qs.data(), P, N, L, allow_recompute, ln.data(), lr.data());
+        caps_at(mm.data(), j.data(), q.data(), P, N, L, allow_recompute, ln.data(), lr.data());
         return nb::make_tuple(to_numpy1(ln), to_numpy1(lr));
       },
       nb::arg("mm"), nb::arg("js"), nb::arg("qs"), nb::arg("L"), nb::arg("allow_recompute"),
-      "Most blocks a middle stage holds (without, with recompute), each (N,): the max over the points\n"
-      "(js[p], qs[p]) (each (P, N)) of awaiting (B, W) counts; `mm`: per flag base (3), slope (3), limit.");
+      "Most blocks a middle stage holds (without, with recompute), each flat (N,): the max over the points\n"
+      "(js[p], qs[p]) (arrays of N counts each) of awaiting (B, W) counts; `mm`: per flag base (3), slope (3),\n"
+      "limit.");
   nb::class_<Held>(mod, "Held")
       .def(nb::init<const Matrix&, const Matrix&, const Vec&, const Vec&, const IntVec&, const IntVec&, const Vec&>(),
            nb::arg("ln"), nb::arg("lr"), nb::arg("a"), nb::arg("arc"), nb::arg("row"), nb::arg("col"),

@@ -261,6 +261,11 @@ class ChipChoice:
         floating-point noise can only loosen it).
         """
         caps = self.bounds(schedule)
+        if isinstance(b, float) and math.isfinite(b):  # one slot time (the search's pruning asks thousands of times)
+            xn = math.floor(b / self.layer_s * (1 + 1e-9))
+            xr = math.floor(b / self.layer_rc_s * (1 + 1e-9)) if math.isfinite(self.layer_rc_s) else 0.0
+            k = self.stages
+            return float(np.maximum(np.minimum(caps.max_layers[:k], xn), np.minimum(caps.max_layers_rc[:k], xr)).sum())
         b = np.asarray(b, dtype=np.float64)
         ln = np.asarray(caps.max_layers[: self.stages], dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
         lr = np.asarray(caps.max_layers_rc[: self.stages], dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
@@ -371,12 +376,10 @@ def _caps_at(
     allow_recompute: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Most blocks a middle stage holds without / with recompute if its (awaiting B, awaiting W)
-    counts may be any of `points` (arrays over the stage ranks, of one shape): the max over them
-    (:func:`h2jax.plan._planner.caps_at`). `mm`: :func:`_memory_model`'s."""
-    shape = np.broadcast_shapes(*(np.shape(a) for point in points for a in point))
-    js = np.stack([np.broadcast_to(np.asarray(j, dtype=np.float64), shape).ravel() for j, _ in points])
-    qs = np.stack([np.broadcast_to(np.asarray(q, dtype=np.float64), shape).ravel() for _, q in points])
-    ln, lr = _planner.caps_at(mm, js, qs, L, allow_recompute)
+    counts may be any of `points` (float64 arrays over the stage ranks, all of one shape): the
+    max over them (:func:`h2jax.plan._planner.caps_at`). `mm`: :func:`_memory_model`'s."""
+    shape = np.shape(points[0][0])
+    ln, lr = _planner.caps_at(mm, [j for j, _ in points], [q for _, q in points], L, allow_recompute)
     return ln.reshape(shape), lr.reshape(shape)
 
 
@@ -666,12 +669,15 @@ def slot_time_bound(helds: Sequence[_Held], L: int) -> float:
     return _planner.slot_time_bound([h.kernel for h in helds], top, L)
 
 
-def beam(choices: dict[str, list[ChipChoice]], L: int, width: int) -> dict[str, list[ChipChoice]]:
+def beam(
+    choices: dict[str, list[ChipChoice]], L: int, width: int, helds: Sequence[_Held] | None = None
+) -> dict[str, list[ChipChoice]]:
     """Per chip type the `width` choices that hold the most blocks at the slot time the
-    whole cluster's bound needs (memory-capped capability, not raw speed)."""
+    whole cluster's bound needs (memory-capped capability, not raw speed). `helds`: the
+    choices' :class:`_Held` (loosest caps), in the order of `choices`, where the caller has them."""
     if any(not cs for cs in choices.values()):
         return choices
-    helds = {name: _Held(cs) for name, cs in choices.items()}
+    helds = dict(zip(choices, helds)) if helds is not None else {name: _Held(cs) for name, cs in choices.items()}
     b_star = slot_time_bound(list(helds.values()), L)
     out = {}
     for name, cs in choices.items():
@@ -1100,7 +1106,12 @@ class _Run:
             else:
                 for schedule in self.schedules:
                     self.schedule_bound[mb, schedule] = root_bound(
-                        choices, m=m, L=self.L, fixed_s=self.fixed_s(mb, schedule), schedule=schedule
+                        choices,
+                        m=m,
+                        L=self.L,
+                        fixed_s=self.fixed_s(mb, schedule),
+                        schedule=schedule,
+                        helds=self.helds(mb, schedule),
                     )
                     if timed:
                         self.tick()
@@ -1135,7 +1146,7 @@ class _Run:
             if self.hopeless(mb):
                 continue
             if width is not None:
-                choices = beam(choices, self.L, width)
+                choices = beam(choices, self.L, width, self.helds(mb, None))
             live = self.live(mb, self.best)
             # one schedule left: its own caps and fills; several: the loosest over them
             one = live[0] if len(live) == 1 else None
@@ -1160,7 +1171,8 @@ class _Run:
         """Per chip type, its choices by the blocks they hold at the slot-time bound (best first)."""
         hit = self._ranked_cache.get(mb)
         if hit is None:
-            hit = beam(self.space[mb], self.L, max(len(cs) for cs in self.space[mb].values()))
+            widest = max(len(cs) for cs in self.space[mb].values())
+            hit = beam(self.space[mb], self.L, widest, self.helds(mb, None))
             self._ranked_cache[mb] = hit
         return hit
 
