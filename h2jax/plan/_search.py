@@ -525,7 +525,10 @@ def chip_choices(
                         caps_cache[key, v] = _memory_model(
                             model, chip, table, opts, data=d, tensor=t, microbatch=microbatch, chunks=v
                         )
-                fills = {s: layer_fill_s(model, blk, tensor=t, schedules=(s,)) for s in schedules}
+                fills = caps_cache.get((key, "fills", schedules))
+                if fills is None:
+                    fills = {s: layer_fill_s(model, blk, tensor=t, schedules=(s,)) for s in schedules}
+                    caps_cache[key, "fills", schedules] = fills
                 n_types = len(cluster.names)
                 # caps depend on k only through ZB-H1's floor total: one object per distinct total,
                 # shared by every choice with it (one row of _Held), all totals priced at once; the
@@ -534,7 +537,8 @@ def chip_choices(
                 for s in schedules:
                     if s != "zb-h1":
                         shared[s] = _schedule_caps(caps_cache, key, s, m, n_types, L, fills[s], opts.allow_recompute)
-                by_k = [shared] * len(ks)
+                per_total: dict[float, dict[str | None, StageCaps]] = {0.0: shared}
+                tot = [0.0] * len(ks)
                 if "zb-h1" in schedules:
                     tot = zb_floor_total(np.array(ks), m=m, n_types=n_types).tolist()
                     want = [v for v in dict.fromkeys(tot) if (key, "zb-h1", m, v) not in caps_cache]
@@ -548,7 +552,7 @@ def chip_choices(
                         ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
                         for i, v in enumerate(want):
                             caps_cache[key, "zb-h1", m, v] = StageCaps(ln[i], lr[i], fills["zb-h1"])
-                    by_k = [{**shared, "zb-h1": caps_cache[key, "zb-h1", m, v]} for v in tot]
+                    per_total = {v: {**shared, "zb-h1": caps_cache[key, "zb-h1", m, v]} for v in dict.fromkeys(tot)}
                 if "1f1b" in schedules:
                     # 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
                     # schedules' (a chunk's activations, their own counts) may lie above either, and
@@ -563,8 +567,9 @@ def chip_choices(
                     loose = caps_cache[lkey]
                     if loose.max_layers_rc[0] < 1:
                         continue  # not even one block fits a stage of this shape
-                for ik, k in enumerate(ks):
-                    caps = dict(by_k[ik])
+                # one caps dict per floor total (with the loosest caps under None), shared by its choices
+                full: dict[float, dict[str | None, StageCaps] | None] = {}
+                for v, caps in per_total.items():
                     if "1f1b" not in schedules:
                         loose = StageCaps(
                             np.max([c.max_layers for c in caps.values()], axis=0),
@@ -573,10 +578,12 @@ def chip_choices(
                         )
                         lkey = (key, m, loose.max_layers.tobytes(), loose.max_layers_rc.tobytes(), loose.fill_s)
                         loose = caps_cache.setdefault(lkey, loose)  # one object per value: one row of _Held
-                        if loose.max_layers_rc[0] < 1:
-                            continue  # not even one block fits a stage of this shape
-                    caps[None] = loose
-                    choices.append(ChipChoice(chip.name, k, d, t, blk.fwd_s + blk.bwd_s, rc_s, caps))
+                    # not even one block fits a stage of this shape: no choice
+                    full[v] = {**caps, None: loose} if loose.max_layers_rc[0] >= 1 else None
+                layer_s = blk.fwd_s + blk.bwd_s
+                for k, v in zip(ks, tot):
+                    if full[v] is not None:
+                        choices.append(ChipChoice(chip.name, k, d, t, layer_s, rc_s, full[v]))
         choices.sort(key=lambda c: (-c.capability, c.stages, c.tensor))
         out[chip.name] = choices
     if opts.max_options_per_chip:
