@@ -249,16 +249,26 @@ Found solve_rows(const Rows& r, int m, double transfers, double best) {
   std::sort(cand_b.begin(), cand_b.end());
   cand_b.erase(std::unique(cand_b.begin(), cand_b.end()), cand_b.end());
 
+  // each stage's T and G sorted: a threshold's count is an upper bound in its row (log L, not L)
+  std::vector<double> t_sorted(static_cast<size_t>(S) * L), g_sorted(static_cast<size_t>(S) * L);
+  for (int s = 0; s < S; ++s) {
+    for (int c = 0; c < L; ++c) {
+      t_sorted[static_cast<size_t>(s) * L + c] = T(s, c);
+      g_sorted[static_cast<size_t>(s) * L + c] = G(s, c);
+    }
+    std::sort(t_sorted.begin() + static_cast<size_t>(s) * L, t_sorted.begin() + static_cast<size_t>(s + 1) * L);
+    std::sort(g_sorted.begin() + static_cast<size_t>(s) * L, g_sorted.begin() + static_cast<size_t>(s + 1) * L);
+  }
+  auto at_most = [&](const std::vector<double>& sorted, int s, double x) {  // entries of row s <= x
+    auto row = sorted.begin() + static_cast<size_t>(s) * L;
+    return static_cast<int64_t>(std::upper_bound(row, row + L, x) - row);
+  };
   std::map<std::vector<int64_t>, std::optional<std::pair<double, std::vector<int>>>> seen;
   std::vector<int64_t> cap_b(S), prev_caps, caps(S);
   std::vector<double> cand_g;
   for (double b : cand_b) {
     if (mm * b + sum_free + g_floor + transfers >= best) break;
-    for (int s = 0; s < S; ++s) {
-      int64_t c = 0;
-      for (int l = 0; l < L; ++l) c += T(s, l) <= b;
-      cap_b[s] = c;
-    }
+    for (int s = 0; s < S; ++s) cap_b[s] = at_most(t_sorted, s, b);
     if (!prev_caps.empty() && prev_caps == cap_b) continue;  // same caps as the previous B: larger B
     prev_caps = cap_b;
     double g_top = -INF;
@@ -274,9 +284,7 @@ Found solve_rows(const Rows& r, int m, double transfers, double best) {
       // each stage's caps under both thresholds; a split needs a block on every stage and L in all
       int64_t total = 0, least = L + 1;
       for (int s = 0; s < S; ++s) {
-        int64_t within = 0;
-        for (int c = 0; c < L; ++c) within += G(s, c) <= gthr;
-        caps[s] = std::min(cap_b[s], within);
+        caps[s] = std::min(cap_b[s], at_most(g_sorted, s, gthr));
         total += caps[s];
         least = std::min(least, caps[s]);
       }

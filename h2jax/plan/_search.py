@@ -102,6 +102,7 @@ are in the tests.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -393,10 +394,10 @@ class _CapsByJ:
         self.mm, self.L, self.allow_recompute = mm, L, allow_recompute
         self.caps_n = self.caps_r = np.zeros(0)
 
-    def __call__(self, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        idx = np.asarray(j).astype(np.intp)
-        if int(idx.max()) >= len(self.caps_n):
-            js = np.arange(max(2 * int(idx.max()), 2 * self.L) + 1, dtype=np.float64)
+    def __call__(self, idx: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+        """The caps at counts `idx` (intp), the largest of them `top`."""
+        if top >= len(self.caps_n):
+            js = np.arange(max(2 * top, 2 * self.L) + 1, dtype=np.float64)
             self.caps_n, self.caps_r = _caps_at(self.mm, [(js, np.zeros_like(js))], self.L, self.allow_recompute)
         return self.caps_n[idx], self.caps_r[idx]
 
@@ -549,7 +550,8 @@ def chip_choices(
                             kk = np.array(want)[:, None] - n_types + 1  # a k with that total
                             floors = caps_cache[fkey] = count_floors("zb-h1", k=kk, m=m, n_types=n_types, L=L)
                         ln, lr = _caps_at(caps_cache[key, 1], floors, L, opts.allow_recompute)
-                        ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
+                        if ln.ndim == 1:  # floors that do not depend on the total
+                            ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
                         for i, v in enumerate(want):
                             caps_cache[key, "zb-h1", m, v] = StageCaps(ln[i], lr[i], fills["zb-h1"])
                     per_total = {v: {**shared, "zb-h1": caps_cache[key, "zb-h1", m, v]} for v in dict.fromkeys(tot)}
@@ -560,8 +562,8 @@ def chip_choices(
                     lkey = (key, m, "loose", tuple(schedules))
                     if lkey not in caps_cache:
                         caps_cache[lkey] = StageCaps(
-                            np.max([c.max_layers for c in shared.values()], axis=0),
-                            np.max([c.max_layers_rc for c in shared.values()], axis=0),
+                            functools.reduce(np.maximum, [c.max_layers for c in shared.values()]),
+                            functools.reduce(np.maximum, [c.max_layers_rc for c in shared.values()]),
                             min(fills.values()),
                         )
                     loose = caps_cache[lkey]
@@ -602,17 +604,23 @@ def _schedule_caps(
     if hit is not None:
         return hit
     fkey = (schedule, "floors", m, n_types, L)  # the floors depend on no chip shape: once per search
-    floors = caps_cache.get(fkey)
-    if floors is None:
-        floors = caps_cache[fkey] = count_floors(schedule, k=1, m=m, n_types=n_types, L=L)
-    chunks = schedule_variant(schedule)[1]
-    if len(floors) == 1 and not floors[0][1].any():  # nothing awaits W: caps by j alone
+    hit = caps_cache.get(fkey)
+    if hit is None:
+        floors = count_floors(schedule, k=1, m=m, n_types=n_types, L=L)
+        # nothing awaits W: caps by j alone, the floors as indices into the table over j
+        by_j = len(floors) == 1 and not floors[0][1].any()
+        j_idx = floors[0][0].astype(np.intp) if by_j else None
+        j_top = int(j_idx.max()) if by_j else 0
+        floor_bytes = b"".join(np.ascontiguousarray(a).tobytes() for p in floors for a in p)
+        hit = caps_cache[fkey] = (floors, j_idx, j_top, floor_bytes, schedule_variant(schedule)[1])
+    floors, j_idx, j_top, floor_bytes, chunks = hit
+    if j_idx is not None:
         by_j = caps_cache.get((key, chunks, "by j"))
         if by_j is None:
             by_j = caps_cache[key, chunks, "by j"] = _CapsByJ(caps_cache[key, chunks], L, allow_recompute)
-        ln, lr = by_j(floors[0][0])
+        ln, lr = by_j(j_idx, j_top)
     else:
-        fkey = (key, schedule, "floors", b"".join(np.ascontiguousarray(a).tobytes() for p in floors for a in p))
+        fkey = (key, schedule, "floors", floor_bytes)
         if fkey not in caps_cache:
             caps_cache[fkey] = _caps_at(caps_cache[key, chunks], floors, L, allow_recompute)
         ln, lr = caps_cache[fkey]
@@ -734,6 +742,7 @@ class _Solver:
         self._tables: dict[tuple, np.ndarray] = {}
         self._counts: dict[tuple, np.ndarray] = {}
         self._xfer: dict[tuple, float] = {}
+        self._xfers: dict[tuple, float] = {}
         self.dp_solves = 0
 
     def arrays(
@@ -780,33 +789,32 @@ class _Solver:
         kw = dict(
             first=first, last=last, data=data, tensor=tensor, microbatch=mb, table=self.table, opts=self.opts.cost
         )
-        l = self.layers
         out = np.empty((2, 7, self.L + 1))
         for i, rc in enumerate((False, True)):
             c0, c1 = (
                 stage_cost(self.model, prof, layers=n, recompute=rc, in_flight=1, split=split, chunks=chunks, **kw)
                 for n in (0, 1)
             )
-
-            def over_l(v0: float, v1: float) -> np.ndarray:
-                return v0 + l * (v1 - v0)
-
-            fill, end = pipeline_terms(
-                name,
-                t=over_l(c0.t, c1.t),
-                fwd=over_l(c0.fwd_s, c1.fwd_s),
-                b=over_l(c0.b_s, c1.b_s),
-                w=over_l(c0.w_s, c1.w_s),
-                hidden=over_l(c0.w_hidden_s, c1.w_hidden_s),
-                tail=over_l(c0.tail_s, c1.tail_s),
-                chunks=chunks,
+            # every quantity affine over l: v0 + l (v1 - v0), all at once
+            v0, v1 = (
+                np.array(
+                    [
+                        c.t,
+                        c.fwd_s,
+                        c.b_s,
+                        c.w_s,
+                        c.w_hidden_s,
+                        c.tail_s,
+                        c.memory.total,
+                        c.in_flight_bytes,
+                        c.pending_w_bytes,  # 0 unsplit: nothing awaits W
+                    ]
+                )
+                for c in (c0, c1)
             )
-            out[i, 0] = over_l(c0.t, c1.t)
-            out[i, 1] = fill
-            out[i, 2] = end
-            out[i, 3] = over_l(c0.memory.total, c1.memory.total)
-            out[i, 4] = over_l(c0.in_flight_bytes, c1.in_flight_bytes)
-            out[i, 5] = over_l(c0.pending_w_bytes, c1.pending_w_bytes)  # 0 unsplit: nothing awaits W
+            t, fwd, b, w, hidden, tail, out[i, 3], out[i, 4], out[i, 5] = v0[:, None] + self.layers * (v1 - v0)[:, None]
+            out[i, 1], out[i, 2] = pipeline_terms(name, t=t, fwd=fwd, b=b, w=w, hidden=hidden, tail=tail, chunks=chunks)
+            out[i, 0] = t
             out[i, 6] = c0.memory_limit
         self._tables[key] = out
         return out
@@ -841,6 +849,23 @@ class _Solver:
         )
         self.dp_solves += n_dp
         return None if layers is None else (value, layers, recompute)
+
+    def transfers(self, groups: Sequence[ChipChoice], mb: int) -> float:
+        """Seconds of every boundary of a stage sequence per microbatch (both ways): each chip
+        type's stages, in this order, pass (stages - 1) boundaries among themselves and one to
+        the next type's."""
+        key = (*map(id, groups), mb)  # choices live as long as the search
+        hit = self._xfers.get(key)
+        if hit is None:
+            hit = sum(
+                (c.stages - 1) * self.transfer((c.chip, c.data, c.tensor), (c.chip, c.data, c.tensor), mb)
+                for c in groups
+            ) + sum(
+                self.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
+                for a, b in zip(groups, groups[1:])
+            )
+            self._xfers[key] = hit
+        return hit
 
     def transfer(self, a: tuple[str, int, int], b: tuple[str, int, int], mb: int) -> float:
         key = (a, b, mb)
@@ -1041,6 +1066,7 @@ class _Run:
         self.mb_bound: dict[int, float] = {}
         self.schedule_bound: dict[tuple[int, str], float] = {}  # (mb, schedule) -> root bound of its plans
         self._fixed: dict[tuple[int, str], float] = {}
+        self._shapes: dict[int, dict[str, list[ChipChoice]]] = {}  # per mb, one choice per (tensor, data)
         self.starts: list[tuple[float, tuple[ChipChoice, ...], int, tuple[str, ...], str]] = []
         self.last_schedule = ""  # the schedule of evaluate's result
         self._ranked_cache: dict[int, dict] = {}
@@ -1090,7 +1116,12 @@ class _Run:
         key = (mb, schedule)
         hit = self._fixed.get(key)
         if hit is None:
-            hit = _fixed_parts_s(self.cluster, self.model, self.space[mb], mb, self.table, (schedule,))
+            shapes = self._shapes.get(mb)  # one choice per (tensor, data): all the embedding and head depend on
+            if shapes is None:
+                shapes = self._shapes[mb] = {
+                    n: list({(c.tensor, c.data): c for c in cs}.values()) for n, cs in self.space[mb].items()
+                }
+            hit = _fixed_parts_s(self.cluster, self.model, shapes, mb, self.table, (schedule,))
             self._fixed[key] = hit
         return hit
 
@@ -1411,17 +1442,8 @@ class _Run:
             if S > L:
                 return own, own_order
             groups = [by_chip[name] for name in order]
-            ends = np.cumsum([c.stages for c in groups]).tolist()  # a chip type's stages end here
-            xfer = (
-                sum(  # a chip type's stages pass (stages - 1) boundaries among themselves
-                    (c.stages - 1) * solver.transfer((c.chip, c.data, c.tensor), (c.chip, c.data, c.tensor), mb)
-                    for c in groups
-                )
-                + sum(
-                    solver.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
-                    for a, b in zip(groups, groups[1:])
-                )
-            )
+            ends = list(itertools.accumulate(c.stages for c in groups))  # a chip type's stages end here
+            xfer = solver.transfers(groups, mb)
             for schedule in schedules:  # the schedule: one more dimension, split ones first
                 if not runs(schedule, S, m, L):
                     continue
