@@ -87,12 +87,10 @@ Rows build_rows(const std::vector<Table>& tables, const std::vector<int64_t>& ru
       const double qw = static_cast<double>(counts.data()[2 * s + 1]);
       const size_t row = static_cast<size_t>(s) * (L + 1);
       for (int l = 0; l <= L; ++l) {
+        auto fits = [&](int rc) { return q[rc][kMem1][l] + j1 * q[rc][kPerJ][l] + qw * q[rc][kPerQ][l] <= q[rc][kLimit][l]; };
         bool fit[2];
-        for (int rc = 0; rc < 2; ++rc) {
-          const double mem = q[rc][kMem1][l] + j1 * q[rc][kPerJ][l] + qw * q[rc][kPerQ][l];
-          fit[rc] = mem <= q[rc][kLimit][l];
-        }
-        if (!allow_recompute) fit[1] = false;
+        fit[0] = fits(0);
+        fit[1] = !fit[0] && allow_recompute && fits(1);  // asked only where the plain stage does not fit
         const double t = fit[0] ? q[0][kT][l] : fit[1] ? q[1][kT][l] : INF;
         r.t[row + l] = l == 0 ? INF : t;
         r.g[row + l] = fit[0] ? q[0][kEnd][l] : q[1][kEnd][l];
@@ -343,6 +341,15 @@ void caps_at(const double* mm, const double* js, const double* qs, int P, size_t
   if (!allow_recompute) std::copy(ln, ln + N, lr);
 }
 
+// Blocks a stage rank holds within slot time b: no more than its memory allows without (ln) or
+// with (lr) recompute, and no more than b pays for at a block's seconds without (a) or with (arc)
+// recompute (inf: none, e.g. no recompute). Rounded up by a hair so floating-point noise can only
+// loosen it.
+inline double slots(double b, double a) { return std::isinf(a) ? 0.0 : std::floor(b / a * (1 + 1e-9)); }
+inline double rank_holds(double ln, double lr, double xn, double xr) {
+  return std::max(std::min(ln, xn), std::min(lr, xr));
+}
+
 // Every choice of one chip type at once: rows of per-rank caps (choices with one caps object share
 // a row and differ in how many ranks they take: `col` + 1), per row the seconds of a block without
 // (a) and with (arc) recompute; per choice its row, last rank and least fill per block.
@@ -370,13 +377,12 @@ class Held {
 
   // blocks each row's ranks hold within slot time b, summed over the first k ranks (prefix_)
   void fill_prefix(double b) {
-    const double factor = 1 + 1e-9;
     for (int r = 0; r < R_; ++r) {
-      const double xn = std::floor(b / a_[r] * factor), xr = std::floor(b / arc_[r] * factor);
+      const double xn = slots(b, a_[r]), xr = slots(b, arc_[r]);
       double run = 0.0;
       for (int k = 0; k < K_; ++k) {
         const size_t i = static_cast<size_t>(r) * K_ + k;
-        run += std::max(std::min(ln_[i], xn), std::min(lr_[i], xr));
+        run += rank_holds(ln_[i], lr_[i], xn, xr);
         prefix_[i] = run;
       }
     }
@@ -572,6 +578,19 @@ NB_MODULE(_planner, mod) {
             return to_numpy<double>(out, static_cast<int>(C), static_cast<int>(G) - 1);
           },
           nb::arg("grid"));
+  mod.def(
+      "blocks_within",
+      [](const Vec& ln, const Vec& lr, int k, double b, double a, double arc) {
+        if (k < 0 || static_cast<size_t>(k) > ln.shape(0) || static_cast<size_t>(k) > lr.shape(0))
+          throw std::invalid_argument("blocks_within: more ranks than caps");
+        const double xn = slots(b, a), xr = slots(b, arc);
+        double sum = 0.0;
+        for (int i = 0; i < k; ++i) sum += rank_holds(ln.data()[i], lr.data()[i], xn, xr);
+        return sum;
+      },
+      nb::arg("ln"), nb::arg("lr"), nb::arg("k"), nb::arg("b"), nb::arg("a"), nb::arg("arc"),
+      "Blocks the first k ranks hold within slot time b (caps ln / lr without / with recompute, a block's\n"
+      "seconds a / arc).");
   mod.def("slot_time_bound", &slot_time_bound, nb::arg("helds"), nb::arg("top"), nb::arg("L"));
   mod.def("least_block_seconds", &least_block_seconds, nb::arg("helds"), nb::arg("b"), nb::arg("L"));
 }

@@ -262,11 +262,10 @@ class ChipChoice:
         floating-point noise can only loosen it).
         """
         caps = self.bounds(schedule)
-        if isinstance(b, float) and math.isfinite(b):  # one slot time (the search's pruning asks thousands of times)
-            xn = math.floor(b / self.layer_s * (1 + 1e-9))
-            xr = math.floor(b / self.layer_rc_s * (1 + 1e-9)) if math.isfinite(self.layer_rc_s) else 0.0
-            k = self.stages
-            return float(np.maximum(np.minimum(caps.max_layers[:k], xn), np.minimum(caps.max_layers_rc[:k], xr)).sum())
+        if isinstance(b, float):  # one slot time (the search's pruning asks thousands of times)
+            return _planner.blocks_within(
+                caps.max_layers, caps.max_layers_rc, self.stages, b, self.layer_s, self.layer_rc_s
+            )
         b = np.asarray(b, dtype=np.float64)
         ln = np.asarray(caps.max_layers[: self.stages], dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
         lr = np.asarray(caps.max_layers_rc[: self.stages], dtype=np.float64).reshape((-1,) + (1,) * b.ndim)
@@ -308,6 +307,12 @@ def microbatch_sizes(global_batch: int, opts: SearchOptions) -> list[int]:
     return [b for b in range(1, min(top, global_batch) + 1) if global_batch % b == 0]
 
 
+@functools.cache
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of n, largest first."""
+    return tuple(d for d in range(n, 0, -1) if n % d == 0)
+
+
 def derive_data(
     chip: ChipProfile,
     nodes: int,
@@ -326,8 +331,8 @@ def derive_data(
     top = devices // (stages * tensor)
     if stage_in_node:
         top = min(top, chip.devices_per_node // tensor)
-    for d in range(top, 0, -1):
-        if microbatch % d or (per_device is not None and microbatch // d not in per_device):
+    for d in _divisors(microbatch):  # largest first
+        if d > top or (per_device is not None and microbatch // d not in per_device):
             continue
         if stage_in_node and stages > nodes * (chip.devices_per_node // (d * tensor)):
             continue
