@@ -647,10 +647,11 @@ class _Held:
     (compiled: :class:`h2jax.plan._planner.Held`)."""
 
     def __init__(self, choices: Sequence[ChipChoice], schedule: str | None = None):
+        ids = [id(c.caps[schedule]) for c in choices]
         rows: dict[int, ChipChoice] = {}
-        for c in choices:
-            key = id(c.caps[schedule])
-            if key not in rows or c.stages > rows[key].stages:
+        for key, c in zip(ids, choices):
+            top = rows.get(key)
+            if top is None or c.stages > top.stages:
                 rows[key] = c
         keys = list(rows)
         k = max(c.stages for c in rows.values())
@@ -665,7 +666,7 @@ class _Held:
         self.fill = np.array([rows[key].caps[schedule].fill_s for key in keys])  # bounds sum_s fill_s
         self.arc = np.array([rows[key].layer_rc_s for key in keys])
         where = {key: i for i, key in enumerate(keys)}
-        row = np.array([where[id(c.caps[schedule])] for c in choices], dtype=np.int64)
+        row = np.array([where[key] for key in ids], dtype=np.int64)
         col = np.array([c.stages - 1 for c in choices], dtype=np.int64)
         self.amin = float(self.fill.min())
         self.kernel = _planner.Held(ln, lr, self.a, self.arc, row, col, self.fill[row])
@@ -747,7 +748,7 @@ class _Solver:
         self._tables: dict[tuple, np.ndarray] = {}
         self._counts: dict[tuple, np.ndarray] = {}
         self._xfer: dict[tuple, float] = {}
-        self._xfers: dict[tuple, float] = {}
+        self._pairs: dict[tuple[int, int], float] = {}
         self.dp_solves = 0
 
     def arrays(
@@ -859,17 +860,15 @@ class _Solver:
         """Seconds of every boundary of a stage sequence per microbatch (both ways): each chip
         type's stages, in this order, pass (stages - 1) boundaries among themselves and one to
         the next type's."""
-        key = (*map(id, groups), mb)  # choices live as long as the search
-        hit = self._xfers.get(key)
+        return sum((c.stages - 1) * self._between(c, c, mb) for c in groups) + sum(
+            self._between(a, b, mb) for a, b in zip(groups, groups[1:])
+        )
+
+    def _between(self, a: ChipChoice, b: ChipChoice, mb: int) -> float:
+        key = (id(a), id(b))  # a search's choices live as long as it does, each of one microbatch size
+        hit = self._pairs.get(key)
         if hit is None:
-            hit = sum(
-                (c.stages - 1) * self.transfer((c.chip, c.data, c.tensor), (c.chip, c.data, c.tensor), mb)
-                for c in groups
-            ) + sum(
-                self.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
-                for a, b in zip(groups, groups[1:])
-            )
-            self._xfers[key] = hit
+            hit = self._pairs[key] = self.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
         return hit
 
     def transfer(self, a: tuple[str, int, int], b: tuple[str, int, int], mb: int) -> float:
