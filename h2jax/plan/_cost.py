@@ -452,6 +452,94 @@ def weight_grad_keep_bytes(model: ModelShape, *, tensor: int, microbatch_per_dev
     }
 
 
+def memory_limit(chip: ChipProfile, opts: CostOptions = CostOptions()) -> float:
+    """Bytes per device a stage of `chip` may use: its memory less the reserve."""
+    return chip.memory_bytes - opts.mem_reserve_gib * GIB
+
+
+def _used_parts(parts: Mapping[str, LayerCost], *, layers: int, first: bool, last: bool) -> list[tuple[LayerCost, int]]:
+    """(part, count) a stage runs: its blocks, the embedding if first, the head if last."""
+    return [(parts["block"], layers)] + [(parts[name], 1) for name, on in (("embed", first), ("head", last)) if on]
+
+
+def _stage_memory(
+    model: ModelShape,
+    parts: Mapping[str, LayerCost],
+    used: Sequence[tuple[LayerCost, int]],
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    tensor: int,
+    microbatch_per_device: int,
+    recompute: bool,
+    in_flight: int,
+    split: bool,
+    pending_w: int,
+    chunks: int,
+) -> tuple[StageMemoryEstimate, float, float]:
+    """The memory side of :func:`stage_cost`: bytes per device, and what one more (chunk,
+    microbatch) awaiting B (per_j) and awaiting W (per_q) adds."""
+    pbytes = sum(n * p.param_bytes for p, n in used)
+    act = sum(n * p.act_bytes for p, n in used)
+    temp = max(p.temp_bytes for p, _ in used)
+    inp = parts["embed"].input_bytes if first else parts["block"].input_bytes
+    if recompute:  # the backward keeps only each block's input and runs the forward again
+        per_j = inp
+        activations = in_flight * inp + act / chunks
+    else:
+        per_j = act / chunks
+        activations = in_flight * per_j
+    per_q = 0.0
+    if split:
+        keep = weight_grad_keep_bytes(model, tensor=tensor, microbatch_per_device=microbatch_per_device)
+        names = ("block", "embed", "head")
+        per_q = sum(n * keep[k] for k, n in zip(names, (layers, int(first), int(last)))) / chunks
+        activations += pending_w * per_q
+    mem = StageMemoryEstimate(
+        params=pbytes, grads=pbytes, opt_state=2 * pbytes, activations=activations, workspace=temp
+    )
+    return mem, per_j, per_q
+
+
+def stage_memory(
+    model: ModelShape,
+    chip: ChipProfile,
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    data: int,
+    tensor: int,
+    microbatch: int,
+    recompute: bool,
+    in_flight: int,
+    table: ProfileTable | None = None,
+    split: bool = False,
+    pending_w: int = 0,
+    chunks: int = 1,
+) -> tuple[StageMemoryEstimate, float, float]:
+    """:func:`stage_cost`'s memory alone (its ``memory``, ``in_flight_bytes`` and
+    ``pending_w_bytes``), for callers that price memory only (the search's memory caps)."""
+    table = table if table is not None else _DEFAULT_TABLE
+    parts = part_costs(model, chip, table, tensor=tensor, microbatch_per_device=max(1, microbatch // data))
+    return _stage_memory(
+        model,
+        parts,
+        _used_parts(parts, layers=layers, first=first, last=last),
+        layers=layers,
+        first=first,
+        last=last,
+        tensor=tensor,
+        microbatch_per_device=max(1, microbatch // data),
+        recompute=recompute,
+        in_flight=in_flight,
+        split=split,
+        pending_w=pending_w,
+        chunks=chunks,
+    )
+
+
 def stage_cost(
     model: ModelShape,
     chip: ChipProfile,
@@ -483,27 +571,33 @@ def stage_cost(
     table = table if table is not None else _DEFAULT_TABLE
     eff = table.eff
     parts = part_costs(model, chip, table, tensor=tensor, microbatch_per_device=max(1, microbatch // data))
-    blk = parts["block"]
-    used = [(blk, layers)] + [(parts[name], 1) for name, on in (("embed", first), ("head", last)) if on]
+    used = _used_parts(parts, layers=layers, first=first, last=last)
     fwd = sum(n * p.fwd_s for p, n in used)
     bwd = sum(n * p.bwd_s for p, n in used)
     # host core-seconds (per device) of the parts; 1 core where the profile did not measure it
     fwd_w = sum(n * p.fwd_s * _cores(p.fwd_cores) for p, n in used)
     bwd_w = sum(n * p.bwd_s * _cores(p.bwd_cores) for p, n in used)
-    pbytes = sum(n * p.param_bytes for p, n in used)
-    act = sum(n * p.act_bytes for p, n in used)
-    temp = max(p.temp_bytes for p, _ in used)
     estimated = any(p.estimated for p, _ in used)
-    inp = parts["embed"].input_bytes if first else blk.input_bytes
+    mem, per_j, per_q = _stage_memory(
+        model,
+        parts,
+        used,
+        layers=layers,
+        first=first,
+        last=last,
+        tensor=tensor,
+        microbatch_per_device=max(1, microbatch // data),
+        recompute=recompute,
+        in_flight=in_flight,
+        split=split,
+        pending_w=pending_w,
+        chunks=chunks,
+    )
+    pbytes = mem.params
     if recompute:  # the backward program runs the forward again (inside the same program)
         bwd += fwd
         bwd_w += fwd_w
-        per_j = inp
-        activations = in_flight * inp + act / chunks
-    else:
-        per_j = act / chunks
-        activations = in_flight * per_j
-    wgt = hidden = per_q = 0.0
+    wgt = hidden = 0.0
     if split:
         share = weight_grad_share(model, tensor=tensor)
         names = ("block", "embed", "head")
@@ -511,9 +605,6 @@ def stage_cost(
         wgt = sum(n * sh * p.bwd_s for p, n, sh in counted)
         # W fills a wait for B at most as long as the forward it stands in for, part by part
         hidden = sum(n * min(sh * p.bwd_s, p.fwd_s) for p, n, sh in counted)
-        keep = weight_grad_keep_bytes(model, tensor=tensor, microbatch_per_device=max(1, microbatch // data))
-        per_q = sum(n * keep[k] for k, n in zip(names, (layers, int(first), int(last)))) / chunks
-        activations += pending_w * per_q
     prog = parts.get(PROGRAM)
     if prog is not None:  # one call per program, whatever it fuses; a program per chunk
         fwd += chunks * prog.fwd_s
@@ -554,16 +645,13 @@ def stage_cost(
         fwd_c = data * fwd_w / fwd if fwd > 0 else 1.0
         bwd_c = data * bwd_w / bwd if bwd > 0 else 1.0
         tail_c = data * tail_w / (update + sync) if update + sync > 0 else 1.0
-    mem = StageMemoryEstimate(
-        params=pbytes, grads=pbytes, opt_state=2 * pbytes, activations=activations, workspace=temp
-    )
     return StageCost(
         fwd_s=fwd,
         bwd_s=bwd,
         grad_sync_s=sync,
         update_s=update,
         memory=mem,
-        memory_limit=chip.memory_bytes - opts.mem_reserve_gib * GIB,
+        memory_limit=memory_limit(chip, opts),
         in_flight=in_flight,
         estimated=estimated,
         host=host,

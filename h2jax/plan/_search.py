@@ -117,12 +117,14 @@ from h2jax.plan._cost import (
     PlanCost,
     estimate,
     layer_fill_s,
+    memory_limit,
     part_costs,
     part_fill_s,
     pipeline_terms,
     searched_schedules,
     split_backward,
     stage_cost,
+    stage_memory,
     transfer_s,
 )
 from h2jax.plan._plan import (
@@ -360,18 +362,30 @@ def _memory_model(
     microbatch)."""
     out = np.empty((2, 7))
     for i, rc in enumerate((False, True)):
-        kw = dict(first=False, last=False, data=data, tensor=tensor, microbatch=microbatch, recompute=rc, table=table)
-        # one pricing per block count: the counts' slopes are the stage's own (StageCost.in_flight_bytes,
-        # .pending_w_bytes); split=True prices what W keeps and with nothing awaiting W adds nothing
-        c = [
-            stage_cost(model, chip, layers=l, in_flight=1, split=True, pending_w=0, opts=opts.cost, chunks=chunks, **kw)
-            for l in (0, 1)
-        ]
-        # mem(l, j, q) = m1(l) + (j - 1) pj(l) + q pq(l), each affine in l
-        per = [np.array([v.memory.total - v.in_flight_bytes, v.in_flight_bytes, v.pending_w_bytes]) for v in c]
+        # one pricing per block count: the counts' slopes are the stage's own (in_flight_bytes,
+        # pending_w_bytes); split=True prices what W keeps and with nothing awaiting W adds nothing
+        per = []
+        for l in (0, 1):
+            mem, per_j, per_q = stage_memory(
+                model,
+                chip,
+                layers=l,
+                first=False,
+                last=False,
+                data=data,
+                tensor=tensor,
+                microbatch=microbatch,
+                recompute=rc,
+                in_flight=1,
+                table=table,
+                split=True,
+                pending_w=0,
+                chunks=chunks,
+            )
+            per.append(np.array([mem.total - per_j, per_j, per_q]))  # mem(l, j, q) = m1(l) + (j - 1) pj(l) + q pq(l)
         out[i, :3] = per[0]
         out[i, 3:6] = per[1] - per[0]
-        out[i, 6] = c[0].memory_limit
+        out[i, 6] = memory_limit(chip, opts.cost)
     return out
 
 
