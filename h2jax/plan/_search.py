@@ -315,31 +315,39 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(n, 0, -1) if n % d == 0)
 
 
-def derive_data(
+def data_degrees(
     chip: ChipProfile,
     nodes: int,
     *,
-    stages: int,
+    max_stages: int,
     tensor: int,
     microbatch: int,
     stage_in_node: bool,
     per_device: frozenset[int] | None = None,
-) -> int:
-    """The data degree of `stages` stages of `tensor`-wide meshes on this chip type (0: none fits).
+) -> list[int]:
+    """The data degree of k stages of `tensor`-wide meshes on this chip type, for k = 1 ..
+    `max_stages` (0: none fits): the largest divisor of the microbatch that k stages' devices
+    allow (with `stage_in_node`, within one node and packing into the nodes).
 
     `per_device`: the sequences per device allowed (those measured at this tensor degree,
     with ``SearchOptions.measured_only``); None: any."""
     devices = nodes * chip.devices_per_node
-    top = devices // (stages * tensor)
-    if stage_in_node:
-        top = min(top, chip.devices_per_node // tensor)
-    for d in _divisors(microbatch):  # largest first
-        if d > top or (per_device is not None and microbatch // d not in per_device):
-            continue
-        if stage_in_node and stages > nodes * (chip.devices_per_node // (d * tensor)):
-            continue
-        return d
-    return 0
+    divisors = [d for d in _divisors(microbatch) if per_device is None or microbatch // d in per_device]
+    out = []
+    first = 0  # divisors[first:] are <= the device count's bound, which only falls with k
+    for k in range(1, max_stages + 1):
+        top = devices // (k * tensor)
+        if stage_in_node:
+            top = min(top, chip.devices_per_node // tensor)
+        while first < len(divisors) and divisors[first] > top:
+            first += 1
+        d = 0
+        for cand in divisors[first:]:
+            if not (stage_in_node and k > nodes * (chip.devices_per_node // (cand * tensor))):
+                d = cand
+                break
+        out.append(d)
+    return out
 
 
 def _memory_model(
@@ -524,16 +532,16 @@ def chip_choices(
             if opts.group_size:
                 kmax = min(kmax, max(1, math.ceil(devices / opts.group_size)))
             by_data: dict[int, list[int]] = {}
-            for k in range(1, kmax + 1):
-                d = derive_data(
-                    chip,
-                    nodes,
-                    stages=k,
-                    tensor=t,
-                    microbatch=microbatch,
-                    stage_in_node=opts.stage_in_node,
-                    per_device=per_device,
-                )
+            degrees = data_degrees(
+                chip,
+                nodes,
+                max_stages=kmax,
+                tensor=t,
+                microbatch=microbatch,
+                stage_in_node=opts.stage_in_node,
+                per_device=per_device,
+            )
+            for k, d in enumerate(degrees, start=1):
                 if d:
                     by_data.setdefault(d, []).append(k)
             for d, ks in by_data.items():

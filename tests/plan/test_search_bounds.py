@@ -219,3 +219,44 @@ def test_the_compiled_split_is_the_least_over_every_split():
         assert sum(got[1]) == L and all(1 <= n <= c for n, c in zip(got[1], caps))
         assert sum(float(fills[s, n]) for s, n in enumerate(got[1])) == pytest.approx(best, rel=1e-12)
     assert found >= 100 and none >= 20
+
+
+def test_data_degrees_are_the_largest_divisor_that_fits():
+    # every stage count's data degree against its definition, walked over every integer: the
+    # largest d dividing the microbatch with k stages of d x t devices within the chip type's
+    # devices (stage_in_node: each stage inside a node, k stages packing into the nodes), and
+    # with measured rows only the sequences per device they hold
+    import numpy as np
+
+    from h2jax.plan._search import data_degrees
+
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        per_node = int(rng.choice([1, 2, 4, 8]))
+        nodes = int(rng.integers(1, 6))
+        chip = ChipProfile(name="c", memory_gib=1.0, peak_tflops=1.0, mem_bw_gbps=1.0, devices_per_node=per_node)
+        tensor = int(rng.choice([t for t in (1, 2, 4, 8) if t <= per_node]))
+        mb = int(rng.integers(1, 65))
+        in_node = bool(rng.random() < 0.5)
+        per_device = frozenset(int(x) for x in rng.integers(1, 65, 4)) if rng.random() < 0.3 else None
+        kmax = int(rng.integers(1, 20))
+        want = []
+        for k in range(1, kmax + 1):
+            top = nodes * per_node // (k * tensor)
+            if in_node:
+                top = min(top, per_node // tensor)
+            d = next(
+                (
+                    d
+                    for d in range(top, 0, -1)
+                    if mb % d == 0
+                    and (per_device is None or mb // d in per_device)
+                    and not (in_node and k > nodes * (per_node // (d * tensor)))
+                ),
+                0,
+            )
+            want.append(d)
+        got = data_degrees(
+            chip, nodes, max_stages=kmax, tensor=tensor, microbatch=mb, stage_in_node=in_node, per_device=per_device
+        )
+        assert got == want, (nodes, per_node, tensor, mb, in_node, per_device)
