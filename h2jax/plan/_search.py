@@ -669,27 +669,27 @@ class _Held:
     (compiled: :class:`h2jax.plan._planner.Held`)."""
 
     def __init__(self, choices: Sequence[ChipChoice], schedule: str | None = None):
-        ids = [id(c.caps[schedule]) for c in choices]
-        rows: dict[int, ChipChoice] = {}
-        for key, c in zip(ids, choices):
-            top = rows.get(key)
-            if top is None or c.stages > top.stages:
-                rows[key] = c
-        keys = list(rows)
-        k = max(c.stages for c in rows.values())
-        ln = np.zeros((len(keys), k))
-        lr = np.zeros((len(keys), k))
-        for i, key in enumerate(keys):
-            c = rows[key]
-            caps = c.caps[schedule]
-            ln[i, : c.stages] = caps.max_layers[: c.stages]
-            lr[i, : c.stages] = caps.max_layers_rc[: c.stages]
-        self.a = np.array([rows[key].layer_s for key in keys])
-        self.fill = np.array([rows[key].caps[schedule].fill_s for key in keys])  # bounds sum_s fill_s
-        self.arc = np.array([rows[key].layer_rc_s for key in keys])
-        where = {key: i for i, key in enumerate(keys)}
-        row = np.array([where[key] for key in ids], dtype=np.int64)
-        col = np.array([c.stages - 1 for c in choices], dtype=np.int64)
+        caps_of = [c.caps[schedule] for c in choices]
+        # a row per caps object (their order is immaterial), drawn from its choice with the most stages
+        keys, row = np.unique(np.array([id(c) for c in caps_of], dtype=np.int64), return_inverse=True)
+        row = row.astype(np.int64)
+        stages = np.array([c.stages for c in choices], dtype=np.int64)
+        most = np.zeros(len(keys), dtype=np.int64)
+        np.maximum.at(most, row, stages)
+        picks = np.empty(len(keys), dtype=np.int64)  # per row, the index of its choice with the most stages
+        picks[row[stages == most[row]]] = np.flatnonzero(stages == most[row])
+        k = int(most.max())
+        reps = [choices[i] for i in picks.tolist()]
+        rep_caps = [caps_of[i] for i in picks.tolist()]
+        beyond = np.arange(k)[None, :] >= most[:, None]  # ranks past the row's stage count hold nothing
+        ln = np.stack([c.max_layers[:k] for c in rep_caps])
+        lr = np.stack([c.max_layers_rc[:k] for c in rep_caps])
+        ln[beyond] = 0.0
+        lr[beyond] = 0.0
+        self.a = np.array([c.layer_s for c in reps])
+        self.fill = np.array([c.fill_s for c in rep_caps])  # bounds sum_s fill_s
+        self.arc = np.array([c.layer_rc_s for c in reps])
+        col = stages - 1
         self.amin = float(self.fill.min())
         self.kernel = _planner.Held(ln, lr, self.a, self.arc, row, col, self.fill[row])
 
