@@ -882,9 +882,12 @@ class _Solver:
         """Seconds of every boundary of a stage sequence per microbatch (both ways): each chip
         type's stages, in this order, pass (stages - 1) boundaries among themselves and one to
         the next type's."""
-        return sum((c.stages - 1) * self._between(c, c, mb) for c in groups) + sum(
-            self._between(a, b, mb) for a, b in zip(groups, groups[1:])
-        )
+        within = across = 0  # summed in this order, as plans are priced
+        for i, c in enumerate(groups):
+            within += (c.stages - 1) * self._between(c, c, mb)
+            if i:
+                across += self._between(groups[i - 1], c, mb)
+        return within + across
 
     def _between(self, a: ChipChoice, b: ChipChoice, mb: int) -> float:
         key = (id(a), id(b))  # a search's choices live as long as it does, each of one microbatch size
