@@ -5,10 +5,13 @@ plans are from the optimum.
 
 No per-cluster option: every search runs with exactly the options `h2jax plan CLUSTER` uses
 (``h2jax.cli_plan.search_options`` with its defaults: the search sets its own effort within
-the default time budget). Per cluster one row: search time (wall and CPU: the machine may be
-shared), estimated iteration time, the lower bound and the gap to it, stages, whether the
-search was exhaustive, and the HeteroSpeedupRatio at the same global batch (each chip type's
-baseline searched the same way).
+the default time budget). Each search runs as `h2jax plan` runs it: once in a fresh process
+(nothing cached from an earlier search), `--repeats` times (default 3) per cluster, since one
+run on a shared machine can take a third longer than the next. Per cluster one row: the
+median search time (wall and CPU) with the range over the runs, when the plan was found,
+estimated iteration time, the lower bound and the gap to it, stages, whether the search was
+exhaustive (of the run with the median time), and the HeteroSpeedupRatio at the same global
+batch (each chip type's baseline searched the same way).
 
 Then the enumeration study: on mid-size instances (64-256 chips; the generator of
 tests/plan/test_search_effort.py) the exact search covers the whole space, so the defaults'
@@ -24,10 +27,11 @@ reference, ``sum(i * i for i in range(100000))`` (best of 5 x 20, the same as
 ``python3 -m timeit -n 20 "sum(i*i for i in range(100000))"``), and reports it beside the
 search times: runs on different machines compare through it.
 
-Last line: ``RESULT {json}`` with search_s, found_s, cpu_s, iteration_s, lower_bound_s, gap,
-ratio_same_batch (per cluster, by chip count), ratio_same_batch_512, the study's
-max_default_over_optimum and optimum_gap_to_bound (min, median, max), and reference_ms (the
-reference before and after).
+Last line: ``RESULT {json}`` with search_s, found_s, cpu_s (medians), search_s_runs (every
+run), iteration_s, lower_bound_s, gap, ratio_same_batch (per cluster, by chip count),
+ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
+median, max), and reference_ms (the reference before and after the whole run, and timed in
+each search's process right before it: per cluster, the median).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import timeit
@@ -59,47 +64,105 @@ def reference_ms() -> float:
     return 1e3 * min(timeit.repeat("sum(i * i for i in range(100000))", number=20, repeat=5)) / 20
 
 
+def load(name: str):
+    path = ROOT / "configs" / "clusters" / f"{name}.yaml"
+    raw = yaml.safe_load(path.read_text())
+    return Cluster.load(path), ModelShape.from_config(raw["model"]), raw["global_batch"]
+
+
+def one(name: str) -> None:
+    """One cold search of cluster `name` (this process has searched nothing before): a JSON line."""
+    cluster, model, gb = load(name)
+    ref = reference_ms()
+    c0 = time.process_time()
+    r = search(cluster, model, global_batch=gb, opts=search_options(cluster))
+    cpu = time.process_time() - c0
+    print(
+        json.dumps(
+            {
+                "reference_ms": ref,
+                "search_s": r.search_s,
+                "found_s": r.found_s,
+                "cpu_s": cpu,
+                "iteration_s": r.iteration_s,
+                "lower_bound_s": r.lower_bound_s,
+                "gap": r.gap,
+                "stages": r.plan.num_stages if r.plan else 0,
+                "tokens_per_s": r.cost.tokens_per_s if r.plan else 0.0,
+                "exhaustive": r.exhaustive,
+                "note": r.note,
+            }
+        )
+    )
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    keys = ("search_s", "found_s", "cpu_s", "iteration_s", "lower_bound_s", "gap", "ratio_same_batch")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="cold searches per cluster, each in a fresh process")
+    ap.add_argument("--one", metavar="CLUSTER", help=argparse.SUPPRESS)  # a child: one search, one JSON line
+    args = ap.parse_args()
+    if args.one:
+        one(args.one)
+        return
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: expected 1 or more")
+    keys = ("search_s", "found_s", "cpu_s", "search_s_runs", "iteration_s", "lower_bound_s", "gap", "ratio_same_batch")
     result: dict = {k: {} for k in keys}
+    result["reference_ms"] = {}
     ref_before = reference_ms()
     print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(f"reference before: {ref_before:.2f} ms (sum(i * i for i in range(100000)), best of 5 x 20)")
+    print(f"each search: {args.repeats} cold runs in fresh processes; medians, the range in brackets")
     print(
-        f"{'cluster':<18} {'chips':>6} {'types':>5} {'search s':>8} {'found s':>7} {'cpu s':>6} {'iter s':>8} "
-        f"{'bound s':>8} {'gap':>6} {'stages':>6} {'exhaustive':>10} {'ratio':>7}"
+        f"{'cluster':<18} {'chips':>6} {'types':>5} {'search s':>8} {'(range)':>13} {'found s':>7} {'cpu s':>6} "
+        f"{'iter s':>8} {'bound s':>8} {'gap':>6} {'stages':>6} {'exhaustive':>10} {'ratio':>7} {'ref ms':>6}"
     )
     for name in CLUSTERS:
-        path = ROOT / "configs" / "clusters" / f"{name}.yaml"
-        raw = yaml.safe_load(path.read_text())
-        cluster = Cluster.load(path)
-        model = ModelShape.from_config(raw["model"])
-        opts = search_options(cluster)  # the CLI's defaults, nothing per cluster
-        c0 = time.process_time()
-        r = search(cluster, model, global_batch=raw["global_batch"], opts=opts)
-        cpu = time.process_time() - c0
+        cluster, model, gb = load(name)
+        runs = []
+        for _ in range(args.repeats):
+            out = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--one", name], capture_output=True, text=True
+            )
+            if out.returncode != 0:
+                sys.stderr.write(out.stderr[-4000:])
+                sys.exit(f"planner_scale: the search of {name} failed (exit {out.returncode}; its output above)")
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        times = [r["search_s"] for r in runs]
+        mid = sorted(runs, key=lambda r: r["search_s"])[len(runs) // 2]  # the run with the median time
         ratio = float("nan")
-        if r.plan is not None:
+        if mid["stages"]:
             ratio, _ = heteros_speedup(
-                cluster, model, global_batch=raw["global_batch"], hetero_tps=r.cost.tokens_per_s, table=None, opts=opts
+                cluster,
+                model,
+                global_batch=gb,
+                hetero_tps=mid["tokens_per_s"],
+                table=None,
+                opts=search_options(cluster),
             )
         n = str(cluster.num_devices)
-        result["search_s"][n] = round(r.search_s, 3)
-        result["found_s"][n] = round(r.found_s, 3)
-        result["cpu_s"][n] = round(cpu, 3)
-        result["iteration_s"][n] = round(r.iteration_s, 3)
-        result["lower_bound_s"][n] = round(r.lower_bound_s, 3)
-        result["gap"][n] = round(r.gap, 3)
+        result["search_s"][n] = round(statistics.median(times), 3)
+        result["found_s"][n] = round(statistics.median(r["found_s"] for r in runs), 3)
+        result["cpu_s"][n] = round(statistics.median(r["cpu_s"] for r in runs), 3)
+        result["search_s_runs"][n] = [round(t, 3) for t in times]
+        result["iteration_s"][n] = round(mid["iteration_s"], 3)
+        result["lower_bound_s"][n] = round(mid["lower_bound_s"], 3)
+        result["gap"][n] = round(mid["gap"], 3)
         result["ratio_same_batch"][n] = round(ratio, 4)
+        result["reference_ms"][n] = round(statistics.median(r["reference_ms"] for r in runs), 2)
+        spread = f"({min(times):.2f}-{max(times):.2f})"
         print(
-            f"{name:<18} {n:>6} {len(cluster.names):>5} {r.search_s:>8.2f} {r.found_s:>7.2f} {cpu:>6.2f} "
-            f"{r.iteration_s:>8.3f} "
-            f"{r.lower_bound_s:>8.3f} {100 * r.gap:>5.1f}% {r.plan.num_stages if r.plan else 0:>6} "
-            f"{str(r.exhaustive):>10} {100 * ratio:>6.1f}%",
+            f"{name:<18} {n:>6} {len(cluster.names):>5} {result['search_s'][n]:>8.2f} {spread:>13} "
+            f"{result['found_s'][n]:>7.2f} {result['cpu_s'][n]:>6.2f} {mid['iteration_s']:>8.3f} "
+            f"{mid['lower_bound_s']:>8.3f} {100 * mid['gap']:>5.1f}% {mid['stages']:>6} "
+            f"{str(mid['exhaustive']):>10} {100 * ratio:>6.1f}% {result['reference_ms'][n]:>6.2f}",
             flush=True,
         )
-        print(f"  {r.note}")
+        print(f"  {mid['note']}")
+        if len({round(r["iteration_s"], 9) for r in runs}) > 1:
+            print(
+                f"  the runs' plans differ (the budget bought more or fewer rounds): {[r['iteration_s'] for r in runs]}"
+            )
     result["ratio_same_batch_512"] = result["ratio_same_batch"]["512"]
 
     from test_search_effort import MID_SIZE_SEEDS, mid_size_instance
@@ -127,7 +190,7 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     ref_after = reference_ms()
     print(f"reference after: {ref_after:.2f} ms")
-    result["reference_ms"] = {"before": round(ref_before, 2), "after": round(ref_after, 2)}
+    result["reference_ms"].update({"before": round(ref_before, 2), "after": round(ref_after, 2)})
     print("RESULT " + json.dumps(result))
 
 
