@@ -39,15 +39,14 @@ optimum of ``(m - 1) max_s t_s + sum_s t_s + transfers + max_s g_s`` over layer 
 recompute flags is found by enumerating thresholds B >= max t and G >= max g in increasing
 order and solving ``min sum t`` under the per-stage layer caps they imply with a min-plus
 dynamic program (compiled: :mod:`h2jax.plan._planner`), stopping as soon as
-``(m - 1) B + G + min sum t`` cannot beat the best. Per-chip choices are walked depth first, every order for each; a configuration is
-skipped only when a lower bound of every plan it can give -- ``(m - 1) B_lb + L min_s a_s``
-plus the cheapest embedding and head, with B_lb the slot time below which its stages cannot
-hold the L whole blocks within their memory (:meth:`ChipChoice.layers_within`: a stage with
-l blocks takes at least l a_s, and holds no more than its memory allows with the fewest
-microbatches its rank allows in flight: under 1F1B the r-th fewest of a chip type's k
-stages holds at least min(r, m)) -- cannot beat the best plan found so far, under every
-schedule. Nothing else is cut,
-so when the exact round ends every plan of the space was priced or bounded out: the result
+``(m - 1) B + G + min sum t`` cannot beat the best. Per-chip choices are walked depth first,
+every order for each; a configuration is skipped only when a lower bound of every plan it
+can give -- ``(m - 1) B_lb + L min_s a_s`` plus the cheapest embedding and head, with B_lb
+the slot time below which its stages cannot hold the L whole blocks within their memory
+(:meth:`ChipChoice.layers_within`: a stage with l blocks takes at least l a_s, and holds
+no more than its memory allows with the fewest microbatches its rank allows in flight: under
+1F1B the r-th fewest of a chip type's k stages holds at least min(r, m)) -- cannot beat the
+best plan found so far, under every schedule. Nothing else is cut, so when the exact round ends every plan of the space was priced or bounded out: the result
 says ``exhaustive``, and the tests hold it to a brute force over the same space on 60
 random instances, and on 20 more with the shared-host term.
 
