@@ -46,9 +46,10 @@ the slot time below which its stages cannot hold the L whole blocks within their
 (:meth:`ChipChoice.layers_within`: a stage with l blocks takes at least l a_s, and holds
 no more than its memory allows with the fewest microbatches its rank allows in flight: under
 1F1B the r-th fewest of a chip type's k stages holds at least min(r, m)) -- cannot beat the
-best plan found so far, under every schedule. Nothing else is cut, so when the exact round ends every plan of the space was priced or bounded out: the result
-says ``exhaustive``, and the tests hold it to a brute force over the same space on 60
-random instances, and on 20 more with the shared-host term.
+best plan found so far, under every schedule. Nothing else is cut, so when the exact round
+ends every plan of the space was priced or bounded out: the result says ``exhaustive``, and
+the tests hold it to a brute force over the same space on 60 random instances, and on 20
+more with the shared-host term.
 
 Effort (``SearchOptions.auto``, the default). The exact round is taken at once when the
 space has at most EXACT_DIRECT (microbatch, configuration, order) triples. Otherwise the
