@@ -9,6 +9,7 @@ device is touched, and every error names the dotted key, the value and what was 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ INTERLEAVED_CHUNKS: tuple[int, ...] = (2, 3, 4)
 """The chunk counts v a search tries for interleaved (``SearchOptions.interleaved_chunks``)."""
 
 
+@functools.cache  # the search asks tens of thousands of times
 def schedule_variant(label: str) -> tuple[str, int]:
     """(schedule, chunks per stage) of a searched schedule label: ``interleaved:3`` is
     interleaved with 3 chunks (``interleaved`` alone: 2), zb-v holds 2, the others 1."""

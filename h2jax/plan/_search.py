@@ -882,15 +882,20 @@ class _Solver:
         """Seconds of every boundary of a stage sequence per microbatch (both ways): each chip
         type's stages, in this order, pass (stages - 1) boundaries among themselves and one to
         the next type's."""
+        pairs = self._pairs  # by (id, id): a search's choices live as long as it does, each of one microbatch size
         within = across = 0  # summed in this order, as plans are priced
-        for i, c in enumerate(groups):
-            within += (c.stages - 1) * self._between(c, c, mb)
-            if i:
-                across += self._between(groups[i - 1], c, mb)
+        prev = None
+        for c in groups:
+            x = pairs.get((id(c), id(c)))
+            within += (c.stages - 1) * (x if x is not None else self._between(c, c, mb))
+            if prev is not None:
+                x = pairs.get((id(prev), id(c)))
+                across += x if x is not None else self._between(prev, c, mb)
+            prev = c
         return within + across
 
     def _between(self, a: ChipChoice, b: ChipChoice, mb: int) -> float:
-        key = (id(a), id(b))  # a search's choices live as long as it does, each of one microbatch size
+        key = (id(a), id(b))
         hit = self._pairs.get(key)
         if hit is None:
             hit = self._pairs[key] = self.transfer((a.chip, a.data, a.tensor), (b.chip, b.data, b.tensor), mb)
