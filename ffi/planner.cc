@@ -25,6 +25,7 @@
 #include <map>
 #include <numeric>
 #include <optional>
+#include <stdexcept>
 #include <vector>
 
 #include "nanobind/nanobind.h"
