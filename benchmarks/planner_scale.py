@@ -7,7 +7,7 @@ No per-cluster option: every search runs with exactly the options `h2jax plan CL
 (``h2jax.cli_plan.search_options`` with its defaults: the search sets its own effort within
 the default time budget). Each search runs as `h2jax plan` runs it: once in a fresh process
 (nothing cached from an earlier search), `--repeats` times (default 3) per cluster, since one
-run on a shared machine can take a third longer than the next. Per cluster one row: the
+run on a shared machine can take up to half as long again as the next. Per cluster one row: the
 median search time (wall and CPU) with the range over the runs, when the plan was found,
 estimated iteration time, the lower bound and the gap to it, stages, whether the search was
 exhaustive (of the run with the median time), and the HeteroSpeedupRatio at the same global
