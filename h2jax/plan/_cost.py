@@ -462,46 +462,6 @@ def _used_parts(parts: Mapping[str, LayerCost], *, layers: int, first: bool, las
     return [(parts["block"], layers)] + [(parts[name], 1) for name, on in (("embed", first), ("head", last)) if on]
 
 
-def _stage_memory(
-    model: ModelShape,
-    parts: Mapping[str, LayerCost],
-    used: Sequence[tuple[LayerCost, int]],
-    *,
-    layers: int,
-    first: bool,
-    last: bool,
-    tensor: int,
-    microbatch_per_device: int,
-    recompute: bool,
-    in_flight: int,
-    split: bool,
-    pending_w: int,
-    chunks: int,
-) -> tuple[StageMemoryEstimate, float, float]:
-    """The memory side of :func:`stage_cost`: bytes per device, and what one more (chunk,
-    microbatch) awaiting B (per_j) and awaiting W (per_q) adds."""
-    pbytes = sum(n * p.param_bytes for p, n in used)
-    act = sum(n * p.act_bytes for p, n in used)
-    temp = max(p.temp_bytes for p, _ in used)
-    inp = parts["embed"].input_bytes if first else parts["block"].input_bytes
-    if recompute:  # the backward keeps only each block's input and runs the forward again
-        per_j = inp
-        activations = in_flight * inp + act / chunks
-    else:
-        per_j = act / chunks
-        activations = in_flight * per_j
-    per_q = 0.0
-    if split:
-        keep = weight_grad_keep_bytes(model, tensor=tensor, microbatch_per_device=microbatch_per_device)
-        names = ("block", "embed", "head")
-        per_q = sum(n * keep[k] for k, n in zip(names, (layers, int(first), int(last)))) / chunks
-        activations += pending_w * per_q
-    mem = StageMemoryEstimate(
-        params=pbytes, grads=pbytes, opt_state=2 * pbytes, activations=activations, workspace=temp
-    )
-    return mem, per_j, per_q
-
-
 def stage_memory(
     model: ModelShape,
     chip: ChipProfile,
@@ -519,25 +479,32 @@ def stage_memory(
     pending_w: int = 0,
     chunks: int = 1,
 ) -> tuple[StageMemoryEstimate, float, float]:
-    """:func:`stage_cost`'s memory alone (its ``memory``, ``in_flight_bytes`` and
-    ``pending_w_bytes``), for callers that price memory only (the search's memory caps)."""
+    """The memory side of :func:`stage_cost` (its ``memory``, ``in_flight_bytes`` and
+    ``pending_w_bytes``): bytes per device, and what one more (chunk, microbatch) awaiting B
+    (per_j) and awaiting W (per_q) adds. The search's memory caps price memory alone with it."""
     table = table if table is not None else _DEFAULT_TABLE
     parts = part_costs(model, chip, table, tensor=tensor, microbatch_per_device=max(1, microbatch // data))
-    return _stage_memory(
-        model,
-        parts,
-        _used_parts(parts, layers=layers, first=first, last=last),
-        layers=layers,
-        first=first,
-        last=last,
-        tensor=tensor,
-        microbatch_per_device=max(1, microbatch // data),
-        recompute=recompute,
-        in_flight=in_flight,
-        split=split,
-        pending_w=pending_w,
-        chunks=chunks,
+    used = _used_parts(parts, layers=layers, first=first, last=last)
+    pbytes = sum(n * p.param_bytes for p, n in used)
+    act = sum(n * p.act_bytes for p, n in used)
+    temp = max(p.temp_bytes for p, _ in used)
+    inp = parts["embed"].input_bytes if first else parts["block"].input_bytes
+    if recompute:  # the backward keeps only each block's input and runs the forward again
+        per_j = inp
+        activations = in_flight * inp + act / chunks
+    else:
+        per_j = act / chunks
+        activations = in_flight * per_j
+    per_q = 0.0
+    if split:
+        keep = weight_grad_keep_bytes(model, tensor=tensor, microbatch_per_device=max(1, microbatch // data))
+        names = ("block", "embed", "head")
+        per_q = sum(n * keep[k] for k, n in zip(names, (layers, int(first), int(last)))) / chunks
+        activations += pending_w * per_q
+    mem = StageMemoryEstimate(
+        params=pbytes, grads=pbytes, opt_state=2 * pbytes, activations=activations, workspace=temp
     )
+    return mem, per_j, per_q
 
 
 def stage_cost(
@@ -578,17 +545,18 @@ def stage_cost(
     fwd_w = sum(n * p.fwd_s * _cores(p.fwd_cores) for p, n in used)
     bwd_w = sum(n * p.bwd_s * _cores(p.bwd_cores) for p, n in used)
     estimated = any(p.estimated for p, _ in used)
-    mem, per_j, per_q = _stage_memory(
+    mem, per_j, per_q = stage_memory(
         model,
-        parts,
-        used,
+        chip,
         layers=layers,
         first=first,
         last=last,
+        data=data,
         tensor=tensor,
-        microbatch_per_device=max(1, microbatch // data),
+        microbatch=microbatch,
         recompute=recompute,
         in_flight=in_flight,
+        table=table,
         split=split,
         pending_w=pending_w,
         chunks=chunks,
