@@ -215,7 +215,7 @@ class SearchOptions:
     cost: CostOptions = field(default_factory=CostOptions)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False, slots=True)  # never changed once built: its identity names a _Held row
 class StageCaps:
     """Under one schedule (or all of a search's, the loosest): most blocks each stage rank of a
     chip type's choice holds within its memory (ranks fewest-microbatches-held first; a choice
@@ -226,7 +226,7 @@ class StageCaps:
     fill_s: float
 
 
-@dataclass(frozen=True, eq=False)  # identity: one object per choice of a search, hashed often
+@dataclass(eq=False, slots=True)  # identity: one object per choice of a search, hashed often; never changed
 class ChipChoice:
     """One chip type's part of a configuration: k stages of data x tensor devices."""
 
@@ -515,9 +515,13 @@ def chip_choices(
     """
     caps_cache = {} if caps_cache is None else caps_cache
     schedules = searched_labels(opts)
+    variants = list(dict.fromkeys(schedule_variant(s)[1] for s in schedules))  # chunk counts: one memory model each
+    flat = [s for s in schedules if s != "zb-h1"]  # caps that do not depend on k
+    zb_h1, with_1f1b = "zb-h1" in schedules, "1f1b" in schedules
     out: dict[str, list[ChipChoice]] = {}
     L = model.n_layers
     m = num_microbatches
+    n_types = len(cluster.names)
     for chip, nodes in cluster.chips:
         devices = nodes * chip.devices_per_node
         choices = []
@@ -548,7 +552,7 @@ def chip_choices(
                 blk = part_costs(model, chip, table, tensor=t, microbatch_per_device=microbatch // d)["block"]
                 rc_s = blk.fwd_s * 2 + blk.bwd_s
                 key = (chip.name, t, microbatch // d)
-                for v in {schedule_variant(s)[1] for s in schedules}:
+                for v in variants:
                     if (key, v) not in caps_cache:
                         caps_cache[key, v] = _memory_model(
                             model, chip, table, opts, data=d, tensor=t, microbatch=microbatch, chunks=v
@@ -557,17 +561,13 @@ def chip_choices(
                 if fills is None:
                     fills = {s: layer_fill_s(model, blk, tensor=t, schedules=(s,)) for s in schedules}
                     caps_cache[key, "fills", schedules] = fills
-                n_types = len(cluster.names)
                 # caps depend on k only through ZB-H1's floor total: one object per distinct total,
                 # shared by every choice with it (one row of _Held), all totals priced at once; the
                 # other schedules' do not depend on k: one object each
-                shared: dict[str | None, StageCaps] = {}
-                for s in schedules:
-                    if s != "zb-h1":
-                        shared[s] = _schedule_caps(caps_cache, key, s, m, n_types, L, fills[s], opts.allow_recompute)
-                per_total: dict[float, dict[str | None, StageCaps]] = {0.0: shared}
-                tot = [0.0] * len(ks)
-                if "zb-h1" in schedules:
+                shared: dict[str | None, StageCaps] = {
+                    s: _schedule_caps(caps_cache, key, s, m, n_types, L, fills[s], opts.allow_recompute) for s in flat
+                }
+                if zb_h1:
                     tot = zb_floor_total(np.array(ks), m=m, n_types=n_types).tolist()
                     want = [v for v in dict.fromkeys(tot) if (key, "zb-h1", m, v) not in caps_cache]
                     if want:
@@ -579,27 +579,31 @@ def chip_choices(
                         ln, lr = _caps_at(caps_cache[key, 1], floors, L, opts.allow_recompute)
                         if ln.ndim == 1:  # floors that do not depend on the total
                             ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
-                        for i, v in enumerate(want):
-                            caps_cache[key, "zb-h1", m, v] = StageCaps(ln[i], lr[i], fills["zb-h1"])
+                        fill = fills["zb-h1"]
+                        for v, a, b in zip(want, ln, lr):
+                            caps_cache[key, "zb-h1", m, v] = StageCaps(a, b, fill)
                     per_total = {v: {**shared, "zb-h1": caps_cache[key, "zb-h1", m, v]} for v in dict.fromkeys(tot)}
-                if "1f1b" in schedules:
+                else:
+                    tot = [0.0] * len(ks)
+                    per_total = {0.0: shared}
+                if with_1f1b:
                     # 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
                     # schedules' (a chunk's activations, their own counts) may lie above either, and
                     # like 1F1B's they do not depend on k: one loose object
-                    lkey = (key, m, "loose", tuple(schedules))
-                    if lkey not in caps_cache:
-                        caps_cache[lkey] = StageCaps(
+                    lkey = (key, m, "loose", schedules)
+                    loose = caps_cache.get(lkey)
+                    if loose is None:
+                        loose = caps_cache[lkey] = StageCaps(
                             functools.reduce(np.maximum, [c.max_layers for c in shared.values()]),
                             functools.reduce(np.maximum, [c.max_layers_rc for c in shared.values()]),
                             min(fills.values()),
                         )
-                    loose = caps_cache[lkey]
                     if loose.max_layers_rc[0] < 1:
                         continue  # not even one block fits a stage of this shape
                 # one caps dict per floor total (with the loosest caps under None), shared by its choices
                 full: dict[float, dict[str | None, StageCaps] | None] = {}
                 for v, caps in per_total.items():
-                    if "1f1b" not in schedules:
+                    if not with_1f1b:
                         loose = StageCaps(
                             np.max([c.max_layers for c in caps.values()], axis=0),
                             np.max([c.max_layers_rc for c in caps.values()], axis=0),
@@ -610,10 +614,11 @@ def chip_choices(
                     # not even one block fits a stage of this shape: no choice
                     full[v] = {**caps, None: loose} if loose.max_layers_rc[0] >= 1 else None
                 layer_s = blk.fwd_s + blk.bwd_s
-                for k, v in zip(ks, tot):
-                    if full[v] is not None:
-                        choices.append(ChipChoice(chip.name, k, d, t, layer_s, rc_s, full[v]))
-        choices.sort(key=lambda c: (-c.capability, c.stages, c.tensor))
+                name = chip.name
+                choices.extend(
+                    ChipChoice(name, k, d, t, layer_s, rc_s, full[v]) for k, v in zip(ks, tot) if full[v] is not None
+                )
+        choices.sort(key=lambda c: (-(c.stages / c.layer_s), c.stages, c.tensor))  # capability first
         out[chip.name] = choices
     if opts.max_options_per_chip:
         out = beam(out, L, opts.max_options_per_chip)
