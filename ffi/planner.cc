@@ -19,13 +19,16 @@
 // (`Held`, `slot_time_bound`, `least_block_seconds`). Each computes what the numpy it replaced
 // computed, in the same order of floating-point operations (the tests compare the plans).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "nanobind/nanobind.h"
@@ -48,19 +51,83 @@ using IntVec = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device:
 using Vec = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Flat = nb::ndarray<const double, nb::c_contig, nb::device::cpu>;  // any shape, read flat
 
+// A vector whose resize leaves new elements uninitialised (default-, not value-initialised):
+// build_rows writes every entry, and zero-filling S x (L + 1) entries per call first cost as
+// much as writing them.
+template <typename T>
+struct DefaultInit : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInit<U>;
+  };
+  DefaultInit() = default;
+  template <typename U>
+  DefaultInit(const DefaultInit<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+using Buffer = std::vector<double, DefaultInit<double>>;
+
 // Per stage and layer count, row-major [S][L + 1].
 struct Rows {
   int S = 0, L = 0;
-  std::vector<double> t, g, fill;
-  std::vector<uint8_t> recompute;
-  double at(const std::vector<double>& a, int s, int l) const { return a[static_cast<size_t>(s) * (L + 1) + l]; }
+  Buffer t, g, fill;
+  std::vector<uint8_t, DefaultInit<uint8_t>> recompute;
+  double at(const Buffer& a, int s, int l) const { return a[static_cast<size_t>(s) * (L + 1) + l]; }
 };
 
-Rows build_rows(const std::vector<Table>& tables, const std::vector<int64_t>& runs, const Counts& counts,
+// Whether a stage's fit is a threshold in l: with mem1, per_j and per_q non-decreasing and
+// finite, the limit non-increasing, and the counts' coefficients j - 1 and q non-negative,
+// mem1 + (j - 1) per_j + q per_q is non-decreasing in l as computed (rounding is monotone), so
+// it fits on l = 0 .. e - 1 and nowhere after.
+bool monotone_fit(const std::array<const double*, kQuantities>& q, int L) {
+  for (int k : {kMem1, kPerJ, kPerQ, kLimit})
+    for (int l = 0; l <= L; ++l)
+      if (!std::isfinite(q[k][l])) return false;
+  for (int l = 1; l <= L; ++l)
+    if (!(q[kMem1][l] >= q[kMem1][l - 1] && q[kPerJ][l] >= q[kPerJ][l - 1] && q[kPerQ][l] >= q[kPerQ][l - 1] &&
+          q[kLimit][l] <= q[kLimit][l - 1]))
+      return false;
+  return true;
+}
+
+// One stage shape's pricing over the layer count (what `solve` takes per run of stages): a copy of
+// its table, with whether its fit is a threshold in l (monotone_fit) worked out once.
+class Pricing {
+ public:
+  explicit Pricing(const Table& tab) {
+    if (tab.shape(0) != 2 || tab.shape(1) != kQuantities || tab.shape(2) < 1)
+      throw std::invalid_argument("Pricing: expected a table of shape (2, 7, L + 1)");
+    L_ = static_cast<int>(tab.shape(2)) - 1;
+    data_.assign(tab.data(), tab.data() + tab.size());
+    monotone_ = monotone_fit(row(0), L_) && monotone_fit(row(1), L_);
+  }
+  int L() const { return L_; }
+  bool monotone() const { return monotone_; }
+  // q[k]: quantity k of flag rc over l
+  std::array<const double*, kQuantities> row(int rc) const {
+    std::array<const double*, kQuantities> q;
+    for (int k = 0; k < kQuantities; ++k) q[k] = data_.data() + (static_cast<size_t>(rc) * kQuantities + k) * (L_ + 1);
+    return q;
+  }
+
+ private:
+  int L_ = 0;
+  bool monotone_ = false;
+  std::vector<double> data_;
+};
+
+Rows build_rows(const std::vector<const Pricing*>& tables, const std::vector<int64_t>& runs, const Counts& counts,
                 bool allow_recompute, int chunks, bool has_fill) {
   if (tables.size() != runs.size()) throw std::invalid_argument("tables and runs differ in length");
   if (tables.empty()) throw std::invalid_argument("no stages");
-  const int L = static_cast<int>(tables[0].shape(2)) - 1;
+  const int L = tables[0]->L();
   const int S = static_cast<int>(counts.shape(0));
   if (counts.shape(1) != 2) throw std::invalid_argument("counts: expected shape (stages, 2)");
   if (std::accumulate(runs.begin(), runs.end(), int64_t{0}) != S)
@@ -75,20 +142,56 @@ Rows build_rows(const std::vector<Table>& tables, const std::vector<int64_t>& ru
   r.recompute.resize(n);
   int s = 0;
   for (size_t p = 0; p < tables.size(); ++p) {
-    const Table& tab = tables[p];
-    if (tab.shape(0) != 2 || tab.shape(1) != kQuantities || static_cast<int>(tab.shape(2)) != L + 1)
-      throw std::invalid_argument("table: expected shape (2, 7, L + 1)");
-    const double* base = tab.data();
-    const double* q[2][kQuantities];  // q[rc][quantity]: that row of the table
-    for (int rc = 0; rc < 2; ++rc)
-      for (int k = 0; k < kQuantities; ++k) q[rc][k] = base + (static_cast<size_t>(rc) * kQuantities + k) * (L + 1);
+    const Pricing& tab = *tables[p];
+    if (tab.L() != L) throw std::invalid_argument("tables differ in their layer count");
+    const std::array<const double*, kQuantities> q[2] = {tab.row(0), tab.row(1)};  // q[rc][quantity]
     for (int64_t i = 0; i < runs[p]; ++i, ++s) {
       // as numpy evaluates mem1 + (j - 1) * per_j + q * per_q <= limit, left to right
       const double j1 = static_cast<double>(counts.data()[2 * s] - 1);
       const double qw = static_cast<double>(counts.data()[2 * s + 1]);
       const size_t row = static_cast<size_t>(s) * (L + 1);
+      auto fits_at = [&](int rc, int l) {
+        return q[rc][kMem1][l] + j1 * q[rc][kPerJ][l] + qw * q[rc][kPerQ][l] <= q[rc][kLimit][l];
+      };
+      if (tab.monotone() && j1 >= 0 && qw >= 0) {
+        // the same entries as the loop below, by ranges: plain on [0, e0), recompute on [e0, e1)
+        int end[2];
+        for (int rc = 0; rc < 2; ++rc) {
+          int lo = 0, hi = L + 1;  // fits_at(rc, l) for l < lo; not for l >= hi
+          while (lo < hi) {
+            const int mid = lo + (hi - lo) / 2;
+            if (fits_at(rc, mid))
+              lo = mid + 1;
+            else
+              hi = mid;
+          }
+          end[rc] = lo;
+        }
+        const int e0 = end[0], e1 = allow_recompute ? std::max(end[0], end[1]) : end[0];
+        double* t = r.t.data() + row;
+        double* g = r.g.data() + row;
+        double* f = r.fill.data() + row;
+        uint8_t* rc = r.recompute.data() + row;
+        std::copy(q[0][kT], q[0][kT] + e0, t);
+        std::copy(q[1][kT] + e0, q[1][kT] + e1, t + e0);
+        std::fill(t + e1, t + L + 1, INF);
+        t[0] = INF;
+        std::copy(q[0][kEnd], q[0][kEnd] + e0, g);
+        std::copy(q[1][kEnd] + e0, q[1][kEnd] + L + 1, g + e0);
+        std::fill(rc, rc + e0, uint8_t{0});
+        std::fill(rc + e0, rc + L + 1, uint8_t{1});
+        if (has_fill) {
+          std::copy(q[0][kFill], q[0][kFill] + e0, f);
+          std::copy(q[1][kFill] + e0, q[1][kFill] + e1, f + e0);
+          std::fill(f + e1, f + L + 1, INF);
+          std::fill(f, f + std::min(std::max(chunks, 0), L + 1), INF);  // a chunk holds at least one block
+        } else {
+          std::copy(t, t + L + 1, f);
+        }
+        continue;
+      }
       for (int l = 0; l <= L; ++l) {
-        auto fits = [&](int rc) { return q[rc][kMem1][l] + j1 * q[rc][kPerJ][l] + qw * q[rc][kPerQ][l] <= q[rc][kLimit][l]; };
+        auto fits = [&](int rc) { return fits_at(rc, l); };
         bool fit[2];
         fit[0] = fits(0);
         fit[1] = !fit[0] && allow_recompute && fits(1);  // asked only where the plain stage does not fit
@@ -373,13 +476,20 @@ class Held {
       if (row_[c] < 0 || row_[c] >= R_ || col_[c] < 0 || col_[c] >= K_)
         throw std::invalid_argument("Held: a choice's row or rank is out of range");
     prefix_.resize(static_cast<size_t>(R_) * K_);
+    last_xn_.assign(R_, std::numeric_limits<double>::quiet_NaN());  // NaN equals nothing: computed at first
+    last_xr_.assign(R_, std::numeric_limits<double>::quiet_NaN());
   }
   size_t choices() const { return row_.size(); }
 
-  // blocks each row's ranks hold within slot time b, summed over the first k ranks (prefix_)
+  // blocks each row's ranks hold within slot time b, summed over the first k ranks (prefix_); a row
+  // depends on b only through its block counts (xn, xr), which a bisection or a grid over b mostly
+  // leaves as they were at the previous b: such rows keep their sums
   void fill_prefix(double b) {
     for (int r = 0; r < R_; ++r) {
       const double xn = slots(b, a_[r]), xr = slots(b, arc_[r]);
+      if (xn == last_xn_[r] && xr == last_xr_[r]) continue;
+      last_xn_[r] = xn;
+      last_xr_[r] = xr;
       double run = 0.0;
       for (int k = 0; k < K_; ++k) {
         const size_t i = static_cast<size_t>(r) * K_ + k;
@@ -404,7 +514,7 @@ class Held {
 
  private:
   int R_, K_;
-  std::vector<double> ln_, lr_, a_, arc_, fill_, prefix_;
+  std::vector<double> ln_, lr_, a_, arc_, fill_, prefix_, last_xn_, last_xr_;
   std::vector<int64_t> row_, col_;
 };
 
@@ -462,8 +572,8 @@ double least_block_seconds(std::vector<Held*>& helds, double b, int L) {
   return v.empty() ? INF : v[L];
 }
 
-template <typename T, typename From>
-nb::ndarray<nb::numpy, T, nb::ndim<2>> to_numpy(const std::vector<From>& v, int S, int L) {
+template <typename T, typename V>
+nb::ndarray<nb::numpy, T, nb::ndim<2>> to_numpy(const V& v, int S, int L) {
   T* data = new T[v.size()];
   std::copy(v.begin(), v.end(), data);
   nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
@@ -481,9 +591,15 @@ nb::ndarray<nb::numpy, double, nb::ndim<1>> to_numpy1(const std::vector<double>&
 
 NB_MODULE(_planner, mod) {
   mod.doc() = "The planner's exact layer split of one stage sequence (h2jax.plan._search).";
+  nb::class_<Pricing>(mod, "Pricing")
+      .def(nb::init<const Table&>(), nb::arg("table"),
+           "One stage shape's pricing: float64 (2, 7, L + 1), per recompute flag t, fill, end, mem1, per_j, per_q\n"
+           "and limit over l (copied).")
+      .def_prop_ro("monotone", &Pricing::monotone,
+                   "Whether its memory fits on l = 0 .. e - 1 and nowhere after, for any counts (j >= 1, q >= 0).");
   mod.def(
       "solve",
-      [](const std::vector<Table>& tables, const std::vector<int64_t>& runs, const Counts& counts,
+      [](const std::vector<const Pricing*>& tables, const std::vector<int64_t>& runs, const Counts& counts,
          bool allow_recompute, int chunks, bool has_fill, int m, double transfers, double best) {
         const Rows r = build_rows(tables, runs, counts, allow_recompute, chunks, has_fill);
         const Found f = solve_rows(r, m, transfers, best);
@@ -498,11 +614,11 @@ NB_MODULE(_planner, mod) {
       nb::arg("tables"), nb::arg("runs"), nb::arg("counts"), nb::arg("allow_recompute"), nb::arg("chunks"),
       nb::arg("has_fill"), nb::arg("m"), nb::arg("transfers"), nb::arg("best"),
       "(value, layers, recompute, dp_solves) of the best split beating `best`; (inf, None, None, n) if none.\n"
-      "`tables`: per run of stages of one shape, float64 (2, 7, L + 1): per recompute flag t, fill, end, mem1,\n"
-      "per_j, per_q, limit over l; `runs`: stages per table, in order; `counts`: int64 (S, 2) awaiting (B, W).");
+      "`tables`: per run of stages of one shape, its Pricing; `runs`: stages per table, in order; `counts`: int64\n"
+      "(S, 2) awaiting (B, W).");
   mod.def(
       "stage_rows",
-      [](const std::vector<Table>& tables, const std::vector<int64_t>& runs, const Counts& counts,
+      [](const std::vector<const Pricing*>& tables, const std::vector<int64_t>& runs, const Counts& counts,
          bool allow_recompute, int chunks, bool has_fill) {
         const Rows r = build_rows(tables, runs, counts, allow_recompute, chunks, has_fill);
         return nb::make_tuple(to_numpy<double>(r.t, r.S, r.L), to_numpy<double>(r.g, r.S, r.L),

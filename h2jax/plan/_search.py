@@ -772,7 +772,8 @@ class _Solver:
         L = model.n_layers
         self.L = L
         self.layers = np.arange(L + 1, dtype=np.float64)
-        self._tables: dict[tuple, np.ndarray] = {}
+        self._tables: dict[tuple, _planner.Pricing] = {}
+        self._by_choice: dict[tuple, _planner.Pricing] = {}  # a search's choices live as long as it does
         self._counts: dict[tuple, np.ndarray] = {}
         self._xfer: dict[tuple, float] = {}
         self._pairs: dict[tuple[int, int], float] = {}
@@ -803,9 +804,12 @@ class _Solver:
         )
         return _StageArrays(t=t[0], g=g[0], recompute=recompute[0], fill=None if fill is None else fill[0])
 
-    def pricing(self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, schedule: str) -> np.ndarray:
+    def pricing(
+        self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, schedule: str
+    ) -> _planner.Pricing:
         """One stage shape's pricing over the layer count l, as :func:`h2jax.plan._planner.solve`
-        takes it: float64 [recompute flag (no, yes), quantity, l] with the quantities time,
+        takes it (a :class:`h2jax.plan._planner.Pricing` of the table): float64 [recompute flag
+        (no, yes), quantity, l] with the quantities time,
         fill, end, mem1, per_j, per_q and the memory limit. The memory is mem(l, j, q) = mem1 +
         (j - 1) per_j + q per_q -- affine in the microbatches awaiting B (j) and W (q), from the
         stage costs at l = 0 and 1 with their per-count slopes (``StageCost.in_flight_bytes``,
@@ -849,8 +853,17 @@ class _Solver:
             out[i, 1], out[i, 2] = pipeline_terms(name, t=t, fwd=fwd, b=b, w=w, hidden=hidden, tail=tail, chunks=chunks)
             out[i, 0] = t
             out[i, 6] = c0.memory_limit
-        self._tables[key] = out
-        return out
+        hit = self._tables[key] = _planner.Pricing(out)
+        return hit
+
+    def stage_pricing(self, c: ChipChoice, mb: int, first: bool, last: bool, schedule: str) -> _planner.Pricing:
+        """:meth:`pricing` of a stage of choice `c` (of microbatch size `mb`), cached by the
+        choice's identity (a search asks for the same ones thousands of times)."""
+        key = (id(c), first, last, schedule)
+        hit = self._by_choice.get(key)
+        if hit is None:
+            hit = self._by_choice[key] = self.pricing(c.chip, c.data, c.tensor, mb, first, last, schedule)
+        return hit
 
     def counts(self, name: str, S: int, m: int, v: int) -> np.ndarray:
         """int64 [stage, (awaiting B, awaiting W)] of schedule `name` (:func:`memory_counts`)."""
@@ -1483,6 +1496,7 @@ class _Run:
             groups = [by_chip[name] for name in order]
             ends = list(itertools.accumulate(c.stages for c in groups))  # a chip type's stages end here
             xfer = solver.transfers(groups, mb)
+            shapes: dict[int, tuple[list[tuple[ChipChoice, bool, bool]], list[int]]] = {}  # by head
             for schedule in schedules:  # the schedule: one more dimension, split ones first
                 if not runs(schedule, S, m, L):
                     continue
@@ -1490,14 +1504,17 @@ class _Run:
                 name, v = schedule_variant(schedule)
                 counts = solver.counts(name, S, m, v)  # awaiting (B, W)
                 head = 0 if name == "zb-v" else S - 1  # the V's last chunk is stage 0's
-                # the stages as runs of one shape: a chip type's stages, the first and the head apart
-                cuts = sorted({0, 1, head, head + 1, *ends} - {S + 1})
-                tables = [
-                    solver.pricing(seq[a].chip, seq[a].data, seq[a].tensor, mb, a == 0, a == head, schedule)
-                    for a in cuts[:-1]
-                ]
+                cut = shapes.get(head)
+                if cut is None:
+                    # the stages as runs of one shape: a chip type's stages, the first and the head apart
+                    cuts = sorted({0, 1, head, head + 1, *ends} - {S + 1})
+                    cut = shapes[head] = (
+                        [(seq[a], a == 0, a == head) for a in cuts[:-1]],
+                        [b - a for a, b in zip(cuts, cuts[1:])],
+                    )
+                tables = [solver.stage_pricing(c, mb, first, last, schedule) for c, first, last in cut[0]]
                 self.stats["orders"] += 1
-                res = solver.solve(tables, [b - a for a, b in zip(cuts, cuts[1:])], counts, schedule, m, xfer, limit)
+                res = solver.solve(tables, cut[1], counts, schedule, m, xfer, limit)
                 if res is None:
                     continue
                 value, layers, recompute = res[0], list(res[1]), list(res[2])

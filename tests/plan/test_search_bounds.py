@@ -221,6 +221,62 @@ def test_the_compiled_split_is_the_least_over_every_split():
     assert found >= 100 and none >= 20
 
 
+def test_the_compiled_stage_rows_are_the_definition():
+    # h2jax.plan._planner.stage_rows (what the exact split prices per stage and layer count)
+    # against its definition in numpy, entry for entry: a stage fits l blocks without recompute
+    # where mem1 + (j - 1) per_j + q per_q <= limit, else with recompute where that table fits.
+    # Memory affine and growing in l, as the search prices it (the kernel's by-range path), and
+    # noisy or with a count of zero (its entry-by-entry path).
+    import numpy as np
+
+    from h2jax.plan import _planner
+
+    rng = np.random.default_rng(2)
+    paths = {"by range": 0, "entry by entry": 0}
+    for trial in range(400):
+        L, runs = int(rng.integers(1, 12)), [int(n) for n in rng.integers(1, 4, int(rng.integers(1, 4)))]
+        S = sum(runs)
+        affine = trial % 2 == 0
+        tables = []
+        for _ in runs:
+            tab = np.empty((2, 7, L + 1))
+            layers = np.arange(L + 1, dtype=np.float64)
+            for rc in range(2):
+                v0, v1 = rng.exponential(1.0, 6), rng.exponential(1.0, 6)
+                v1[:3] += v0[:3]  # time, fill and end grow with l
+                tab[rc, :6] = v0[:, None] + layers * (v1 - v0)[:, None]
+                if affine:
+                    tab[rc, 3:6] = v0[3:6, None] + layers * rng.exponential(0.5, 3)[:, None]
+                else:
+                    tab[rc, 3:6] = rng.exponential(2.0, (3, L + 1))
+                tab[rc, 6] = rng.uniform(1.0, 8.0)
+            tables.append(tab)
+        counts = np.stack([rng.integers(0 if not affine else 1, 5, S), rng.integers(0, 3, S)], axis=1)
+        allow, chunks, has_fill = bool(rng.random() < 0.8), int(rng.integers(1, 3)), bool(rng.random() < 0.5)
+        priced = [_planner.Pricing(tab) for tab in tables]
+        assert all(p.monotone for p in priced) or not affine  # affine and growing: a threshold in l
+        t, g, recompute, fill = _planner.stage_rows(priced, runs, counts.astype(np.int64), allow, chunks, has_fill)
+        per_stage = [(tab, pr) for tab, pr, n in zip(tables, priced, runs) for _ in range(n)]
+        for s, ((tab, pr), (j, q)) in enumerate(zip(per_stage, counts)):
+            fits = tab[:, 3] + (j - 1) * tab[:, 4] + q * tab[:, 5] <= tab[:, 6]  # [flag, l]
+            plain, rc = fits[0], ~fits[0] & allow & fits[1]
+            want_t = np.where(plain, tab[0, 0], np.where(rc, tab[1, 0], np.inf))
+            want_t[0] = np.inf
+            assert np.array_equal(t[s], want_t)
+            assert np.array_equal(g[s], np.where(plain, tab[0, 2], tab[1, 2]))
+            assert np.array_equal(recompute[s], ~plain)
+            if has_fill:
+                want_f = np.where(plain, tab[0, 1], np.where(rc, tab[1, 1], np.inf))
+                want_f[:chunks] = np.inf
+                assert np.array_equal(fill[s], want_f)
+            else:
+                assert fill is None
+            if not plain.any() or plain.all():
+                continue  # no threshold inside the range
+            paths["by range" if pr.monotone and j >= 1 and q >= 0 else "entry by entry"] += 1
+    assert paths["by range"] >= 100 and paths["entry by entry"] >= 100
+
+
 def test_data_degrees_are_the_largest_divisor_that_fits():
     # every stage count's data degree against its definition, walked over every integer: the
     # largest d dividing the microbatch with k stages of d x t devices within the chip type's
