@@ -33,6 +33,7 @@
 
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
+#include "nanobind/stl/optional.h"
 #include "nanobind/stl/vector.h"
 
 namespace nb = nanobind;
@@ -421,8 +422,10 @@ Found solve_rows(const Rows& r, int m, double transfers, double best) {
 // may be any of the points (js[p], qs[p]): the max over them. `mm`: per recompute flag its memory
 // base (3), slope per block (3) and limit: mem = base . (1, j, q) + l slope . (1, j, q).
 // Rounded up by a hair so floating-point noise can only loosen it (caps feed bounds, never a plan).
+// `ranks` (or null): the N entries are rows of `width` stage ranks, and row r needs only its first
+// ranks[r] (the rest are 0, unpriced).
 void caps_at(const double* mm, const double* js, const double* qs, int P, size_t N, int L, bool allow_recompute,
-             double* ln, double* lr) {
+             double* ln, double* lr, const int64_t* ranks = nullptr, size_t width = 0) {
   const double factor = 1 + 1e-9;
   for (int rc = 0; rc < (allow_recompute ? 2 : 1); ++rc) {
     const double* base = mm + rc * 7;
@@ -430,6 +433,10 @@ void caps_at(const double* mm, const double* js, const double* qs, int P, size_t
     const double limit = base[6];
     double* out = rc == 0 ? ln : lr;
     for (size_t i = 0; i < N; ++i) {
+      if (ranks != nullptr && static_cast<int64_t>(i % width) >= ranks[i / width]) {
+        out[i] = 0.0;
+        continue;
+      }
       double best = -INF;
       for (int p = 0; p < P; ++p) {
         const double j = js[p * N + i], q = qs[p * N + i];
@@ -652,10 +659,13 @@ NB_MODULE(_planner, mod) {
   mod.def(
       "caps_at",
       [](const nb::ndarray<const double, nb::shape<2, 7>, nb::c_contig, nb::device::cpu>& mm,
-         const std::vector<Flat>& js, const std::vector<Flat>& qs, int L, bool allow_recompute) {
+         const std::vector<Flat>& js, const std::vector<Flat>& qs, int L, bool allow_recompute,
+         std::optional<IntVec> ranks) {
         const int P = static_cast<int>(js.size());
         if (P < 1 || qs.size() != js.size()) throw std::invalid_argument("caps_at: one or more (js, qs) points");
         const size_t N = js[0].size();
+        const size_t rows = ranks ? ranks->shape(0) : 0;
+        if (ranks && (rows == 0 || N % rows != 0)) throw std::invalid_argument("caps_at: points are not rows of ranks");
         std::vector<double> j(P * N), q(P * N);
         for (int p = 0; p < P; ++p) {
           if (js[p].size() != N || qs[p].size() != N) throw std::invalid_argument("caps_at: points differ in size");
@@ -663,13 +673,16 @@ NB_MODULE(_planner, mod) {
           std::copy(qs[p].data(), qs[p].data() + N, q.begin() + p * N);
         }
         std::vector<double> ln(N), lr(N);
-        caps_at(mm.data(), j.data(), q.data(), P, N, L, allow_recompute, ln.data(), lr.data());
+        caps_at(mm.data(), j.data(), q.data(), P, N, L, allow_recompute, ln.data(), lr.data(),
+                ranks ? ranks->data() : nullptr, ranks ? N / rows : 0);
         return nb::make_tuple(to_numpy1(ln), to_numpy1(lr));
       },
       nb::arg("mm"), nb::arg("js"), nb::arg("qs"), nb::arg("L"), nb::arg("allow_recompute"),
+      nb::arg("ranks") = nb::none(),
       "Most blocks a middle stage holds (without, with recompute), each flat (N,): the max over the points\n"
       "(js[p], qs[p]) (arrays of N counts each) of awaiting (B, W) counts; `mm`: per flag base (3), slope (3),\n"
-      "limit.");
+      "limit. `ranks` (int64, R): the points are R rows of stage ranks, row r priced for its first ranks[r]\n"
+      "only (0 after them).");
   nb::class_<Held>(mod, "Held")
       .def(nb::init<const Matrix&, const Matrix&, const Vec&, const Vec&, const IntVec&, const IntVec&, const Vec&>(),
            nb::arg("ln"), nb::arg("lr"), nb::arg("a"), nb::arg("arc"), nb::arg("row"), nb::arg("col"),

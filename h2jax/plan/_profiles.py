@@ -622,6 +622,10 @@ class ProfileTable:
     host_cores: dict[str, int] = field(default_factory=dict)  # chip -> cores of the host it was measured on
     driver: dict[str, DriverCost] = field(default_factory=dict)  # shared host -> the driver's own costs there
     _estimates: dict[tuple, dict[str, LayerCost]] = field(default_factory=dict, repr=False, compare=False)
+    # the same estimates by the identity of (chip, model), which it holds (so the ids stay theirs):
+    # a search looks them up thousands of times, and hashing two dataclasses of ~10 fields each
+    # time cost more than the lookup
+    _by_identity: dict[tuple[int, int], tuple[Any, Any, dict]] = field(default_factory=dict, repr=False, compare=False)
 
     def add(
         self,
@@ -642,10 +646,18 @@ class ProfileTable:
             hit = self.entries.get((chip.name, model.key(), tensor, microbatch))
             if hit is not None:
                 return hit
-        key = (chip, model, tensor, microbatch)
-        est = self._estimates.get(key)
+        held = self._by_identity.get((id(chip), id(model)))
+        if held is None:
+            held = self._by_identity[id(chip), id(model)] = (chip, model, {})
+        est = held[2].get((tensor, microbatch))
         if est is None:
-            est = self._estimates[key] = roofline_costs(model, chip, tensor=tensor, microbatch=microbatch, eff=self.eff)
+            key = (chip, model, tensor, microbatch)
+            est = self._estimates.get(key)
+            if est is None:
+                est = self._estimates[key] = roofline_costs(
+                    model, chip, tensor=tensor, microbatch=microbatch, eff=self.eff
+                )
+            held[2][tensor, microbatch] = est
         return est
 
     def measured(self, chip: str) -> bool:

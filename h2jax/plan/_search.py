@@ -402,12 +402,14 @@ def _caps_at(
     points: Sequence[tuple[np.ndarray, np.ndarray]],
     L: int,
     allow_recompute: bool,
+    ranks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Most blocks a middle stage holds without / with recompute if its (awaiting B, awaiting W)
     counts may be any of `points` (float64 arrays over the stage ranks, all of one shape): the
-    max over them (:func:`h2jax.plan._planner.caps_at`). `mm`: :func:`_memory_model`'s."""
+    max over them (:func:`h2jax.plan._planner.caps_at`). `mm`: :func:`_memory_model`'s.
+    `ranks` (int64, one per row of 2-d points): the ranks each row's choices use (0 after them)."""
     shape = np.shape(points[0][0])
-    ln, lr = _planner.caps_at(mm, [j for j, _ in points], [q for _, q in points], L, allow_recompute)
+    ln, lr = _planner.caps_at(mm, [j for j, _ in points], [q for _, q in points], L, allow_recompute, ranks)
     return ln.reshape(shape), lr.reshape(shape)
 
 
@@ -576,16 +578,22 @@ def chip_choices(
                         if floors is None:
                             kk = np.array(want)[:, None] - n_types + 1  # a k with that total
                             floors = caps_cache[fkey] = count_floors("zb-h1", k=kk, m=m, n_types=n_types, L=L)
-                        ln, lr = _caps_at(caps_cache[key, 1], floors, L, opts.allow_recompute)
+                        ranks = None
+                        if np.ndim(floors[0][0]) == 2:  # a total's choices use only their stages' ranks
+                            most = dict(zip(tot, ks))  # ks ascend: the last k of each total is its most
+                            ranks = np.array([most[v] for v in want], dtype=np.int64)
+                        ln, lr = _caps_at(caps_cache[key, 1], floors, L, opts.allow_recompute, ranks)
                         if ln.ndim == 1:  # floors that do not depend on the total
                             ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
                         fill = fills["zb-h1"]
                         for v, a, b in zip(want, ln, lr):
                             caps_cache[key, "zb-h1", m, v] = StageCaps(a, b, fill)
-                    per_total = {v: {**shared, "zb-h1": caps_cache[key, "zb-h1", m, v]} for v in dict.fromkeys(tot)}
+                    zb = {v: caps_cache[key, "zb-h1", m, v] for v in dict.fromkeys(tot)}  # by floor total
                 else:
                     tot = [0.0] * len(ks)
-                    per_total = {0.0: shared}
+                    zb = {0.0: None}
+                # one caps dict per floor total (with the loosest caps under None), shared by its choices
+                full: dict[float, dict[str | None, StageCaps] | None] = {}
                 if with_1f1b:
                     # 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
                     # schedules' (a chunk's activations, their own counts) may lie above either, and
@@ -600,10 +608,11 @@ def chip_choices(
                         )
                     if loose.max_layers_rc[0] < 1:
                         continue  # not even one block fits a stage of this shape
-                # one caps dict per floor total (with the loosest caps under None), shared by its choices
-                full: dict[float, dict[str | None, StageCaps] | None] = {}
-                for v, caps in per_total.items():
-                    if not with_1f1b:
+                    for v, z in zb.items():
+                        full[v] = {**shared, "zb-h1": z, None: loose} if z is not None else {**shared, None: loose}
+                else:
+                    for v, z in zb.items():
+                        caps = {**shared, "zb-h1": z} if z is not None else shared
                         loose = StageCaps(
                             np.max([c.max_layers for c in caps.values()], axis=0),
                             np.max([c.max_layers_rc for c in caps.values()], axis=0),
@@ -611,8 +620,8 @@ def chip_choices(
                         )
                         lkey = (key, m, loose.max_layers.tobytes(), loose.max_layers_rc.tobytes(), loose.fill_s)
                         loose = caps_cache.setdefault(lkey, loose)  # one object per value: one row of _Held
-                    # not even one block fits a stage of this shape: no choice
-                    full[v] = {**caps, None: loose} if loose.max_layers_rc[0] >= 1 else None
+                        # not even one block fits a stage of this shape: no choice
+                        full[v] = {**caps, None: loose} if loose.max_layers_rc[0] >= 1 else None
                 layer_s = blk.fwd_s + blk.bwd_s
                 name = chip.name
                 choices.extend(

@@ -277,6 +277,30 @@ def test_the_compiled_stage_rows_are_the_definition():
     assert paths["by range"] >= 100 and paths["entry by entry"] >= 100
 
 
+def test_the_compiled_caps_priced_for_the_ranks_asked_equal_the_whole_rows():
+    # caps_at with `ranks` (row r of stage ranks priced for its first ranks[r] only, the search's
+    # ZB-H1 caps per floor total) equals the full pricing there and is 0 after
+    import numpy as np
+
+    from h2jax.plan import _planner
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        R, L = int(rng.integers(1, 6)), int(rng.integers(1, 20))
+        mm = np.concatenate([rng.exponential(1.0, (2, 6)), rng.uniform(5.0, 50.0, (2, 1))], axis=1)
+        points = [
+            (rng.integers(0, 9, (R, L)).astype(float), rng.integers(0, 5, (R, L)).astype(float)) for _ in range(2)
+        ]
+        js, qs = [j for j, _ in points], [q for _, q in points]
+        ranks = rng.integers(1, L + 1, R).astype(np.int64)
+        allow = bool(rng.random() < 0.7)
+        full_n, full_r = (a.reshape(R, L) for a in _planner.caps_at(mm, js, qs, L, allow))
+        got_n, got_r = (a.reshape(R, L) for a in _planner.caps_at(mm, js, qs, L, allow, ranks))
+        used = np.arange(L)[None, :] < ranks[:, None]
+        for full, got in ((full_n, got_n), (full_r, got_r)):
+            assert np.array_equal(got[used], full[used]) and not got[~used].any()
+
+
 def test_data_degrees_are_the_largest_divisor_that_fits():
     # every stage count's data degree against its definition, walked over every integer: the
     # largest d dividing the microbatch with k stages of d x t devices within the chip type's
