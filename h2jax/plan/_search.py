@@ -570,6 +570,21 @@ def chip_choices(
                 shared: dict[str | None, StageCaps] = {
                     s: _schedule_caps(caps_cache, key, s, m, n_types, L, fills[s], opts.allow_recompute) for s in flat
                 }
+                loose = None
+                if with_1f1b:
+                    # 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
+                    # schedules' (a chunk's activations, their own counts) may lie above either, and
+                    # like 1F1B's they do not depend on k: one loose object
+                    lkey = (key, m, "loose", schedules)
+                    loose = caps_cache.get(lkey)
+                    if loose is None:
+                        loose = caps_cache[lkey] = StageCaps(
+                            functools.reduce(np.maximum, [c.max_layers for c in shared.values()]),
+                            functools.reduce(np.maximum, [c.max_layers_rc for c in shared.values()]),
+                            min(fills.values()),
+                        )
+                    if loose.max_layers_rc[0] < 1:
+                        continue  # not even one block fits a stage of this shape
                 if zb_h1:
                     tot = zb_floor_total(np.array(ks), m=m, n_types=n_types).tolist()
                     want = [v for v in dict.fromkeys(tot) if (key, "zb-h1", m, v) not in caps_cache]
@@ -595,20 +610,7 @@ def chip_choices(
                     zb = {0.0: None}
                 # one caps dict per floor total (with the loosest caps under None), shared by its choices
                 full: dict[float, dict[str | None, StageCaps] | None] = {}
-                if with_1f1b:
-                    # 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
-                    # schedules' (a chunk's activations, their own counts) may lie above either, and
-                    # like 1F1B's they do not depend on k: one loose object
-                    lkey = (key, m, "loose", schedules)
-                    loose = caps_cache.get(lkey)
-                    if loose is None:
-                        loose = caps_cache[lkey] = StageCaps(
-                            functools.reduce(np.maximum, [c.max_layers for c in shared.values()]),
-                            functools.reduce(np.maximum, [c.max_layers_rc for c in shared.values()]),
-                            min(fills.values()),
-                        )
-                    if loose.max_layers_rc[0] < 1:
-                        continue  # not even one block fits a stage of this shape
+                if loose is not None:
                     for v, z in zb.items():
                         full[v] = {**shared, "zb-h1": z, None: loose} if z is not None else {**shared, None: loose}
                 else:
