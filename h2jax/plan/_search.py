@@ -1626,7 +1626,7 @@ def _rounds(run: _Run, cluster: Cluster, opts: SearchOptions) -> list[tuple[str,
 def _cycle_collection_paused(fn):
     """`fn` with Python's cyclic garbage collector paused (and restored after): a search allocates
     ~10^5 small objects and frees them by reference counting, and the collector's passes over
-    them cost ~5 % of a search and find nothing (it makes no reference cycles:
+    them cost 3-5 % of a search and find nothing (it makes no reference cycles:
     tests/plan/test_search_effort.py checks)."""
 
     @functools.wraps(fn)

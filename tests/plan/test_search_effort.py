@@ -157,7 +157,7 @@ def test_the_cli_default_budget_is_the_search_default():
 
 
 def test_a_search_makes_no_reference_cycles_and_leaves_the_collector_as_it_was():
-    # search pauses the cyclic garbage collector (its passes cost ~5 % of a search): that is sound
+    # search pauses the cyclic garbage collector (its passes cost 3-5 % of a search): that is sound
     # only while a search makes no reference cycles, so that reference counting frees all of it,
     # whether it converges or its budget runs out
     import gc
