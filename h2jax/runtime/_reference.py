@@ -9,6 +9,7 @@ that step; without it the model runs deterministic (no dropout).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -20,6 +21,25 @@ from h2jax.models._dropout import dropout_step
 from h2jax.runtime._stage import check_params_only
 
 
+@functools.lru_cache(maxsize=16)
+def _value_and_grad(graphdef: Any, dropout: bool) -> Any:
+    """The jitted (loss, grads) of the mean microbatch loss of models of ``graphdef``.
+
+    Tokens, targets and the (step, microbatch) counters are arguments, not constants of the
+    program, so one compiled program serves every step of a model (and XLA's persistent
+    cache, where one is set, every run of it)."""
+
+    def loss_fn(params, tokens, targets, counters):
+        m = nnx.merge(graphdef, params)
+        losses = []
+        for i in range(tokens.shape[0]):
+            with dropout_step(counters[i] if dropout else None):
+                losses.append(m(tokens[i], targets[i]))
+        return jnp.mean(jnp.stack(losses))
+
+    return jax.jit(jax.value_and_grad(loss_fn))
+
+
 def reference_loss_and_grads(
     model: nnx.Module, tokens: np.ndarray, targets: np.ndarray, *, device: Any = None, step: int | None = None
 ) -> tuple[float, Any]:
@@ -28,18 +48,8 @@ def reference_loss_and_grads(
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     check_params_only(rest, "the model")
     device = device or jax.devices("cpu")[0]
-    params = jax.device_put(params, device)
-
-    def loss_fn(p):
-        m = nnx.merge(graphdef, p)
-        losses = []
-        for i in range(tokens.shape[0]):
-            with dropout_step(None if step is None else jnp.array([step, i], jnp.uint32)):
-                losses.append(m(tokens[i], targets[i]))
-        return jnp.mean(jnp.stack(losses))
-
-    tok = jax.device_put(jnp.asarray(tokens), device)
-    tgt = jax.device_put(jnp.asarray(targets), device)
-    tokens, targets = tok, tgt
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+    num = np.shape(tokens)[0]
+    counters = np.stack([np.full(num, 0 if step is None else step), np.arange(num)], axis=1).astype(np.uint32)
+    args = jax.device_put((params, jnp.asarray(tokens), jnp.asarray(targets), counters), device)
+    loss, grads = _value_and_grad(graphdef, step is not None)(*args)
     return float(loss), grads

@@ -305,7 +305,7 @@ def test_chunked_pipeline_equals_sequential(name, tmp_path):
 
     from h2jax.models import build_model
     from h2jax.runtime import Trainer, flatten, make_optimizer, reference_loss_and_grads
-    from tests.runtime.test_pipeline_equivalence import TOL
+    from tests.runtime.test_pipeline_equivalence import TOL, reference_update
 
     cfg = chunked_cfg(name)
     trainer = Trainer(cfg, run_dir=tmp_path)
@@ -318,6 +318,7 @@ def test_chunked_pipeline_equals_sequential(name, tmp_path):
     graphdef, params = nnx.split(reference_model, nnx.Param)
     params = jax.device_put(params, jax.devices("cpu")[0])
     opt_state = tx.init(params)
+    update = reference_update(tx)
     for step in range(3):
         loss = float(trainer.forward_backward(step))
         tokens, targets = trainer.batch(step)
@@ -326,8 +327,7 @@ def test_chunked_pipeline_equals_sequential(name, tmp_path):
         bad = _bad(trainer.grads_by_layer(), flatten(ref_grads))
         assert not bad, f"gradients of step {step} differ: {bad}"
         trainer.finish_step()
-        updates, opt_state = tx.update(ref_grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(ref_grads, opt_state, params)
         for path, copies in trainer.tied.copies().items():  # a tied table: one value on every holder
             values = [np.asarray(a) for a in copies.values()]
             assert len(values) == 2 and all((x == values[0]).all() for x in values), path

@@ -27,7 +27,7 @@ from h2jax.config import load_config
 from h2jax.models import StageModule, build_model
 from h2jax.plan import StageSpec, check_execution
 from h2jax.runtime import StageProgram, Trainer, flatten, make_optimizer, reference_loss_and_grads
-from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg
+from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg, reference_update
 
 PLANS = {
     # 2 stages, uneven split, tensor into data parallel, no recompute
@@ -125,6 +125,7 @@ def test_zb_h1_pipeline_equals_sequential(name, tmp_path):
     graphdef, params = nnx.split(reference_model, nnx.Param)
     params = jax.device_put(params, jax.devices("cpu")[0])
     opt_state = tx.init(params)
+    update = reference_update(tx)
     for step in range(3):
         if step > 0:
             loss = float(trainer.forward_backward(step))
@@ -134,8 +135,7 @@ def test_zb_h1_pipeline_equals_sequential(name, tmp_path):
             bad = _bad(trainer.grads_by_layer(), flatten(ref_grads))
             assert not bad, f"gradients of step {step} differ: {bad}"
         trainer.finish_step()
-        updates, opt_state = tx.update(ref_grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(ref_grads, opt_state, params)
     bad = _bad(trainer.params_by_layer(), flatten(params))
     assert not bad, f"parameters after 3 steps differ: {bad}"
     trainer.close()

@@ -26,7 +26,7 @@ from h2jax.launch import find_mpirun
 from h2jax.models import build_model
 from h2jax.runtime import Trainer, flatten, make_optimizer, reference_loss_and_grads
 from tests.runtime.test_one_runtime import _env
-from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg
+from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg, reference_update
 from tests.runtime.test_tied import TABLE, TIED, make_cfg
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.skipif(find_mpirun() is None, reason="mpirun not installed")]
@@ -46,13 +46,13 @@ def _reference(cfg):
     graphdef, params = nnx.split(build_model(cfg.model, seed=cfg.seed), nnx.Param)
     params = jax.device_put(params, jax.devices("cpu")[0])
     opt_state = tx.init(params)
+    update = reference_update(tx)
     steps = []
     for step in range(3):
         tokens, targets = step_batch(dataset, cfg, step)
         loss, grads = reference_loss_and_grads(nnx.merge(graphdef, params), tokens, targets)
         steps.append((loss, flatten(grads)))
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(grads, opt_state, params)
     return steps, flatten(params)
 
 
