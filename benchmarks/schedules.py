@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace, have: list[str]) -> None:
     gc.unfreeze()
     out = Path(args.out)
     for (schedule, m), tr in trainers.items():
-        events = tr._step_events(None)  # collective: the writer gets every process's
+        events = tr.gather_events()  # collective: the writer gets every process's
         if world.is_writer:
             merged = Timeline(stage_labels=tr.labels, t0=tr.timeline.t0)
             merged.extend(events)

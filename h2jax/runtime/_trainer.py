@@ -437,8 +437,10 @@ class Trainer:
         for r in self.runners:
             r.drain()
 
-    def _step_events(self, step: int | None) -> list[Any] | None:
-        """This step's timeline events of every stage, on the writer (collective)."""
+    def gather_events(self, step: int | None = None) -> list[Any] | None:
+        """The timeline events of every stage, of ``step`` (None: every step recorded), on the
+        writer; None on other processes and when no timeline is kept. Collective: every process
+        calls it at the same point."""
         if self.timeline is None:
             return None
         self.drain_timeline()
@@ -464,7 +466,7 @@ class Trainer:
         }
         for chip, ndev in devices_by_chip.items():
             m[f"tgs/{chip}"] = stats.tokens_per_s / ndev
-        events = self._step_events(stats.step)
+        events = self.gather_events(stats.step)
         if events is not None:
             m["bubble_fraction"] = bubble_fraction(
                 [e for e in events if e.kind in ("fwd", "bwd")], self.cfg.plan.num_stages
@@ -624,7 +626,7 @@ class Trainer:
         gstep = None
         if history:
             gstep = cfg.train.gantt_step if cfg.train.gantt_step >= 0 else history[-1].step
-        events = self._step_events(None)
+        events = self.gather_events()
         mem = w.allgather({r.stage_idx: m.total / GIB for r, m in zip(self.runners, self.memory or [])})
         memory = {s: g for d in mem for s, g in d.items()}
         backends = {s: b for d in w.allgather(self.backends) for s, b in d.items()}

@@ -127,6 +127,7 @@ def test_trainers_sharing_one_world_step_alone_and_alternately(tmp_path):
     want = {s: local_run(cfg, tmp_path / s)[0] for s, cfg in cfgs.items()}
     group, hub = ThreadGroup(2), LocalHub(2)
     got: dict = {}
+    gathered: dict = {}
     dogs = [Watchdog(), Watchdog()]
 
     def rank(r: int) -> None:
@@ -135,6 +136,8 @@ def test_trainers_sharing_one_world_step_alone_and_alternately(tmp_path):
         for _ in range(3):
             for s, tr in trainers.items():
                 got.setdefault((r, s), []).append(tr.train_step())
+        for s, tr in trainers.items():  # the benchmark's trace: every rank's events, on the writer
+            gathered[(r, s)] = (world.is_writer, tr.gather_events())
         for tr in trainers.values():
             tr.close()
 
@@ -143,6 +146,13 @@ def test_trainers_sharing_one_world_step_alone_and_alternately(tmp_path):
     for (r, s), history in got.items():
         assert [h.loss for h in history] == pytest.approx([h.loss for h in want[s]], abs=1e-6), (r, s)
         assert [h.grad_norm for h in history] == pytest.approx([h.grad_norm for h in want[s]], abs=1e-6), (r, s)
+    for (r, s), (writer, events) in gathered.items():
+        if not writer:
+            assert events is None, (r, s)
+            continue
+        computed = {(e.stage, e.step) for e in events if e.kind in ("fwd", "bwd")}
+        assert computed == {(st, step) for st in range(2) for step in range(3)}, (r, s)
+    assert sum(writer for writer, _ in gathered.values()) == len(cfgs)
     for dog in dogs:  # armed after every step but each trainer's first (which compiles)
         assert len(dog.watched) == 2 * 2 and all(t > 0 for t in dog.watched)
         assert dog.last_completed_step == 2
