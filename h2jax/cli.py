@@ -128,6 +128,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(_plan_table(cfg))
         if launch is not None and launch.size > 1:
             console.print(f"{launch.size} processes ({launch.launcher}), transport {cfg.train.transport}")
+        from h2jax import _compile_cache
+
+        console.print(f"[dim]{escape(_compile_cache.describe())}[/]", highlight=False)
         if any(c.emulated for c in cfg.cluster.chips.values()):
             console.print(
                 "[dim]emulated chip types: CPU PJRT clients sharing this host's cores; declared "
@@ -211,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _quiet_libraries()
+    from h2jax import _compile_cache
+
+    _, note = _compile_cache.enable()
+    if note:
+        Console(stderr=True).print(f"[dim]h2jax: {escape(note)}[/]", highlight=False, soft_wrap=True)
     return args.func(args)
 
 
