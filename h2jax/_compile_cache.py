@@ -34,7 +34,7 @@ def cache_dir(env: Mapping[str, str] = os.environ) -> str | None:
     if "JAX_COMPILATION_CACHE_DIR" in env:
         return env["JAX_COMPILATION_CACHE_DIR"] or None
     value = env.get(ENV, "").strip()
-    if value.lower() in OFF and value:
+    if value.lower() in OFF:
         return None
     if value:
         return os.path.expanduser(value)
