@@ -51,25 +51,23 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h2jax._hostmem import hugepage_env, thp_mode  # noqa: E402
 from h2jax.launch import find_mpirun  # noqa: E402
-from h2jax.plan import RUN_SCHEDULES, idle_fraction, simulate  # noqa: E402
+from h2jax.plan import as_schedule, idle_fraction, schedule_names, simulate  # noqa: E402
 
 WANTED = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-CHUNKED = ("interleaved", "zb-v")  # two layer chunks per stage
 MICROBATCHES = (4, 8)
 
 
 def stage_layers(schedule: str, layers: int) -> list[list[list[int]]]:
-    """Each of the 2 stages' layer chunks, equal sizes: one range each, or for interleaved (v = 2)
-    and zb-v two chunks of layers / 4 at the model positions the schedule puts them (interleaved:
-    chunk c of stage s at c * 2 + s; zb-v: stage 0 holds the first and the last quarter)."""
-    if schedule not in CHUNKED:
-        half = layers // 2
-        return [[[0, half]], [[half, layers]]]
-    q = layers // 4
-    quarter = [[i * q, (i + 1) * q] for i in range(4)]
-    if schedule == "interleaved":
-        return [[quarter[0], quarter[2]], [quarter[1], quarter[3]]]
-    return [[quarter[0], quarter[3]], [quarter[1], quarter[2]]]  # zb-v
+    """Each of the 2 stages' layer chunks, equal sizes: one range each, or where the schedule
+    holds v chunks per stage (interleaved, zb-v: 2) layers / 2v each at the model positions the
+    schedule puts them."""
+    sched = as_schedule(schedule)
+    n = 2 * sched.chunks
+    size = layers // n
+    out: list[list[list[int]]] = [[], []]
+    for q, (stage, _) in enumerate(sched.positions(2)):  # chunk order within a stage follows q
+        out[stage].append([q * size, (q + 1) * size if q < n - 1 else layers])
+    return out
 
 
 def overrides(args: argparse.Namespace, schedule: str, m: int) -> list[str]:
@@ -194,7 +192,7 @@ def analyse(step_s: list[float], events: list, schedule: str, m: int) -> dict:
         return [float(np.median(dur[(kind, s)])) if dur[(kind, s)] else 0.0 for s in range(p)]
 
     f, b, w = med("F"), med("B"), med("W")
-    v = 2 if schedule in CHUNKED else 1  # the simulator takes a stage's seconds and runs each chunk at 1 / v
+    v = as_schedule(schedule).chunks  # the simulator takes a stage's seconds and runs each chunk at 1 / v
     upd = float(np.median(update)) if update else 0.0
     sim = simulate(
         schedule=schedule,
@@ -228,8 +226,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.tiny:
         args.rounds, args.d_model, args.layers, args.seq_len, args.microbatch = 2, 32, 4, 16, 1
-    have = [s for s in WANTED if s in RUN_SCHEDULES]
-    missing = [s for s in WANTED if s not in RUN_SCHEDULES]
+    have = [s for s in WANTED if s in schedule_names()]
+    missing = [s for s in WANTED if s not in schedule_names()]
     if args.worker:
         args.out = args.worker
         worker(args, have)

@@ -15,8 +15,6 @@ import yaml
 
 EXIT_CONFIG = 2
 DEFAULT_TIME_BUDGET_S = 3.0  # h2jax.plan._search.DEFAULT_TIME_BUDGET_S (not imported: keeps --help fast)
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")  # h2jax.plan.RUN_SCHEDULES (ditto)
-DEFAULT_SCHEDULES = SCHEDULE_CHOICES  # SearchOptions().schedules: a free search chooses among every schedule
 DEFAULT_INTERLEAVED_CHUNKS = (2, 3, 4)  # h2jax.plan.INTERLEAVED_CHUNKS (ditto)
 
 
@@ -39,9 +37,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--schedule",
         default=None,
-        choices=SCHEDULE_CHOICES,
-        help="pin the pipeline schedule (default: the search chooses among --schedules, as one more "
-        "dimension; interleaved with each v of --interleaved-chunks)",
+        help="pin the pipeline schedule: a registered name (" + ", ".join(_schedule_names()) + "), "
+        "name:chunks (interleaved:3), or a schedule file (.csv: each stage's F/B/W tasks, "
+        "examples/schedules/); default: the search chooses among --schedules, as one more dimension",
     )
     p.add_argument(
         "--schedules",
@@ -172,16 +170,32 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
 
 
-def _schedules_arg(text: str) -> tuple[str, ...]:
+def _schedule_names() -> tuple[str, ...]:
+    from h2jax.plan import schedule_names
+
+    return schedule_names()
+
+
+def _schedule_arg(text: str | None, flag: str = "--schedule"):
+    """The schedule `text` names (None: None); ProfileError naming the flag otherwise."""
+    from h2jax.plan import ScheduleError, as_schedule
     from h2jax.plan._profiles import ProfileError
 
-    names = SCHEDULE_CHOICES if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
-    bad = [n for n in names if n not in SCHEDULE_CHOICES]
-    if bad or not names:
-        raise ProfileError(
-            f"--schedules: expected 'all' or a comma-separated list of {', '.join(SCHEDULE_CHOICES)}, got {text!r}"
-        )
-    return names
+    if text is None:
+        return None
+    try:
+        return as_schedule(text)
+    except ScheduleError as e:
+        raise ProfileError(f"{flag}: {e}") from None
+
+
+def _schedules_arg(text: str) -> tuple:
+    names = _schedule_names() if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        from h2jax.plan._profiles import ProfileError
+
+        raise ProfileError(f"--schedules: expected 'all' or a comma-separated list of schedules, got {text!r}")
+    return tuple(_schedule_arg(n, "--schedules") for n in names)
 
 
 def _chunks_arg(text: str) -> tuple[int, ...]:
@@ -199,8 +213,8 @@ def _chunks_arg(text: str) -> tuple[int, ...]:
 def search_options(
     cluster,
     *,
-    schedule: str | None = None,
-    schedules: tuple[str, ...] = DEFAULT_SCHEDULES,
+    schedule=None,
+    schedules: tuple = (),
     interleaved_chunks: tuple[int, ...] = DEFAULT_INTERLEAVED_CHUNKS,
     group_size: int | None = None,
     beam: int | None = None,
@@ -215,7 +229,7 @@ def search_options(
 
     return SearchOptions(
         schedule=schedule,
-        schedules=schedules,
+        schedules=schedules or _schedule_names(),
         interleaved_chunks=interleaved_chunks,
         group_size=group_size,
         max_options_per_chip=beam,
@@ -229,25 +243,20 @@ def search_options(
 
 def _schedules_line(res, model, cluster, table, opts) -> str:
     """The chosen schedule, and the same stages priced under the others."""
-    from h2jax.plan import schedule_variant, variant_label
-    from h2jax.plan._cost import schedule_estimates
+    from h2jax.plan import as_schedule
+    from h2jax.plan._cost import expand_chunks, schedule_estimates
 
-    def shown(label: str) -> str:
-        name, v = schedule_variant(label)
-        return f"{name} v={v}" if name == "interleaved" else name
+    def shown(sched) -> str:
+        return f"{sched.name} v={sched.chunks}" if sched.chunk_choice else sched.label
 
     how = "pinned by --schedule" if opts.schedule is not None else "chosen"
-    chosen = variant_label(res.plan.schedule, res.plan.num_chunks)
-    labels = [
-        variant_label(s, v)
-        for s in SCHEDULE_CHOICES
-        for v in (opts.interleaved_chunks if s == "interleaved" else (schedule_variant(s)[1],))
-    ]
+    chosen = res.plan.schedule
+    scheds = expand_chunks(tuple(as_schedule(n) for n in _schedule_names()), opts.interleaved_chunks)
     others = []
-    for label, c in schedule_estimates(res.plan, model, cluster, table=table, opts=opts.cost, schedules=labels).items():
-        if label == chosen:
+    for sched, c in schedule_estimates(res.plan, model, cluster, table=table, opts=opts.cost, schedules=scheds).items():
+        if sched == chosen:
             continue
-        label = shown(label)
+        label = shown(sched)
         if isinstance(c, str):
             others.append(f"{label} cannot run ({c})")
             continue
@@ -338,7 +347,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ProfileError(f"--time-budget: expected seconds >= 0 (0: no limit), got {args.time_budget}")
         opts = search_options(
             cluster,
-            schedule=args.schedule,
+            schedule=_schedule_arg(args.schedule),
             schedules=_schedules_arg(args.schedules),
             interleaved_chunks=_chunks_arg(args.interleaved_chunks),
             group_size=args.group_size,

@@ -7,10 +7,7 @@ reverse.
 """
 
 from h2jax.plan._plan import (
-    CHUNKED_SCHEDULES,
     INTERLEAVED_CHUNKS,
-    RUN_SCHEDULES,
-    SCHEDULES,
     Plan,
     PlanError,
     StageSpec,
@@ -18,34 +15,45 @@ from h2jax.plan._plan import (
     check_plan,
     chunked_variant,
     even_layers,
-    schedule_variant,
-    variant_label,
 )
 from h2jax.plan._reshard import Transfer, bytes_crossing, reshard_pattern
-from h2jax.plan._schedule import (
+from h2jax.plan.schedules import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    BoundSchedule,
     Event,
+    FileSchedule,
     GPipe,
     Grid,
     Interleaved,
     OneFOneB,
     Schedule,
+    ScheduleError,
     Task,
     ZeroBubbleH1,
     ZeroBubbleV,
+    as_schedule,
     bubble_fraction,
     check_execution,
     get_schedule,
     grid_events,
     idle_fraction,
+    schedule_names,
     stage_tasks,
     timed_events,
 )
 
 __all__ = [
-    "CHUNKED_SCHEDULES",
+    "BACKWARD",
+    "FORWARD",
+    "WEIGHT",
     "INTERLEAVED_CHUNKS",
-    "RUN_SCHEDULES",
-    "SCHEDULES",
+    "BoundSchedule",
+    "FileSchedule",
+    "ScheduleError",
+    "as_schedule",
+    "schedule_names",
     "Event",
     "GPipe",
     "Grid",
@@ -70,8 +78,6 @@ __all__ = [
     "grid_events",
     "idle_fraction",
     "reshard_pattern",
-    "schedule_variant",
-    "variant_label",
     "stage_tasks",
     "timed_events",
 ]

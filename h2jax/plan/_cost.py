@@ -119,21 +119,17 @@ rejected with the numbers.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from h2jax.plan._plan import (
-    CHUNKED_SCHEDULES,
-    RUN_SCHEDULES,
     Plan,
     PlanError,
     StageSpec,
     assign_devices,
     chunked_variant,
-    schedule_variant,
 )
 from h2jax.plan._profiles import (
     GB,
@@ -148,7 +144,7 @@ from h2jax.plan._profiles import (
     ProfileTable,
     local_cores,
 )
-from h2jax.plan._schedule import get_schedule, memory_counts
+from h2jax.plan.schedules import Schedule, ScheduleError, as_schedule, schedule_names
 
 ADAMW_UPDATE_BYTES_PER_PARAM = 28  # reads p, g, m, v (16 B); writes p, m, v (12 B), all fp32
 
@@ -340,66 +336,51 @@ def allreduce_s(nbytes: float, n: int, bw_gbps: float, eff: Efficiency) -> float
     return 2 * (n - 1) / n * nbytes / (bw_gbps * GB * eff.link) + eff.collective_latency_s
 
 
-def in_flight(
-    schedule: str, num_stages: int, num_microbatches: int, stage_idx: int, num_chunks: int | None = None
-) -> int:
-    """Microbatches whose activations stage `stage_idx` holds at once awaiting their backward
-    (B): the schedule's own count (GPipe m, 1F1B and ZB-H1 min(p - s, m); interleaved and
-    zb-v count (chunk, microbatch) pairs, each a chunk's activations)."""
-    return memory_counts(schedule, num_stages, num_microbatches, num_chunks)[stage_idx][0]
+def searched_schedules(schedule: Schedule | str | None, schedules: Sequence[Schedule | str]) -> tuple[Schedule, ...]:
+    """The schedules a search prices: `schedule` alone, or (None) each of `schedules` -- less
+    each one whose ``dominated_by`` is among them (GPipe beside 1F1B: this model gives it
+    1F1B's time and at least 1F1B's memory). Names are read by :func:`as_schedule`; an
+    unknown one is a PlanError naming the known ones."""
+    given = (schedule,) if schedule is not None else tuple(schedules)
+    if not given:
+        raise PlanError("schedules", "no schedule to search; expected one or more of " + ", ".join(schedule_names()))
+    try:
+        found = tuple(dict.fromkeys(as_schedule(s) for s in given))
+    except ScheduleError as e:
+        raise PlanError("plan.schedule" if schedule is not None else "schedules", str(e)) from None
+    if len(found) > 1:
+        names = {s.name for s in found}
+        found = tuple(s for s in found if s.dominated_by not in names)
+    return found
 
 
-def pending_weight_grads(
-    schedule: str, num_stages: int, num_microbatches: int, stage_idx: int, num_chunks: int | None = None
-) -> int:
-    """Microbatches whose W stage `stage_idx` holds back after their B at once (0 unsplit;
-    ZB-H1 min(s + 1, m): the lag that lets the later stages' B's run first; zb-v in chunks)."""
-    return memory_counts(schedule, num_stages, num_microbatches, num_chunks)[stage_idx][1]
+def expand_chunks(schedules: Sequence[Schedule], chunk_counts: Sequence[int]) -> tuple[Schedule, ...]:
+    """Each schedule whose chunk count is a family's choice once per count of `chunk_counts`
+    (``SearchOptions.interleaved_chunks``), the others as they are."""
+    out: list[Schedule] = []
+    for s in schedules:
+        if s.chunk_choice:
+            try:
+                out.extend(type(s).search_variants(chunk_counts))
+            except ScheduleError as e:
+                raise PlanError("interleaved_chunks", str(e)) from None
+        else:
+            out.append(s)
+    return tuple(dict.fromkeys(out))
 
 
-@functools.cache
-def split_backward(schedule: str) -> bool:
-    """Whether `schedule` runs the backward as separate B and W tasks."""
-    return get_schedule(schedule, 1, 1).split_backward
-
-
-def check_priced(schedule: str) -> None:
-    """Refuse a schedule the cost model does not know (every schedule a plan may name is priced)."""
-    if schedule not in RUN_SCHEDULES:
-        raise PlanError("plan.schedule", f"schedule={schedule!r}; expected one of {', '.join(RUN_SCHEDULES)}")
-
-
-def searched_schedules(schedule: str | None, schedules: Sequence[str]) -> tuple[str, ...]:
-    """The schedules a search prices: `schedule` alone, or (None) each of `schedules` --
-    less GPipe beside 1F1B, which this model gives 1F1B's time and at least 1F1B's memory.
-    Schedules the cost model does not know are refused (:func:`check_priced`)."""
-    names = (schedule,) if schedule is not None else tuple(dict.fromkeys(schedules))
-    if not names:
-        raise PlanError("schedules", "no schedule to search; expected one or more of " + ", ".join(RUN_SCHEDULES))
-    for name in names:
-        check_priced(name)
-    if "1f1b" in names and len(names) > 1:
-        names = tuple(n for n in names if n != "gpipe")
-    return names
-
-
-def part_fill_s(model: ModelShape, name: str, part: LayerCost, *, tensor: int, schedules: Sequence[str]) -> float:
+def part_fill_s(model: ModelShape, name: str, part: LayerCost, *, tensor: int, schedules: Sequence[Schedule]) -> float:
     """The least one part ("embed", "block", "head") adds to sum_s fill_s (:func:`schedule_terms`)
-    under any of `schedules` (the search's lower bounds): fwd + bwd; less twice the W it hides
-    under ZB-H1; (fwd + bwd) / v under interleaved with v chunks (``interleaved:v`` labels,
-    :func:`h2jax.plan.schedule_variant`); under ZB-V half its forward (a stage's fill is at
-    least its chunk forward, half the stage's)."""
+    under any of `schedules` (the search's lower bounds): each schedule's own
+    :meth:`~h2jax.plan.schedules.Schedule.least_fill` (fwd + bwd; less twice the W it hides
+    under ZB-H1; (fwd + bwd) / v interleaved; under ZB-V half its forward)."""
     full = part.fwd_s + part.bwd_s
     least = full
-    for label in schedules:
-        s, v = schedule_variant(label)
-        if s == "interleaved":
-            least = min(least, full / v)
-        elif s == "zb-v":
-            least = min(least, part.fwd_s / 2)
-        elif split_backward(s):
-            share = weight_grad_share(model, tensor=tensor)[name]
-            least = min(least, full - 2 * min(share * part.bwd_s, part.fwd_s))
+    w = None
+    for sched in schedules:
+        if w is None and sched.split_backward:
+            w = weight_grad_share(model, tensor=tensor)[name] * part.bwd_s
+        least = min(least, sched.least_fill(fwd=part.fwd_s, bwd=part.bwd_s, w=w or 0.0))
     return least
 
 
@@ -664,47 +645,24 @@ def transfer_s(
     return t
 
 
-def pipeline_terms(schedule: str, *, t, fwd, b, w, hidden, tail, chunks: int = 1):
-    """(fill, end) of :func:`schedule_terms` from a stage's seconds (floats, or numpy arrays
-    over layer counts: the search prices every count at once): t = fwd + b + w, b the
-    input-gradient part of the backward, w its weight-gradient part, hidden the W that fills
-    waits for B (ZB-H1), tail the gradient sync and update."""
-    if schedule == "interleaved":
-        fill = t / chunks
-        return fill, t - fill + tail
-    if schedule == "zb-v":
-        f, bc, wc = fwd / 2, b / 2, w / 2
-        g = np.maximum(np.maximum(f, bc), np.maximum(f + bc - 2 * wc, 2 * (bc - wc)))
-        return g, t - g + tail
-    if split_backward(schedule):
-        return t - 2 * hidden, tail + 2 * hidden
-    return t, tail
-
-
-def schedule_terms(stage: StageCost, schedule: str) -> tuple[float, float]:
+def schedule_terms(stage: StageCost, schedule: Schedule) -> tuple[float, float]:
     """(fill, end) of one stage in T_pipe = (m - 1) P + sum_s fill_s + transfers + max_s end_s
-    (module docstring): (t, tail) unsplit; ZB-H1 (t - 2 h, tail + 2 h) with h its W work
-    that fills the waits for B (``w_hidden_s``), which gives the paper's (p - 1)(F + B - W)
-    bubble on equal stages. Interleaved with v chunks: (t / v, t - t / v + tail), Megatron's
-    m t + (p - 1) t / v on equal stages. ZB-V: (g, t - g + tail) with g = max(f, b, f + b -
-    2w, 2(b - w)) of one chunk's F, B, W (half the stage's): on equal stages m t + (p - 1) g,
-    which the replay gives for any F, B, W with B >= F (p - 1 idle forwards when F = B = W)."""
-    fill, end = pipeline_terms(
-        schedule,
-        t=stage.t,
-        fwd=stage.fwd_s,
-        b=stage.b_s,
-        w=stage.w_s,
-        hidden=stage.w_hidden_s,
-        tail=stage.tail_s,
-        chunks=stage.chunks,
+    (module docstring): the schedule's own :meth:`~h2jax.plan.schedules.Schedule.pipeline_terms`.
+    (t, tail) unsplit; ZB-H1 (t - 2 h, tail + 2 h) with h its W work that fills the waits for
+    B (``w_hidden_s``), which gives the paper's (p - 1)(F + B - W) bubble on equal stages.
+    Interleaved with v chunks: (t / v, t - t / v + tail), Megatron's m t + (p - 1) t / v on
+    equal stages. ZB-V: (g, t - g + tail) with g = max(f, b, f + b - 2w, 2(b - w)) of one
+    chunk's F, B, W (half the stage's): on equal stages m t + (p - 1) g, which the replay gives
+    for any F, B, W with B >= F (p - 1 idle forwards when F = B = W)."""
+    fill, end = schedule.pipeline_terms(
+        t=stage.t, fwd=stage.fwd_s, b=stage.b_s, w=stage.w_s, hidden=stage.w_hidden_s, tail=stage.tail_s
     )
     return float(fill), float(end)
 
 
 def pipeline_time(
     stages: Sequence[StageCost],
-    schedule: str,
+    schedule: Schedule,
     num_microbatches: int,
     *,
     transfers: float,
@@ -712,12 +670,38 @@ def pipeline_time(
     tails: bool = True,
 ) -> float:
     """T_pipe of `schedule` over these stages (module docstring), the period P = max t unless
-    given (shared hosts: :func:`steady_period`); `tails` False leaves the tails out."""
-    check_priced(schedule)
-    terms = [schedule_terms(s, schedule) for s in stages]
+    given (shared hosts: :func:`steady_period`); `tails` False leaves the tails out. A schedule
+    with no closed form (a schedule file) is priced by replaying its op lists with each
+    stage's task seconds, stretched by P / max t, plus the transfers and the largest tail."""
     p = max(s.t for s in stages) if period is None else period
+    if not schedule.closed_form:
+        return replayed_time(stages, schedule, num_microbatches, transfers=transfers, period=p, tails=tails)
+    terms = [schedule_terms(s, schedule) for s in stages]
     end = max(e if tails else e - s.tail_s for (_, e), s in zip(terms, stages))
     return (num_microbatches - 1) * p + sum(f for f, _ in terms) + transfers + end
+
+
+def replayed_time(
+    stages: Sequence[StageCost],
+    schedule: Schedule,
+    num_microbatches: int,
+    *,
+    transfers: float,
+    period: float,
+    tails: bool = True,
+) -> float:
+    """T_pipe of `schedule` by replay (:meth:`~h2jax.plan.schedules.BoundSchedule.events`): one
+    chunk's F, B and W take the stage's seconds over its chunks, scaled so the slowest stage's
+    microbatch takes `period`."""
+    v = schedule.chunks
+    scale = period / max(s.t for s in stages) if max(s.t for s in stages) > 0 else 1.0
+    events = schedule.bind(len(stages), num_microbatches).events(
+        forward=[scale * s.fwd_s / v for s in stages],
+        backward=[scale * s.b_s / v for s in stages],
+        weight=[scale * s.w_s / v for s in stages],
+    )
+    makespan = max((e[4] for e in events), default=0.0)
+    return makespan + transfers + (max(s.tail_s for s in stages) if tails else 0.0)
 
 
 def iteration_time(
@@ -746,20 +730,20 @@ def estimate(
     table = table if table is not None else _DEFAULT_TABLE
     n, m = plan.num_stages, plan.num_microbatches
     mb = plan.microbatch_size
-    check_priced(plan.schedule)
-    split = split_backward(plan.schedule)
-    # chunked schedules: a stage holds v even chunks; the embedding and the head sit with the
-    # stages holding the first and the last model position (zb-v: both on stage 0)
-    v = plan.num_chunks
-    chunked = plan.schedule in CHUNKED_SCHEDULES
-    ends = plan.positions() if chunked else ((0, 0), (n - 1, 0))
+    sched = plan.schedule
+    split = sched.split_backward
+    # a stage holds v chunks; the embedding and the head sit with the stages holding the first
+    # and the last model position (zb-v: both on stage 0)
+    v = sched.chunks
+    chunked = v > 1
+    ends = plan.positions()
     first_stage, last_stage = ends[0][0], ends[-1][0]
+    counts = sched.memory_counts(n, m)  # per stage: (awaiting B, awaiting W)
     unit = "(chunk, microbatch) activations" if chunked else "microbatches"
     reasons: list[str] = []
     stages: list[StageCost] = []
     for i, s in enumerate(plan.stages):
         chip = profiles[s.chip]
-        counts = dict(num_stages=n, num_microbatches=m, stage_idx=i, num_chunks=v if chunked else None)
         sc = stage_cost(
             model,
             chip,
@@ -770,11 +754,11 @@ def estimate(
             tensor=s.tensor,
             microbatch=mb,
             recompute=s.recompute,
-            in_flight=in_flight(plan.schedule, **counts),
+            in_flight=counts[i][0],
             table=table,
             opts=opts,
             split=split,
-            pending_w=pending_weight_grads(plan.schedule, **counts),
+            pending_w=counts[i][1],
             chunks=v,
         )
         stages.append(sc)
@@ -788,7 +772,7 @@ def estimate(
             )
     fwd_x, bwd_x = boundary_transfers(plan.stages, model, profiles, microbatch=mb, eff=table.eff, table=table)
     wrap = (0.0, 0.0)
-    if plan.schedule == "interleaved" and v > 1 and n > 2:  # chunk c of the last stage feeds chunk c + 1 of stage 0
+    if sched.wraps(n):  # chunk c of the last stage feeds chunk c + 1 of stage 0 (interleaved)
         (wf,), (wb,) = boundary_transfers(
             [plan.stages[-1], plan.stages[0]], model, profiles, microbatch=mb, eff=table.eff, table=table
         )
@@ -801,7 +785,7 @@ def estimate(
     nodes = {p.name: k for p, k in cluster.chips} if isinstance(cluster, Cluster) else None
     clients = shared_clients(plan, profiles, nodes) if opts.host_contention else []
     period = steady_period(stages, cores, m, extra=step_cpu, transfers=moves, clients=clients)
-    t_pipe = pipeline_time(stages, plan.schedule, m, transfers=sum(fwd_x) + sum(bwd_x), period=period) + step_s
+    t_pipe = pipeline_time(stages, sched, m, transfers=sum(fwd_x) + sum(bwd_x), period=period) + step_s
     per_step = {h: step_cpu.get(h, 0.0) + m * sum(w for w, _ in moves.get(h, ())) for h in cores}
     bounds, work = host_bounds(stages, m, cores, extra=per_step)
     t = max([t_pipe, *bounds.values()])
@@ -836,29 +820,29 @@ def schedule_estimates(
     *,
     table: ProfileTable | None = None,
     opts: CostOptions = CostOptions(),
-    schedules: Sequence[str] = RUN_SCHEDULES,
-) -> dict[str, PlanCost | str]:
-    """The same stages and batch priced under each of `schedules` (``h2jax plan`` prints them
-    beside the one it chose): the time each schedule takes, and whether it still fits. A
-    chunked schedule (interleaved, v = 2 or as its label says: ``interleaved:3``; zb-v) gets
-    each stage's blocks as even chunks (:func:`h2jax.plan.chunked_variant`), or, where it
-    cannot run these stages, the reason. Keyed by the labels given."""
-    out: dict[str, PlanCost | str] = {}
-    for s in schedules:
-        name, v = schedule_variant(s)
-        if name in CHUNKED_SCHEDULES:
+    schedules: Sequence[Schedule | str] = (),
+) -> dict[Schedule, PlanCost | str]:
+    """The same stages and batch priced under each of `schedules` (default: every registered
+    family at its default chunks; ``h2jax plan`` prints them beside the one it chose): the time
+    each takes, and whether it still fits. A chunked schedule gets each stage's blocks as even
+    chunks (:func:`h2jax.plan.chunked_variant`), or, where it cannot run these stages, the
+    reason. Keyed by schedule."""
+    out: dict[Schedule, PlanCost | str] = {}
+    for sched in (as_schedule(s) for s in (schedules or schedule_names())):
+        if sched.chunk_choice or sched.chunks > 1:
             try:
-                variant = chunked_variant(plan, name, num_chunks=v)
+                variant = chunked_variant(plan, sched)
             except PlanError as e:
-                out[s] = e.message
+                out[sched] = e.message
                 continue
         elif plan.num_chunks > 1:  # one range per stage, the same block counts, in stage order
             starts = np.cumsum([0, *(st.num_layers for st in plan.stages)]).tolist()
             stages = tuple(replace(st, layers=(a, a + st.num_layers), chunks=()) for st, a in zip(plan.stages, starts))
-            variant = replace(plan, stages=stages, schedule=s)
+            variant = replace(plan, stages=stages, schedule=sched)
         else:
-            variant = replace(plan, schedule=s)
-        out[s] = estimate(variant, model, cluster, table=table, opts=opts)
+            variant = replace(plan, schedule=sched)
+        why = sched.shape_error(variant.num_stages, variant.num_microbatches)
+        out[sched] = why if why is not None else estimate(variant, model, cluster, table=table, opts=opts)
     return out
 
 

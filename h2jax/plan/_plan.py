@@ -9,7 +9,6 @@ device is touched, and every error names the dotted key, the value and what was 
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -20,34 +19,11 @@ import numpy as np
 import yaml
 
 from h2jax._strict import ConfigError, read_yaml
-from h2jax.plan._schedule import get_schedule
+from h2jax.plan.schedules import Schedule, ScheduleError, as_schedule, schedule_family, schedule_names
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zb-h1")
-"""Schedules of one layer range per stage: the runtime runs them and the planner prices them."""
-CHUNKED_SCHEDULES: tuple[str, ...] = ("interleaved", "zb-v")
-"""Schedules whose stages hold several layer chunks (``chunks``): the runtime runs them, the
-cost model prices them, the search chooses among them as among the others
-(``SearchOptions.schedules``), and ``h2jax plan`` prices them on the chosen plan's stages too
-(:func:`chunked_variant`)."""
-RUN_SCHEDULES: tuple[str, ...] = SCHEDULES + CHUNKED_SCHEDULES
-"""Every schedule a plan may name (what :func:`check_plan` accepts and the runtime runs)."""
 INTERLEAVED_CHUNKS: tuple[int, ...] = (2, 3, 4)
-"""The chunk counts v a search tries for interleaved (``SearchOptions.interleaved_chunks``)."""
-
-
-@functools.cache  # the search asks tens of thousands of times
-def schedule_variant(label: str) -> tuple[str, int]:
-    """(schedule, chunks per stage) of a searched schedule label: ``interleaved:3`` is
-    interleaved with 3 chunks (``interleaved`` alone: 2), zb-v holds 2, the others 1."""
-    name, _, v = label.partition(":")
-    if name == "interleaved":
-        return name, int(v) if v else 2
-    return name, 2 if name == "zb-v" else 1
-
-
-def variant_label(schedule: str, chunks: int) -> str:
-    """The label :func:`schedule_variant` reads back: interleaved carries its chunk count."""
-    return f"{schedule}:{chunks}" if schedule == "interleaved" else schedule
+"""The chunk counts v a search tries for a family whose chunk count is a choice (interleaved:
+``SearchOptions.interleaved_chunks``)."""
 
 
 _STAGE_KEYS = ("chip", "layers", "data", "tensor", "recompute", "chunks")
@@ -147,12 +123,22 @@ class Plan:
     stages: tuple[StageSpec, ...]
     global_batch: int
     num_microbatches: int
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"  # type: ignore[assignment]  # a name or file is read by as_schedule
+    """The pipeline schedule (a name, ``name:chunks`` or a schedule file is read into one); where
+    its chunk count is a choice, the stages' is its (stage 0's: :func:`check_plan` makes them
+    equal)."""
     model: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, list):
             object.__setattr__(self, "stages", tuple(self.stages))
+        try:
+            sched = as_schedule(self.schedule)
+            if sched.chunk_choice and self.stages and self.stages[0].num_chunks != sched.chunks:
+                sched = sched.with_chunks(self.stages[0].num_chunks)
+        except ScheduleError as e:
+            raise PlanError("plan.schedule", str(e)) from None
+        object.__setattr__(self, "schedule", sched)
 
     @property
     def num_stages(self) -> int:
@@ -173,12 +159,7 @@ class Plan:
         """(stage_idx, chunk) at each model position 0..num_stages*num_chunks-1 (position 0
         holds the embedding, the last the head), as the schedule places the chunks; for a
         one-chunk schedule simply (s, 0) per stage. Needs a plan :func:`check_plan` accepts."""
-        v = self.num_chunks
-        if self.schedule not in CHUNKED_SCHEDULES:
-            return tuple((s, 0) for s in range(self.num_stages))
-        sched = get_schedule(self.schedule, self.num_stages, self.num_microbatches, num_chunks=v)
-        at = {sched.virtual_stage(s, c): (s, c) for s in range(self.num_stages) for c in range(v)}
-        return tuple(at[q] for q in range(len(at)))
+        return self.schedule.positions(self.num_stages)
 
     def position_specs(self) -> tuple[StageSpec, ...]:
         """The one-chunk StageSpec of every model position (see :meth:`positions`): the plan
@@ -194,7 +175,7 @@ class Plan:
             "model": self.model,
             "global_batch": self.global_batch,
             "num_microbatches": self.num_microbatches,
-            "schedule": self.schedule,
+            "schedule": self.schedule.to_raw(),
             "stages": [_stage_dict(s) for s in self.stages],
         }
 
@@ -224,15 +205,15 @@ class Plan:
         if not isinstance(schedule, str):
             raise PlanError(
                 f"{key_prefix}.schedule",
-                f"expected a string (one of {', '.join(RUN_SCHEDULES)}), got {type(schedule).__name__} {schedule!r}",
+                f"expected a string (one of {', '.join(schedule_names())}, or a schedule file), "
+                f"got {type(schedule).__name__} {schedule!r}",
             )
-        return cls(
-            stages=stages,
-            global_batch=_as_int(d["global_batch"], f"{key_prefix}.global_batch"),
-            num_microbatches=_as_int(d["num_microbatches"], f"{key_prefix}.num_microbatches"),
-            schedule=schedule,
-            model=model,
-        )
+        global_batch = _as_int(d["global_batch"], f"{key_prefix}.global_batch")
+        num_microbatches = _as_int(d["num_microbatches"], f"{key_prefix}.num_microbatches")
+        try:
+            return cls(stages, global_batch, num_microbatches, schedule, model)
+        except PlanError as e:  # the schedule (the one field read in construction)
+            raise PlanError(f"{key_prefix}.schedule", e.message) from None
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as commented, hand-editable YAML (one flow mapping per stage)."""
@@ -250,14 +231,8 @@ class Plan:
         ]
         if any(s.chunks for s in self.stages):
             lines.append(
-                f"# stages[i].chunks: the stage's layer chunks in chunk order ({self.schedule} places chunk c "
-                + ("of stage s at model position c * num_stages + s)." if self.schedule == "interleaved" else "")
-                + (
-                    "0 of stage s at model position s, chunk 1 at 2 * num_stages - 1 - s)."
-                    if self.schedule == "zb-v"
-                    else ""
-                )
-                + (")." if self.schedule not in CHUNKED_SCHEDULES else "")
+                f"# stages[i].chunks: the stage's layer chunks in chunk order ({self.schedule.name} places "
+                f"{self.schedule.placement})."
             )
         lines += [
             _commented(f"model: {_scalar(self.model)}", "model config this plan was made for"),
@@ -269,7 +244,9 @@ class Plan:
             else "microbatches per step"
         )
         lines.append(_commented(f"num_microbatches: {_scalar(self.num_microbatches)}", mb))
-        lines.append(_commented(f"schedule: {_scalar(self.schedule)}", " | ".join(RUN_SCHEDULES)))
+        lines.append(
+            _commented(f"schedule: {_scalar(self.schedule.to_raw())}", " | ".join((*schedule_names(), "<file>.csv")))
+        )
         lines.append(_commented("stages:", "ordered: stage 0 = embedding side"))
         for stage in self.to_dict()["stages"]:
             lines.append(f"  - {_scalar(stage)}")
@@ -400,7 +377,12 @@ def check_plan(
             if size < 1:
                 raise PlanError(f"{p}.stages[{i}].{axis}", f"{axis}={size}; expected >= 1")
 
-    if plan.schedule in CHUNKED_SCHEDULES:
+    if plan.num_microbatches < 1:
+        raise PlanError(f"{p}.num_microbatches", f"num_microbatches={plan.num_microbatches}; expected >= 1")
+    why = plan.schedule.shape_error(plan.num_stages, plan.num_microbatches)
+    if why is not None:
+        raise PlanError(f"{p}.num_microbatches", f"{plan.schedule.label}: {why}")
+    if plan.schedule.chunk_choice or plan.schedule.chunks > 1:
         _check_chunks(plan, num_layers, p)
     else:
         _check_layers(plan, num_layers, p)
@@ -456,9 +438,6 @@ def check_plan(
             if size % s.tensor:
                 raise PlanError(f"{p}.stages[{i}].tensor", f"tensor={s.tensor} does not divide {name}={size}")
 
-    if plan.schedule not in RUN_SCHEDULES:
-        raise PlanError(f"{p}.schedule", f"schedule={plan.schedule!r} is not one of {', '.join(RUN_SCHEDULES)}")
-
 
 def _check_layers(plan: Plan, num_layers: int, p: str) -> None:
     """One layer range per stage: [0, num_layers) covered exactly once, contiguous, in stage order."""
@@ -466,8 +445,8 @@ def _check_layers(plan: Plan, num_layers: int, p: str) -> None:
         if s.chunks:
             raise PlanError(
                 f"{p}.stages[{i}].chunks",
-                f"stage {i} holds {s.num_chunks} layer chunks; schedule {plan.schedule!r} runs one layer range "
-                f"per stage (chunks need schedule {' or '.join(CHUNKED_SCHEDULES)})",
+                f"stage {i} holds {s.num_chunks} layer chunks; schedule {plan.schedule.label!r} runs one layer "
+                f"range per stage (chunks need schedule {' or '.join(_chunked_names())})",
             )
     expected_start = 0
     for i, s in enumerate(plan.stages):
@@ -503,27 +482,20 @@ def _check_chunks(plan: Plan, num_layers: int, p: str) -> None:
     """Several chunks per stage: the same count v on every stage (zb-v: 2), the schedule's own
     constraints on the microbatches, and the chunks in model-position order (the schedule
     places chunk c of stage s) covering [0, num_layers) exactly, contiguously."""
-    name, v = plan.schedule, plan.stages[0].num_chunks
-    need = "exactly 2 (its V: chunk 0 down, chunk 1 back up)" if name == "zb-v" else f"{v} (as many as stage 0)"
+    sched = plan.schedule
+    name, v = sched.label, sched.chunks
+    need = f"{v} (as many as stage 0)" if sched.chunk_choice else f"exactly {v} ({sched.placement})"
     for i, s in enumerate(plan.stages):
-        if (name == "zb-v" and s.num_chunks != 2) or s.num_chunks != v:
+        if s.num_chunks != v:
             raise PlanError(
                 f"{p}.stages[{i}].chunks",
                 f"stage {i} holds {s.num_chunks} layer chunk(s); schedule {name} needs {need} on every stage "
                 "(stages[i].chunks: [[start, end], ...])",
             )
-    if plan.num_microbatches < 1:
-        raise PlanError(f"{p}.num_microbatches", f"num_microbatches={plan.num_microbatches}; expected >= 1")
-    try:
-        get_schedule(name, plan.num_stages, plan.num_microbatches, num_chunks=v)
-    except ValueError as e:
-        raise PlanError(f"{p}.num_microbatches", str(e)) from None
-    rule = (
-        "chunk c of stage s at c * num_stages + s"
-        if name == "interleaved"
-        else "chunk 0 of stage s at s, chunk 1 at 2 * num_stages - 1 - s"
+    where = (
+        f"{sched.name} places {sched.placement}; the chunks in position order must cover [0, {num_layers}) "
+        f"contiguously; got {_chunk_text(plan)}"
     )
-    where = f"{name} places {rule}; the chunks in position order must cover [0, {num_layers}) contiguously; got {_chunk_text(plan)}"
     expected = 0
     for q, (i, c) in enumerate(plan.positions()):
         start, end = plan.stages[i].layer_chunks[c]
@@ -687,26 +659,33 @@ def even_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def chunked_variant(plan: Plan, schedule: str, num_chunks: int = 2) -> Plan:
+def _chunked_names() -> tuple[str, ...]:
+    """The registered families whose stages hold several layer chunks (or may)."""
+    return tuple(n for n in schedule_names() if (f := schedule_family(n)).chunk_choice or f.default_chunks > 1)
+
+
+def chunked_variant(plan: Plan, schedule: Schedule | str, num_chunks: int | None = None) -> Plan:
     """The same stages (chip, mesh, recompute and block count each) under a chunked schedule
-    (interleaved with `num_chunks` chunks per stage; zb-v: 2): each stage's blocks as even
-    chunks (the earlier chunks one block larger where they do not divide), in the model order
-    `schedule` gives chunk c of stage s. What ``h2jax plan`` prices beside the searched plan.
-    A stage with fewer blocks than chunks, or a microbatch count the schedule cannot run, is a
-    PlanError naming the key."""
-    if schedule not in CHUNKED_SCHEDULES:
-        raise PlanError("plan.schedule", f"schedule={schedule!r}; expected one of {', '.join(CHUNKED_SCHEDULES)}")
-    v = 2 if schedule == "zb-v" else num_chunks
+    (its chunks per stage; `num_chunks` where that count is a choice, interleaved's default 2):
+    each stage's blocks as even chunks (the earlier chunks one block larger where they do not
+    divide), in the model order the schedule gives chunk c of stage s. What ``h2jax plan``
+    prices beside the searched plan. A stage with fewer blocks than chunks, or a microbatch
+    count the schedule cannot run, is a PlanError naming the key."""
+    try:
+        sched = as_schedule(schedule, chunks=num_chunks)
+    except ScheduleError as e:
+        raise PlanError("plan.schedule", str(e)) from None
+    if not (sched.chunk_choice or sched.chunks > 1):
+        raise PlanError("plan.schedule", f"schedule={sched.label!r}; expected one of {', '.join(_chunked_names())}")
+    v = sched.chunks
     for i, st in enumerate(plan.stages):
         if st.num_layers < v:
             raise PlanError(
-                f"plan.stages[{i}]", f"holds {st.num_layers} block(s); {schedule} needs {v} chunks per stage"
+                f"plan.stages[{i}]", f"holds {st.num_layers} block(s); {sched.label} needs {v} chunks per stage"
             )
     try:
-        sched = get_schedule(
-            schedule, plan.num_stages, plan.num_microbatches, num_chunks=v if schedule == "interleaved" else None
-        )
-    except ValueError as e:
+        sched = sched.bind(plan.num_stages, plan.num_microbatches)
+    except ScheduleError as e:
         raise PlanError("plan.num_microbatches", str(e)) from None
     size = {(s, c): st.num_layers // v + (c < st.num_layers % v) for s, st in enumerate(plan.stages) for c in range(v)}
     ranges: dict[tuple[int, int], tuple[int, int]] = {}
@@ -718,4 +697,4 @@ def chunked_variant(plan: Plan, schedule: str, num_chunks: int = 2) -> Plan:
         StageSpec(st.chip, ranges[s, 0], st.data, st.tensor, st.recompute, tuple(ranges[s, c] for c in range(v)))
         for s, st in enumerate(plan.stages)
     )
-    return replace(plan, stages=stages, schedule=schedule)
+    return replace(plan, stages=stages, schedule=sched.schedule)

@@ -21,7 +21,7 @@ The space (the exhaustive enumerator in this module walks exactly the same one):
   need a block per chunk on every stage (a stage's blocks become even chunks,
   :func:`h2jax.plan.chunked_variant`) and their microbatch counts (interleaved: a multiple of
   the stage count; zb-v: at least 2p - 1). Internally interleaved with v chunks is the
-  schedule label ``interleaved:v`` (:func:`h2jax.plan.schedule_variant`).
+  schedule object ``Interleaved(v)`` (label ``interleaved:v``).
 
 Objective: the cost model's iteration time (:mod:`h2jax.plan._cost`); constraint: every
 stage fits its chip's memory. Per configuration and order each schedule is solved in turn
@@ -29,7 +29,7 @@ stage fits its chip's memory. Per configuration and order each schedule is solve
 (``(m - 1) max t + sum fill + max end``, fill and end non-decreasing in the layer count: affine,
 but for zb-v's maximum of affine terms, priced at every count), so the exact round below
 covers them unchanged (a chunked stage's fill is infinite below one block per chunk). Every bound below
-is taken per schedule, with that schedule's memory caps (:func:`count_floors`) and fills,
+is taken per schedule, with that schedule's memory caps (its ``count_floors``) and fills,
 and a schedule is solved only where its own bound leaves it a chance: ZB-H1's shorter fill
 does not loosen the bound of configurations where its extra memory cannot fit.
 
@@ -117,30 +117,25 @@ from h2jax.plan._cost import (
     CostOptions,
     PlanCost,
     estimate,
+    expand_chunks,
     layer_fill_s,
     memory_limit,
     part_costs,
     part_fill_s,
-    pipeline_terms,
     searched_schedules,
-    split_backward,
     stage_cost,
     stage_memory,
     transfer_s,
 )
 from h2jax.plan._plan import (
-    CHUNKED_SCHEDULES,
     INTERLEAVED_CHUNKS,
-    RUN_SCHEDULES,
     Plan,
     PlanError,
     StageSpec,
     chunked_variant,
-    schedule_variant,
-    variant_label,
 )
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
-from h2jax.plan._schedule import memory_counts
+from h2jax.plan.schedules import Schedule, as_schedule, schedule_names
 
 INF = math.inf
 DEFAULT_TIME_BUDGET_S = 3.0  # what `h2jax plan` allows the search without --time-budget
@@ -157,11 +152,11 @@ class SearchOptions:
 
     schedule: one schedule the plans use (any of `schedules`); None: the search
         chooses among `schedules` as one more dimension of the space.
-    schedules: the schedules a free search chooses among, any of the runtime's; by default
-        all of them (``h2jax.plan.RUN_SCHEDULES``: gpipe, 1f1b, zb-h1, interleaved with each
-        v of `interleaved_chunks`, zb-v), as ``h2jax plan``. The one-chunk ones alone
-        (``h2jax.plan.SCHEDULES``) search a third faster, with a higher lower bound (the
-        chunked ones' short fills lower it).
+    schedules: the schedules a free search chooses among (names, schedule files or
+        :class:`~h2jax.plan.schedules.Schedule` objects); by default every registered family
+        (``h2jax.plan.schedule_names()``: gpipe, 1f1b, zb-h1, interleaved with each v of
+        `interleaved_chunks`, zb-v), as ``h2jax plan``. The one-chunk ones alone search a
+        third faster, with a higher lower bound (the chunked ones' short fills lower it).
         GPipe is skipped beside 1F1B: the cost model gives it 1F1B's time with at least
         1F1B's memory, so it never wins.
     interleaved_chunks: the chunk counts v (each >= 2) the search tries wherever it searches
@@ -198,8 +193,8 @@ class SearchOptions:
         (hours on 10,000 chips).
     """
 
-    schedule: str | None = None
-    schedules: tuple[str, ...] = RUN_SCHEDULES
+    schedule: Schedule | str | None = None
+    schedules: tuple[Schedule | str, ...] = schedule_names()
     interleaved_chunks: tuple[int, ...] = INTERLEAVED_CHUNKS
     microbatch_sizes: tuple[int, ...] | None = None
     max_microbatch: int | None = None
@@ -251,11 +246,11 @@ class ChipChoice:
         """Layers per second this chip type's stages process together (sum of 1 / a_s)."""
         return self.stages / self.layer_s
 
-    def bounds(self, schedule: str | None = None) -> StageCaps:
+    def bounds(self, schedule: Schedule | None = None) -> StageCaps:
         """This choice's caps and fill under `schedule` (None: the loosest over the searched ones)."""
         return self.caps[schedule]
 
-    def layers_within(self, b: np.ndarray, schedule: str | None = None) -> np.ndarray:
+    def layers_within(self, b: np.ndarray, schedule: Schedule | None = None) -> np.ndarray:
         """Upper bound on the blocks these stages can hold if no stage may take longer than `b`.
 
         A stage with l <= max_layers blocks takes >= l * layer_s, so l <= floor(b / layer_s);
@@ -432,71 +427,10 @@ class _CapsByJ:
         return self.caps_n[idx], self.caps_r[idx]
 
 
-def searched_labels(opts: SearchOptions) -> tuple[str, ...]:
-    """The schedules a search prices (:func:`h2jax.plan._cost.searched_schedules`) as labels:
-    interleaved once per chunk count of `opts.interleaved_chunks`, as ``interleaved:v``
-    (:func:`h2jax.plan.schedule_variant` reads them)."""
-    return _expand_interleaved(searched_schedules(opts.schedule, opts.schedules), opts)
-
-
-def _expand_interleaved(names: Sequence[str], opts: SearchOptions) -> tuple[str, ...]:
-    out: list[str] = []
-    for name in names:
-        if name != "interleaved":
-            out.append(name)
-            continue
-        vs = opts.interleaved_chunks
-        if not vs or any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in vs):
-            raise PlanError("interleaved_chunks", f"interleaved_chunks={tuple(vs)!r}; expected integers >= 2")
-        out.extend(variant_label(name, v) for v in dict.fromkeys(vs))
-    return tuple(out)
-
-
-def count_floors(schedule: str, *, k: int, m: int, n_types: int, L: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The (awaiting B, awaiting W) counts that bound the memory of a chip type's k stages from
-    below, per stage rank r = 1..L (its stages ranked by microbatches awaiting B, fewest
-    first; a choice of k stages uses ranks 1..k), as points whose memory is the least the
-    rank-r stage can need (the caps take the max over them: memory is linear in the counts,
-    so over a polytope of counts it is least at one of its vertices):
-
-    - gpipe: every stage holds all m microbatches: (m, 0);
-    - 1f1b: stage s of p holds min(p - s, m): k stages have k distinct counts, the r-th
-      fewest at least min(r, m): (min(r, m), 0) -- capped at m, which holds fewer than k
-      stages when m < k;
-    - zb-h1: (min(p - s, m), min(s + 1, m)) (:func:`h2jax.plan._schedule.memory_counts`): j
-      at least min(r, m), q at least 1, both at most m, and j + q >= min(p + 1, m + 1) with
-      p >= k + n_types - 1 (every chip type has a stage): the vertices of that polytope
-      nearest the origin, the two ends of its edge j + q = T;
-    - interleaved with v chunks (label ``interleaved:v``; (chunk, microbatch) counts): stage s
-      holds min(2(p - s - 1) + (v - 1)p + 1, vm), so the r-th fewest at least
-      min(2(r - 1) + (v - 1)p + 1, vm) with p >= r + n_types - 1;
-    - zb-v (chunk counts): (2p, 2s + 1): j at least 2(r + n_types - 1), q at least 2r - 1.
-
-    The chunked floors use p >= r + n_types - 1 rather than k's, so they do not depend on k.
-    """
-    r = np.arange(1, L + 1, dtype=np.float64)
-    j_lo = np.minimum(r, m)
-    schedule, v = schedule_variant(schedule)
-    if schedule == "gpipe":
-        return [(np.full(L, float(m)), np.zeros(L))]
-    if schedule == "interleaved":
-        return [(np.minimum(2 * (r - 1) + (v - 1) * (r + n_types - 1) + 1, v * m), np.zeros(L))]
-    if schedule == "zb-v":
-        return [(2 * (r + n_types - 1), 2 * r - 1)]
-    if not split_backward(schedule):
-        return [(j_lo, np.zeros(L))]
-    if schedule != "zb-h1":
-        raise PlanError("plan.schedule", f"schedule={schedule!r}: no memory bound for the search")
-    T = zb_floor_total(k, m=m, n_types=n_types)
-    j1 = np.maximum(j_lo, T - m)
-    j2 = np.maximum(j1, np.minimum(m, T - 1))
-    return [(j1, np.maximum(1.0, T - j1)), (j2, np.maximum(1.0, T - j2))]
-
-
-def zb_floor_total(k, *, m: int, n_types: int):
-    """ZB-H1's least awaiting-B plus awaiting-W count of any stage of a chip type with k
-    stages (k: an int, or an array of them): min(p, m) + 1 with p >= k + n_types - 1."""
-    return np.minimum(np.asarray(k, dtype=np.float64) + n_types - 1, m) + 1
+def searched_labels(opts: SearchOptions) -> tuple[Schedule, ...]:
+    """The schedules a search prices (:func:`h2jax.plan._cost.searched_schedules`), a family
+    whose chunk count is a choice once per count of `opts.interleaved_chunks`."""
+    return expand_chunks(searched_schedules(opts.schedule, opts.schedules), opts.interleaved_chunks)
 
 
 def chip_choices(
@@ -510,7 +444,7 @@ def chip_choices(
     num_microbatches: int,
 ) -> dict[str, list[ChipChoice]]:
     """Every (k, data, tensor) of every chip type for this microbatch size, with the memory
-    caps of its stages under each searched schedule (:func:`count_floors`) at
+    caps of its stages under each searched schedule (its ``count_floors``) at
     `num_microbatches`.
 
     `caps_cache`: the memory model by (chip, tensor, sequences per device), which is all it
@@ -518,9 +452,19 @@ def chip_choices(
     """
     caps_cache = {} if caps_cache is None else caps_cache
     schedules = searched_labels(opts)
-    variants = list(dict.fromkeys(schedule_variant(s)[1] for s in schedules))  # chunk counts: one memory model each
-    flat = [s for s in schedules if s != "zb-h1"]  # caps that do not depend on k
-    zb_h1, with_1f1b = "zb-h1" in schedules, "1f1b" in schedules
+    variants = list(dict.fromkeys(s.chunks for s in schedules))  # chunk counts: one memory model each
+    flat = [s for s in schedules if not s.floors_need_k]  # caps that do not depend on k
+    by_k = [s for s in schedules if s.floors_need_k]
+    if len(by_k) > 1:
+        raise PlanError(
+            "schedules",
+            f"{', '.join(s.label for s in by_k)}: the search bounds the memory of one schedule whose floors "
+            "depend on a chip type's stage count; expected at most one of them",
+        )
+    kdep = by_k[0] if by_k else None
+    # the loosest caps of the k-independent schedules bound the k-dependent one's too where one
+    # of them has floors never above its (its caps_within): one loose object for every k
+    with_loose = kdep is None or any(s.name in kdep.caps_within for s in flat)
     out: dict[str, list[ChipChoice]] = {}
     L = model.n_layers
     m = num_microbatches
@@ -564,15 +508,15 @@ def chip_choices(
                 if fills is None:
                     fills = {s: layer_fill_s(model, blk, tensor=t, schedules=(s,)) for s in schedules}
                     caps_cache[key, "fills", schedules] = fills
-                # caps depend on k only through ZB-H1's floor total: one object per distinct total,
-                # shared by every choice with it (one row of _Held), all totals priced at once; the
-                # other schedules' do not depend on k: one object each
-                shared: dict[str | None, StageCaps] = {
+                # caps depend on k only through the k-dependent schedule's floor key (ZB-H1's floor
+                # total): one object per distinct key, shared by every choice with it (one row of
+                # _Held), all keys priced at once; the other schedules' do not depend on k: one each
+                shared: dict[Schedule | None, StageCaps] = {
                     s: _schedule_caps(caps_cache, key, s, m, n_types, L, fills[s], opts.allow_recompute) for s in flat
                 }
                 loose = None
-                if with_1f1b:
-                    # 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
+                if with_loose:
+                    # e.g. 1F1B's caps lie above ZB-H1's (its floors lie below them); the chunked
                     # schedules' (a chunk's activations, their own counts) may lie above either, and
                     # like 1F1B's they do not depend on k: one loose object
                     lkey = (key, m, "loose", schedules)
@@ -585,15 +529,15 @@ def chip_choices(
                         )
                     if loose.max_layers_rc[0] < 1:
                         continue  # not even one block fits a stage of this shape
-                if zb_h1:
-                    tot = zb_floor_total(np.array(ks), m=m, n_types=n_types).tolist()
-                    want = [v for v in dict.fromkeys(tot) if (key, "zb-h1", m, v) not in caps_cache]
+                if kdep is not None:
+                    tot = kdep.floor_key(np.array(ks), m=m, n_types=n_types).tolist()
+                    want = [v for v in dict.fromkeys(tot) if (key, kdep, m, v) not in caps_cache]
                     if want:
-                        fkey = ("zb-h1", "floors", m, n_types, L, tuple(want))  # no chip shape in it
+                        fkey = (kdep, "floors", m, n_types, L, tuple(want))  # no chip shape in it
                         floors = caps_cache.get(fkey)
                         if floors is None:
-                            kk = np.array(want)[:, None] - n_types + 1  # a k with that total
-                            floors = caps_cache[fkey] = count_floors("zb-h1", k=kk, m=m, n_types=n_types, L=L)
+                            kk = np.array(want)[:, None] - n_types + 1  # a k with that key
+                            floors = caps_cache[fkey] = kdep.count_floors(k=kk, m=m, n_types=n_types, L=L)
                         ranks = None
                         if np.ndim(floors[0][0]) == 2:  # a total's choices use only their stages' ranks
                             most = dict(zip(tot, ks))  # ks ascend: the last k of each total is its most
@@ -601,21 +545,21 @@ def chip_choices(
                         ln, lr = _caps_at(caps_cache[key, 1], floors, L, opts.allow_recompute, ranks)
                         if ln.ndim == 1:  # floors that do not depend on the total
                             ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
-                        fill = fills["zb-h1"]
+                        fill = fills[kdep]
                         for v, a, b in zip(want, ln, lr):
-                            caps_cache[key, "zb-h1", m, v] = StageCaps(a, b, fill)
-                    zb = {v: caps_cache[key, "zb-h1", m, v] for v in dict.fromkeys(tot)}  # by floor total
+                            caps_cache[key, kdep, m, v] = StageCaps(a, b, fill)
+                    zb = {v: caps_cache[key, kdep, m, v] for v in dict.fromkeys(tot)}  # by floor key
                 else:
                     tot = [0.0] * len(ks)
                     zb = {0.0: None}
                 # one caps dict per floor total (with the loosest caps under None), shared by its choices
-                full: dict[float, dict[str | None, StageCaps] | None] = {}
+                full: dict[float, dict[Schedule | None, StageCaps] | None] = {}
                 if loose is not None:
                     for v, z in zb.items():
-                        full[v] = {**shared, "zb-h1": z, None: loose} if z is not None else {**shared, None: loose}
+                        full[v] = {**shared, kdep: z, None: loose} if z is not None else {**shared, None: loose}
                 else:
                     for v, z in zb.items():
-                        caps = {**shared, "zb-h1": z} if z is not None else shared
+                        caps = {**shared, kdep: z} if z is not None else shared
                         loose = StageCaps(
                             np.max([c.max_layers for c in caps.values()], axis=0),
                             np.max([c.max_layers_rc for c in caps.values()], axis=0),
@@ -638,7 +582,14 @@ def chip_choices(
 
 
 def _schedule_caps(
-    caps_cache: dict, key: tuple, schedule: str, m: int, n_types: int, L: int, fill_s: float, allow_recompute: bool
+    caps_cache: dict,
+    key: tuple,
+    schedule: Schedule,
+    m: int,
+    n_types: int,
+    L: int,
+    fill_s: float,
+    allow_recompute: bool,
 ) -> StageCaps:
     """The caps of a chip shape (`key`: chip, tensor, sequences per device) under a schedule
     whose floors do not depend on its stage count k (all but ZB-H1), at m microbatches. The
@@ -650,13 +601,13 @@ def _schedule_caps(
     fkey = (schedule, "floors", m, n_types, L)  # the floors depend on no chip shape: once per search
     hit = caps_cache.get(fkey)
     if hit is None:
-        floors = count_floors(schedule, k=1, m=m, n_types=n_types, L=L)
+        floors = schedule.count_floors(k=1, m=m, n_types=n_types, L=L)
         # nothing awaits W: caps by j alone, the floors as indices into the table over j
         by_j = len(floors) == 1 and not floors[0][1].any()
         j_idx = floors[0][0].astype(np.intp) if by_j else None
         j_top = int(j_idx.max()) if by_j else 0
         floor_bytes = b"".join(np.ascontiguousarray(a).tobytes() for p in floors for a in p)
-        hit = caps_cache[fkey] = (floors, j_idx, j_top, floor_bytes, schedule_variant(schedule)[1])
+        hit = caps_cache[fkey] = (floors, j_idx, j_top, floor_bytes, schedule.chunks)
     floors, j_idx, j_top, floor_bytes, chunks = hit
     if j_idx is not None:
         by_j = caps_cache.get((key, chunks, "by j"))
@@ -685,7 +636,7 @@ class _Held:
     they take, so a row per caps object and a running sum over its ranks give every choice
     (compiled: :class:`h2jax.plan._planner.Held`)."""
 
-    def __init__(self, choices: Sequence[ChipChoice], schedule: str | None = None):
+    def __init__(self, choices: Sequence[ChipChoice], schedule: Schedule | None = None):
         caps_of = [c.caps[schedule] for c in choices]
         # a row per caps object (their order is immaterial), drawn from its choice with the most stages
         keys, row = np.unique(np.array([id(c) for c in caps_of], dtype=np.int64), return_inverse=True)
@@ -801,23 +752,23 @@ class _Solver:
         last: bool,
         infl: int,
         pending: int = 0,
-        schedule: str = "1f1b",
+        schedule: Schedule | str = "1f1b",
     ) -> _StageArrays:
         """One stage's time, fill, end and fit for every layer count l under `schedule`, with
         `infl` microbatches awaiting B and `pending` awaiting W: what :meth:`solve` prices."""
-        name, chunks = schedule_variant(schedule)
+        schedule = as_schedule(schedule)
         t, g, recompute, fill = _planner.stage_rows(
             [self.pricing(chip, data, tensor, mb, first, last, schedule)],
             [1],
             np.array([[infl, pending]], dtype=np.int64),
             self.opts.allow_recompute,
-            chunks,
-            split_backward(name) or chunks > 1,
+            schedule.chunks,
+            _has_fill(schedule),
         )
         return _StageArrays(t=t[0], g=g[0], recompute=recompute[0], fill=None if fill is None else fill[0])
 
     def pricing(
-        self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, schedule: str
+        self, chip: str, data: int, tensor: int, mb: int, first: bool, last: bool, schedule: Schedule
     ) -> _planner.Pricing:
         """One stage shape's pricing over the layer count l, as :func:`h2jax.plan._planner.solve`
         takes it (a :class:`h2jax.plan._planner.Pricing` of the table): float64 [recompute flag
@@ -832,8 +783,7 @@ class _Solver:
         hit = self._tables.get(key)
         if hit is not None:
             return hit
-        name, chunks = schedule_variant(schedule)
-        split = split_backward(name)
+        chunks, split = schedule.chunks, schedule.split_backward
         prof = self.cluster.profile(chip)
         kw = dict(
             first=first, last=last, data=data, tensor=tensor, microbatch=mb, table=self.table, opts=self.opts.cost
@@ -862,13 +812,13 @@ class _Solver:
                 for c in (c0, c1)
             )
             t, fwd, b, w, hidden, tail, out[i, 3], out[i, 4], out[i, 5] = v0[:, None] + self.layers * (v1 - v0)[:, None]
-            out[i, 1], out[i, 2] = pipeline_terms(name, t=t, fwd=fwd, b=b, w=w, hidden=hidden, tail=tail, chunks=chunks)
+            out[i, 1], out[i, 2] = schedule.pipeline_terms(t=t, fwd=fwd, b=b, w=w, hidden=hidden, tail=tail)
             out[i, 0] = t
             out[i, 6] = c0.memory_limit
         hit = self._tables[key] = _planner.Pricing(out)
         return hit
 
-    def stage_pricing(self, c: ChipChoice, mb: int, first: bool, last: bool, schedule: str) -> _planner.Pricing:
+    def stage_pricing(self, c: ChipChoice, mb: int, first: bool, last: bool, schedule: Schedule) -> _planner.Pricing:
         """:meth:`pricing` of a stage of choice `c` (of microbatch size `mb`), cached by the
         choice's identity (a search asks for the same ones thousands of times)."""
         key = (id(c), first, last, schedule)
@@ -877,13 +827,12 @@ class _Solver:
             hit = self._by_choice[key] = self.pricing(c.chip, c.data, c.tensor, mb, first, last, schedule)
         return hit
 
-    def counts(self, name: str, S: int, m: int, v: int) -> np.ndarray:
-        """int64 [stage, (awaiting B, awaiting W)] of schedule `name` (:func:`memory_counts`)."""
-        key = (name, S, m, v)
+    def counts(self, schedule: Schedule, S: int, m: int) -> np.ndarray:
+        """int64 [stage, (awaiting B, awaiting W)] of `schedule` (its ``memory_counts``)."""
+        key = (schedule, S, m)
         hit = self._counts.get(key)
         if hit is None:
-            hit = np.array(memory_counts(name, S, m, v if name == "interleaved" else None), dtype=np.int64)
-            self._counts[key] = hit
+            hit = self._counts[key] = np.array(schedule.memory_counts(S, m), dtype=np.int64)
         return hit
 
     def solve(
@@ -891,7 +840,7 @@ class _Solver:
         tables: list[np.ndarray],
         runs: list[int],
         counts: np.ndarray,
-        schedule: str,
+        schedule: Schedule,
         m: int,
         transfers: float,
         best: float,
@@ -900,10 +849,8 @@ class _Solver:
         beats `best` (module docstring, "Why the exact round is exact"; compiled:
         :mod:`h2jax.plan._planner`): the stages as runs of one shape, ``runs[i]`` stages priced by
         ``tables[i]`` (:meth:`pricing`), with `counts` (:meth:`counts`)."""
-        name, chunks = schedule_variant(schedule)
-        has_fill = split_backward(name) or chunks > 1
         value, layers, recompute, n_dp = _planner.solve(
-            tables, runs, counts, self.opts.allow_recompute, chunks, has_fill, m, transfers, best
+            tables, runs, counts, self.opts.allow_recompute, schedule.chunks, _has_fill(schedule), m, transfers, best
         )
         self.dp_solves += n_dp
         return None if layers is None else (value, layers, recompute)
@@ -968,7 +915,7 @@ class _Bounds:
         mb: int,
         L: int,
         *,
-        schedule: str | None = None,
+        schedule: Schedule | None = None,
         fixed_s: float = 0.0,
     ):
         self.m, self.mb, self.L, self.fixed_s = m, mb, L, fixed_s
@@ -1007,7 +954,7 @@ def root_bound(
     m: int,
     L: int,
     fixed_s: float = 0.0,
-    schedule: str | None = None,
+    schedule: Schedule | None = None,
     helds: Sequence[_Held] | None = None,
 ) -> float:
     """A lower bound on every plan of one microbatch size (any configuration, any order).
@@ -1078,7 +1025,7 @@ def _fixed_parts_s(
     choices: dict[str, list[ChipChoice]],
     mb: int,
     table: ProfileTable | None,
-    schedules: Sequence[str] = ("1f1b",),
+    schedules: Sequence[Schedule] = (),
 ) -> float:
     """The cheapest embedding plus the cheapest head (fwd + bwd, less the W a split schedule
     hides) over every choice: stage 0 and the last stage run them besides their blocks,
@@ -1119,7 +1066,7 @@ class _Run:
         self.names = cluster.names
         self.solver = _Solver(model, cluster, table, opts)
         # split schedules first: the fastest of a configuration sets the bar the others must beat
-        self.schedules = sorted(searched_labels(opts), key=lambda s: not split_backward(schedule_variant(s)[0]))
+        self.schedules = sorted(searched_labels(opts), key=lambda s: not s.split_backward)
         self.shared = opts.cost.host_contention and has_shared_host(cluster)
         self.best = INF
         self.best_plan: tuple | None = None
@@ -1132,7 +1079,7 @@ class _Run:
         self._fixed: dict[tuple[int, str], float] = {}
         self._shapes: dict[int, dict[str, list[ChipChoice]]] = {}  # per mb, one choice per (tensor, data)
         self.starts: list[tuple[float, tuple[ChipChoice, ...], int, tuple[str, ...], str]] = []
-        self.last_schedule = ""  # the schedule of evaluate's result
+        self.last_schedule: Schedule | None = None  # the schedule of evaluate's result
         self._ranked_cache: dict[int, dict] = {}
         self._helds: dict[tuple[int, str | None], list[_Held]] = {}
         self._memo: dict[tuple, tuple] = {}  # evaluate's results by (config, mb, orders, schedules, screen)
@@ -1167,7 +1114,7 @@ class _Run:
             self.mb_bound[mb] = (self.gb // mb - 1) * b + self.L * min(h.amin for h in helds)
             self.tick()
 
-    def helds(self, mb: int, schedule: str | None) -> list[_Held]:
+    def helds(self, mb: int, schedule: Schedule | None) -> list[_Held]:
         """The :class:`_Held` of every chip type's choices at microbatch `mb` under `schedule`."""
         key = (mb, schedule)
         hit = self._helds.get(key)
@@ -1175,7 +1122,7 @@ class _Run:
             hit = self._helds[key] = [_Held(cs, schedule) for cs in self.space[mb].values()]
         return hit
 
-    def fixed_s(self, mb: int, schedule: str) -> float:
+    def fixed_s(self, mb: int, schedule: Schedule) -> float:
         """The cheapest embedding and head's fill under `schedule` at microbatch `mb`."""
         key = (mb, schedule)
         hit = self._fixed.get(key)
@@ -1227,7 +1174,7 @@ class _Run:
         """The schedules whose plans at microbatch `mb` may beat `limit` by their root bound."""
         return [s for s in self.schedules if self.schedule_bound.get((mb, s), 0.0) < limit]
 
-    def beats(self, config: Sequence[ChipChoice], mb: int, m: int, schedule: str, limit: float) -> bool:
+    def beats(self, config: Sequence[ChipChoice], mb: int, m: int, schedule: Schedule, limit: float) -> bool:
         """Whether a plan of `config` under `schedule` may beat `limit`: T >= (m - 1) max_s t_s +
         sum_s fill_s, so it needs a slot time b = (limit - L min fill - embedding and head) /
         (m - 1) at which the config's stages hold all L blocks within their memory caps."""
@@ -1367,7 +1314,7 @@ class _Run:
         value: float,
         order: tuple[str, ...],
         orders: Sequence[tuple[str, ...]],
-        schedule: str,
+        schedule: Schedule,
     ) -> None:
         """Steepest descent from one configuration: change one chip type's stage count (by
         up to 2, half or double) and tensor degree (any) together, or the microbatch size
@@ -1446,7 +1393,7 @@ class _Run:
         m: int,
         orders: list[tuple[str, ...]],
         cutoff: float | None = None,
-        only: str | Sequence[str] | None = None,
+        only: Schedule | Sequence[Schedule] | None = None,
         screen: bool = False,
     ) -> tuple[float, tuple[str, ...] | None]:
         """Solve `config` in each of `orders` (and each schedule, or `only` these); keep it if it
@@ -1457,7 +1404,7 @@ class _Run:
         :meth:`beats`: its own memory caps and fills) leave it a chance. `screen` (the rounds
         before the exact one): the chunked schedules only in the order the one-chunk ones found
         best for this configuration (in every order where none beat the cutoff)."""
-        schedules = self.schedules if only is None else [only] if isinstance(only, str) else list(only)
+        schedules = self.schedules if only is None else [only] if isinstance(only, Schedule) else list(only)
         start = self.best if cutoff is None else max(cutoff, self.best)  # the limit only falls from here
         # solved before with a limit at least this one (another climb, a later round): the solves are
         # exact below their limit, so the best under it was `value`, and anything under this one is
@@ -1473,7 +1420,7 @@ class _Run:
         self.stats["solved"] += 1
         own, own_order = INF, None
         if screen and len(orders) > 1:
-            chunked = [s for s in schedules if schedule_variant(s)[0] in CHUNKED_SCHEDULES]
+            chunked = [s for s in schedules if s.chunks > 1]
             flat = [s for s in schedules if s not in chunked]
             if chunked and flat:
                 own, own_order = self._orders(config, mb, m, orders, cutoff, flat, own, own_order)
@@ -1513,12 +1460,11 @@ class _Run:
             xfer = solver.transfers(groups, mb)
             shapes: dict[int, tuple[list[tuple[ChipChoice, bool, bool]], list[int]]] = {}  # by head
             for schedule in schedules:  # the schedule: one more dimension, split ones first
-                if not runs(schedule, S, m, L):
+                if not schedule.runs(S, m, L):
                     continue
                 limit = min(own, self.best if cutoff is None else max(cutoff, self.best))
-                name, v = schedule_variant(schedule)
-                counts = solver.counts(name, S, m, v)  # awaiting (B, W)
-                head = 0 if name == "zb-v" else S - 1  # the V's last chunk is stage 0's
+                counts = solver.counts(schedule, S, m)  # awaiting (B, W)
+                head = schedule.head_stage(S)  # the V's last chunk is stage 0's
                 cut = shapes.get(head)
                 if cut is None:
                     # the stages as runs of one shape: a chip type's stages, the first and the head apart
@@ -1546,7 +1492,7 @@ class _Run:
                             opts.cost,
                         ),
                         allow_recompute=opts.allow_recompute,
-                        min_layers=v,
+                        min_layers=schedule.chunks,
                     )
                     if value >= limit:
                         continue
@@ -1799,7 +1745,7 @@ def build_plan(
     *,
     global_batch: int,
     num_microbatches: int,
-    schedule: str,
+    schedule: Schedule,
 ) -> Plan:
     stages, start = [], 0
     for c, n, rc in zip(seq, layers, recompute):
@@ -1807,23 +1753,15 @@ def build_plan(
             StageSpec(chip=c.chip, layers=(start, start + n), data=c.data, tensor=c.tensor, recompute=bool(rc))
         )
         start += n
-    name, v = schedule_variant(schedule)
-    if name in CHUNKED_SCHEDULES:  # each stage's blocks as even chunks where the schedule puts them
+    if schedule.chunks > 1:  # each stage's blocks as even chunks where the schedule puts them
         one = Plan(stages=tuple(stages), global_batch=global_batch, num_microbatches=num_microbatches)
-        return chunked_variant(one, name, num_chunks=v)
+        return chunked_variant(one, schedule)
     return Plan(stages=tuple(stages), global_batch=global_batch, num_microbatches=num_microbatches, schedule=schedule)
 
 
-def runs(schedule: str, num_stages: int, num_microbatches: int, num_layers: int) -> bool:
-    """Whether `schedule` (a label: ``interleaved:v``) can run a pipeline of this shape:
-    interleaved needs the microbatches in groups of the stage count and v blocks per stage,
-    zb-v at least 2p - 1 microbatches and two blocks per stage (one per chunk)."""
-    schedule, v = schedule_variant(schedule)
-    if schedule == "interleaved":
-        return num_microbatches % num_stages == 0 and v * num_stages <= num_layers
-    if schedule == "zb-v":
-        return num_microbatches >= 2 * num_stages - 1 and 2 * num_stages <= num_layers
-    return True
+def _has_fill(schedule: Schedule) -> bool:
+    """Whether a stage's fill term may differ from its time t (split or chunked schedules)."""
+    return schedule.split_backward or schedule.chunks > 1
 
 
 # -- the reference: every plan of the same space --------------------------------------------------
@@ -1852,9 +1790,9 @@ def exhaustive(
     L = model.n_layers
     best, best_plan, count = INF, None, 0
     flags = (False, True) if opts.allow_recompute else (False,)
-    searched_labels(opts)  # refuses what the cost model does not price
-    names = (opts.schedule,) if opts.schedule is not None else tuple(dict.fromkeys(opts.schedules))
-    schedules = _expand_interleaved(names, opts)
+    searched_labels(opts)  # refuses what is no schedule
+    given = (opts.schedule,) if opts.schedule is not None else tuple(opts.schedules)
+    schedules = expand_chunks(tuple(dict.fromkeys(as_schedule(s) for s in given)), opts.interleaved_chunks)
     for mb in microbatch_sizes(global_batch, opts):
         m = global_batch // mb
         choices = chip_choices(cluster, model, mb, opts, table, num_microbatches=m)
@@ -1869,8 +1807,8 @@ def exhaustive(
                     continue
                 for split in _compositions(L, S):
                     for rc, schedule in itertools.product(itertools.product(flags, repeat=S), schedules):
-                        if schedule_variant(schedule)[0] in CHUNKED_SCHEDULES and (
-                            min(split) < schedule_variant(schedule)[1] or not runs(schedule, S, m, L)
+                        if schedule.chunks > 1 and (
+                            min(split) < schedule.chunks or not schedule.runs(S, m, L)
                         ):  # what chunked_variant refuses
                             continue
                         plan = build_plan(

@@ -48,7 +48,7 @@ from typing import Any
 from h2jax.plan._cost import CostOptions, PlanCost, estimate
 from h2jax.plan._plan import Plan, PlanError
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
-from h2jax.plan._schedule import ALL_SCHEDULES, BACKWARD, FORWARD, WEIGHT, Task, get_schedule
+from h2jax.plan.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, ScheduleError, Task, get_schedule
 
 
 @dataclass(frozen=True)
@@ -200,9 +200,6 @@ def _per_mb(value: float | Sequence[float], m: int) -> list[float]:
     return [float(v) for v in value]
 
 
-REPLAYED = ALL_SCHEDULES  # every schedule with a task grid (plan/_schedule.py)
-
-
 class _Walk:
     """What both replays share: the stages' op lists, the durations of each task, the
     dependencies between (virtual stage, kind, microbatch) tasks, and the boundary links.
@@ -300,7 +297,7 @@ class _Walk:
 
 def simulate(
     *,
-    schedule: str,
+    schedule: Schedule | str,
     num_microbatches: int,
     fwd: Sequence[float | Sequence[float]],
     bwd: Sequence[float | Sequence[float]],
@@ -317,7 +314,9 @@ def simulate(
     tail_cores: Sequence[float] | None = None,
     num_chunks: int | None = None,
 ) -> SimResult:
-    """Replay one step of any schedule (``REPLAYED``; `num_chunks`: interleaved's v, default 2). `fwd[s]` / `bwd[s]` / `wgt[s]`: seconds
+    """Replay one step of any schedule (a :class:`~h2jax.plan.schedules.Schedule`, or what
+    :func:`~h2jax.plan.schedules.as_schedule` reads; `num_chunks`: where the family's chunk
+    count is a choice, its count). `fwd[s]` / `bwd[s]` / `wgt[s]`: seconds
     per microbatch of stage s running alone (a number, or one per microbatch) of its forward,
     input-gradient backward (B) and weight-gradient backward (W); an unsplit schedule runs
     B + W as its one backward task, so ``wgt=None`` (W = 0, B = the whole backward) suits
@@ -328,11 +327,13 @@ def simulate(
     which only interleaved crosses (0 when no transfers are given). `hosts[s]`,
     `host_cores[host]`, `*_cores[s]`: shared hosts (module docstring; W uses `bwd_cores`)."""
     n, m = len(fwd), num_microbatches
-    if schedule not in REPLAYED:
-        raise PlanError("plan.schedule", f"schedule={schedule!r}; the simulator replays {', '.join(REPLAYED)}")
     if len(bwd) != n:
         raise ValueError(f"fwd has {n} stages, bwd {len(bwd)}")
-    sched = get_schedule(schedule, n, m, num_chunks=num_chunks)
+    try:
+        sched = get_schedule(schedule, n, m, num_chunks=num_chunks)
+    except ScheduleError as e:
+        raise PlanError("plan.schedule", str(e)) from None
+    schedule = sched.schedule.label
     if wgt is None and sched.split_backward:
         raise ValueError(
             f"schedule={schedule!r} splits the backward into B and W: give wgt (the weight-gradient "
@@ -347,9 +348,9 @@ def simulate(
     xb = list(transfer_bwd or [0.0] * (n - 1))
     if len(xf) != n - 1 or len(xb) != n - 1:
         raise ValueError(f"transfer_fwd / transfer_bwd: expected {n - 1} boundaries, got {len(xf)} / {len(xb)}")
-    # only interleaved's chunk hand-over from the last stage to stage 0 crosses a link that is
-    # no plan boundary (with 2 stages that pair is boundary 0 itself)
-    crosses_wrap = sched.num_chunks > 1 and n > 2 and sched.virtual_stage(0, 1) == sched.virtual_stage(n - 1, 0) + 1
+    # a chunk hand-over from the last stage to stage 0 (interleaved's) crosses a link that is no
+    # plan boundary (with 2 stages that pair is boundary 0 itself)
+    crosses_wrap = sched.schedule.wraps(n)
     if transfer_wrap is None and crosses_wrap and (transfer_fwd or transfer_bwd):
         raise ValueError(f"schedule={schedule!r} moves tensors between the last stage and stage 0: give transfer_wrap")
     walk = _Walk(sched, f, b, w, xf, xb, tuple(transfer_wrap or (0.0, 0.0)))
@@ -515,7 +516,6 @@ def simulate_plan(
         transfer_fwd=cost.transfers_fwd,
         transfer_bwd=cost.transfers_bwd,
         transfer_wrap=cost.transfer_wrap,
-        num_chunks=plan.num_chunks if plan.schedule == "interleaved" else None,
         tail=[s.tail_s for s in st],
         chips=[s.chip for s in plan.stages],
         hosts=[s.host for s in st],

@@ -39,8 +39,7 @@ from typing import Any
 import jax
 
 from h2jax.comm import BWD, FWD, Channel, PipelineAborted, TransferFailure
-from h2jax.plan import Task
-from h2jax.plan._schedule import BACKWARD, FORWARD, WEIGHT
+from h2jax.plan import BACKWARD, FORWARD, WEIGHT, Task
 from h2jax.runtime._stage import StageProgram
 from h2jax.runtime._timeline import Timeline
 

@@ -46,8 +46,7 @@ from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher, 
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, format_bytes, save_config, validate
 from h2jax.data import load_dataset, step_batch
 from h2jax.models import StageModule, boundary_shapes, build_model, check_stageable, shared_parameters
-from h2jax.plan import get_schedule, stage_tasks
-from h2jax.plan._plan import CHUNKED_SCHEDULES
+from h2jax.plan import stage_tasks
 from h2jax.runtime._layout import flatten
 from h2jax.runtime._metrics import METRICS_FILENAME, MetricsLogger, read_metrics
 from h2jax.runtime._procgroup import fetch, global_array, local_value, stage_label
@@ -152,8 +151,7 @@ class Trainer:
         # the pipeline of model positions: one chunk each (a stage per position unless the schedule is chunked)
         positions = plan.positions()
         n_pos = len(positions)
-        chunked_schedule = plan.schedule in CHUNKED_SCHEDULES  # interleaved may run v = 1 (one chunk each)
-        chunked = chunked_schedule and plan.num_chunks > 1
+        chunked = plan.schedule.chunks > 1  # interleaved may run v = 1 (one chunk each)
         stage_of = [s for s, _ in positions]
         self.loss_stage = stage_of[-1]  # the stage of the head (zb-v: stage 0)
         by_position = SimpleNamespace(num_stages=n_pos, stages=plan.position_specs())
@@ -214,9 +212,7 @@ class Trainer:
         self.tied = TiedParams(shared, by_position, self.stages, w, stage_of=stage_of)
         # this process's programs with their one-chunk specs, for naming their trees by model path
         self._lp = SimpleNamespace(stages=tuple(st.spec for st in self.stages))
-        self.schedule = get_schedule(
-            plan.schedule, n, plan.num_microbatches, num_chunks=plan.num_chunks if chunked_schedule else None
-        )
+        self.schedule = plan.schedule.bind(n, plan.num_microbatches)
         grid = self.schedule.tasks()
         # one time origin for every process's events (perf_counter is the host's monotonic clock)
         t0 = w.from_stage(0, time.perf_counter()) if w.multiprocess else None

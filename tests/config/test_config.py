@@ -52,7 +52,7 @@ def test_default_job():
         StageSpec(chip="sim_b", data=4, tensor=1, layers=(4, 6)),
     )
     assert cfg.model.n_layers == 6
-    assert (cfg.plan.global_batch, cfg.plan.num_microbatches, cfg.plan.schedule) == (32, 8, "1f1b")
+    assert (cfg.plan.global_batch, cfg.plan.num_microbatches, cfg.plan.schedule.name) == (32, 8, "1f1b")
     # chips come from their profile files
     assert cfg.cluster.chips["sim_a"].memory_gib == 16.0
     assert cfg.cluster.chips["sim_b"].memory_gib == 8.0

@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from h2jax.plan import (
-    RUN_SCHEDULES,
     ChipProfile,
     Cluster,
     ModelShape,
@@ -22,15 +21,21 @@ from h2jax.plan import (
     PlanError,
     SearchOptions,
     StageSpec,
+    as_schedule,
     chunked_variant,
     estimate,
     exhaustive,
-    schedule_variant,
+    schedule_names,
     search,
     simulate_plan,
     stage_cost,
 )
-from h2jax.plan._cost import in_flight, pipeline_time, schedule_estimates
+from h2jax.plan._cost import pipeline_time, schedule_estimates
+
+
+def _by_label(estimates):
+    return {s.label: c for s, c in estimates.items()}
+
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ModelShape(n_layers=8, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=64, act_bytes=4)
@@ -115,7 +120,7 @@ def test_zb_v_puts_the_embedding_and_the_head_on_stage_0():
     head_and_embed = one.stages[0].fwd_s + one.stages[1].fwd_s - 2 * cost.stages[1].fwd_s
     assert cost.stages[0].fwd_s - cost.stages[1].fwd_s == pytest.approx(head_and_embed, rel=1e-9)
     # memory: the schedule's own counts, in chunks (zb-v: 2p on every stage)
-    assert [s.in_flight for s in cost.stages] == [in_flight("zb-v", 2, 4, i, 2) for i in range(2)] == [4, 4]
+    assert [s.in_flight for s in cost.stages] == [j for j, _ in as_schedule("zb-v").memory_counts(2, 4)] == [4, 4]
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zb-v"])
@@ -127,7 +132,7 @@ def test_equal_stages_give_the_published_makespan(schedule):
     stages = estimate(plan, MODEL, CHIPS).stages
     mid = stages[1]
     t = mid.t
-    got = pipeline_time([mid] * p, schedule, m, transfers=0.0, tails=False)
+    got = pipeline_time([mid] * p, plan.schedule, m, transfers=0.0, tails=False)
     if schedule == "interleaved":
         assert got == pytest.approx(m * t + (p - 1) * t / 2, rel=1e-12)
     else:
@@ -166,15 +171,17 @@ def test_the_formula_stays_near_the_event_replay_on_uneven_pipelines(schedule):
 
 def test_h2jax_plan_prices_the_chunked_schedules_beside_the_searched_plan():
     plan = _plan([4, 4], ["a", "b"])
-    est = schedule_estimates(plan, MODEL, CHIPS)
-    assert set(est) == set(RUN_SCHEDULES)
-    assert est["interleaved"].plan.stages[0].layer_chunks == ((0, 2), (4, 6))
-    assert est["zb-v"].plan.schedule == "zb-v"
+    est = _by_label(schedule_estimates(plan, MODEL, CHIPS))
+    assert {label.partition(":")[0] for label in est} == set(schedule_names())
+    assert est["interleaved:2"].plan.stages[0].layer_chunks == ((0, 2), (4, 6))
+    assert est["zb-v"].plan.schedule.name == "zb-v"
     odd = schedule_estimates(_plan([4, 4, 0 + 4], ["a", "b", "a"], m=4), MODEL, CHIPS, schedules=("interleaved",))
-    assert "not a multiple" in odd["interleaved"]  # the reason, not a price
+    assert "not a multiple" in odd[as_schedule("interleaved")]  # the reason, not a price
     # from a chunked plan: interleaved with another v, and one range per stage for the others
     three = chunked_variant(plan, "interleaved", num_chunks=3)
-    est = schedule_estimates(three, MODEL, CHIPS, schedules=("interleaved:2", "interleaved:4", "interleaved:5", "1f1b"))
+    est = _by_label(
+        schedule_estimates(three, MODEL, CHIPS, schedules=("interleaved:2", "interleaved:4", "interleaved:5", "1f1b"))
+    )
     assert est["interleaved:2"].plan.stages[0].layer_chunks == ((0, 2), (4, 6))
     assert est["interleaved:4"].plan.num_chunks == 4
     assert "needs 5 chunks" in est["interleaved:5"]
@@ -205,7 +212,7 @@ def _instance(seed: int):
     model = dataclasses.replace(MODEL, n_layers=rng.randint(4, 8))
     opts = SearchOptions(
         schedule=None,
-        schedules=RUN_SCHEDULES,
+        schedules=schedule_names(),
         max_stages_per_chip=2,
         stage_in_node=rng.random() < 0.5,
         microbatch_sizes=(1, 2),
@@ -226,7 +233,7 @@ def test_search_with_chunked_schedules_equals_exhaustive(seed, schedule):
         return
     assert got.exhaustive, got.note
     if schedule is not None:
-        assert got.plan.schedule == schedule
+        assert got.plan.schedule.name == schedule
     again = estimate(got.plan, model, cluster, opts=opts.cost)
     assert again.fits, again.reasons
     assert math.isclose(again.iteration_s, got.iteration_s, rel_tol=1e-12)
@@ -238,7 +245,7 @@ def test_the_chunked_schedules_win_some_of_these_instances():
     chosen, interleaved = set(), set()
     for seed in range(12):
         cluster, model, gb, opts = _instance(seed)
-        chosen.add(search(cluster, model, global_batch=gb, opts=opts).plan.schedule)
+        chosen.add(search(cluster, model, global_batch=gb, opts=opts).plan.schedule.name)
         pinned = search(cluster, model, global_batch=gb, opts=dataclasses.replace(opts, schedule="interleaved")).plan
         interleaved.add(pinned.num_chunks)
     assert "zb-v" in chosen
@@ -250,27 +257,23 @@ def test_interleaved_chunks_are_checked():
     for bad in ((), (1,), (2, 0), (2.5,)):
         with pytest.raises(PlanError, match="interleaved_chunks"):
             search(cluster, model, global_batch=gb, opts=dataclasses.replace(opts, interleaved_chunks=bad))
-    assert schedule_variant("interleaved:3") == ("interleaved", 3)
-    assert schedule_variant("interleaved") == ("interleaved", 2)
-    assert schedule_variant("zb-v") == ("zb-v", 2) and schedule_variant("zb-h1") == ("zb-h1", 1)
+    three, two = as_schedule("interleaved:3"), as_schedule("interleaved")
+    assert (three.name, three.chunks, two.chunks) == ("interleaved", 3, 2)
+    assert as_schedule("zb-v").chunks == 2 and as_schedule("zb-h1").chunks == 1
 
 
 def test_h2jax_plan_offers_every_schedule():
-    from h2jax.cli_plan import (
-        DEFAULT_INTERLEAVED_CHUNKS,
-        DEFAULT_SCHEDULES,
-        SCHEDULE_CHOICES,
-        _chunks_arg,
-        _schedules_arg,
-    )
+    from h2jax.cli_plan import DEFAULT_INTERLEAVED_CHUNKS, _chunks_arg, _schedules_arg, search_options
     from h2jax.plan import INTERLEAVED_CHUNKS
     from h2jax.plan._profiles import ProfileError
 
-    assert SCHEDULE_CHOICES == RUN_SCHEDULES
-    assert SearchOptions().schedules == DEFAULT_SCHEDULES == RUN_SCHEDULES
+    cluster, _, _, _ = _instance(0)
+    assert search_options(cluster).schedules == SearchOptions().schedules == schedule_names()
     assert SearchOptions().interleaved_chunks == DEFAULT_INTERLEAVED_CHUNKS == INTERLEAVED_CHUNKS
-    assert _schedules_arg("all") == RUN_SCHEDULES
-    assert _schedules_arg("1f1b, zb-v") == ("1f1b", "zb-v")
+    assert _schedules_arg("all") == tuple(as_schedule(n) for n in schedule_names())
+    assert _schedules_arg("1f1b, zb-v") == (as_schedule("1f1b"), as_schedule("zb-v"))
+    with pytest.raises(ProfileError, match="--schedules: schedule='zb-x' is not one of gpipe"):
+        _schedules_arg("1f1b,zb-x")
     assert _chunks_arg("2, 4") == (2, 4)
     for bad in ("1", "2,x", "", "2.5"):
         with pytest.raises(ProfileError, match="--interleaved-chunks"):
@@ -281,18 +284,18 @@ def test_h2jax_plan_offers_every_schedule():
 def test_the_searchs_stage_arrays_price_each_layer_count_as_the_cost_model_does(schedule):
     # every layer count's time, fill and end as stage_cost + pipeline_terms give them with the
     # recompute flag the search picks for it -- a recomputing chunked stage's end is longer
-    from h2jax.plan._cost import pipeline_terms
     from h2jax.plan._search import _Solver
 
     path = ROOT / "configs" / "clusters" / "mixed_gaudi2_h100.yaml"
     cluster = Cluster.load(path)
     model = ModelShape.from_config(yaml.safe_load(path.read_text())["model"])
     solver = _Solver(model, cluster, None, SearchOptions())
-    name, v = schedule_variant(schedule)
+    sched = as_schedule(schedule)
+    v = sched.chunks
     recomputed = 0
     for chip, first, last, infl, pending in (("h100_sxm", True, False, 39, 0), ("gaudi2", False, True, 12, 3)):
-        pending = pending if name in ("zb-h1", "zb-v") else 0
-        arr = solver.arrays(chip, 16, 4, 16, first, last, infl, pending, schedule)
+        pending = pending if sched.split_backward else 0
+        arr = solver.arrays(chip, 16, 4, 16, first, last, infl, pending, sched)
         for layers in range(v, model.n_layers + 1):
             if not math.isfinite(arr.t[layers]):
                 continue
@@ -309,14 +312,12 @@ def test_the_searchs_stage_arrays_price_each_layer_count_as_the_cost_model_does(
                 microbatch=16,
                 recompute=rc,
                 in_flight=infl,
-                split=name in ("zb-h1", "zb-v"),
+                split=sched.split_backward,
                 pending_w=pending,
                 chunks=v,
             )
             assert c.fits
-            fill, end = pipeline_terms(
-                name, t=c.t, fwd=c.fwd_s, b=c.b_s, w=c.w_s, hidden=c.w_hidden_s, tail=c.tail_s, chunks=v
-            )
+            fill, end = sched.pipeline_terms(t=c.t, fwd=c.fwd_s, b=c.b_s, w=c.w_s, hidden=c.w_hidden_s, tail=c.tail_s)
             assert math.isclose(arr.t[layers], c.t, rel_tol=1e-9)
             assert math.isclose(arr.g[layers], end, rel_tol=1e-9), (layers, rc)
             if arr.fill is not None:

@@ -228,7 +228,6 @@ B = StageSpec("sim_b", (2, 4))
             "plan.stages[1]",
             ["data*tensor = 2*4 = 8 devices of chip sim_b, a node has 4"],
         ),
-        (_plan([A, B], schedule="zb-x"), {}, "plan.schedule", ["schedule='zb-x' is not one of gpipe, 1f1b"]),
         (_plan([A, B], schedule="zb-v"), {}, "plan.stages[0].chunks", ["schedule zb-v needs exactly 2"]),
     ],
 )
@@ -240,15 +239,20 @@ def test_check_plan_errors(plan, kwargs, key, texts):
     assert str(err).startswith(f"{key}: ")
 
 
+def test_an_unknown_schedule_is_refused_where_the_plan_is_read():
+    # the schedule is an object from the start: a name no family has is no plan at all
+    err = _error(_plan, [A, B], schedule="zb-x")
+    assert (err.key, err.message) == (
+        "plan.schedule",
+        "schedule='zb-x' is not one of gpipe, 1f1b, zb-h1, interleaved, zb-v, nor a schedule file (a path ending .csv)",
+    )
+    raw = _plan([A, B]).to_dict() | {"schedule": "x"}
+    assert _error(Plan.from_dict, raw, key_prefix="run.plan").key == "run.plan.schedule"
+
+
 def test_check_plan_key_prefix():
-    err = _error(check_plan, _plan([A, B], schedule="x"), num_layers=4, key_prefix="run.plan")
-    assert err.key == "run.plan.schedule"
-
-
-def test_check_plan_reports_first_problem():
-    # both the layer coverage and the schedule are wrong; layers come first
-    err = _error(check_plan, _plan([A], schedule="x"), num_layers=4)
-    assert err.key == "plan.stages"
+    err = _error(check_plan, _plan([A], schedule="zb-v"), num_layers=4, key_prefix="run.plan")
+    assert err.key == "run.plan.stages[0].chunks"
 
 
 # -- assign_devices ---------------------------------------------------------------------

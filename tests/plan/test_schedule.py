@@ -31,21 +31,21 @@ def _check(events, p, m, **kw):
 
 @pytest.mark.parametrize("p,m", SHAPES)
 def test_1f1b_grid_is_valid_with_in_flight_bound(p, m):
-    grid = OneFOneB(p, m).tasks()
+    grid = OneFOneB().bind(p, m).tasks()
     assert len(grid) == p
     assert _check(grid_events(grid), p, m, max_in_flight=[p - s for s in range(p)]) == []
-    assert OneFOneB(p, m).max_in_flight() == tuple(min(p - s, m) for s in range(p))
+    assert OneFOneB().bind(p, m).max_in_flight() == tuple(min(p - s, m) for s in range(p))
 
 
 @pytest.mark.parametrize("p,m", SHAPES)
 def test_gpipe_grid_is_valid_forwards_first(p, m):
-    grid = GPipe(p, m).tasks()
+    grid = GPipe().bind(p, m).tasks()
     assert _check(grid_events(grid), p, m, forwards_first=True, max_in_flight=[m] * p) == []
 
 
 @pytest.mark.parametrize("p,m", SHAPES)
 def test_op_order_and_makespan(p, m):
-    for sched in (GPipe(p, m), OneFOneB(p, m)):
+    for sched in (GPipe().bind(p, m), OneFOneB().bind(p, m)):
         grid = sched.tasks()
         assert all(len(row) == len(grid[0]) for row in grid)
         for s in range(p):
@@ -56,26 +56,26 @@ def test_op_order_and_makespan(p, m):
 
 
 def test_1f1b_stage_ops_shape():
-    ops = OneFOneB(4, 6).stage_ops(0)
+    ops = OneFOneB().bind(4, 6).stage_ops(0)
     assert [str(t) for t in ops] == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split()
-    assert [str(t) for t in OneFOneB(4, 6).stage_ops(3)] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()
+    assert [str(t) for t in OneFOneB().bind(4, 6).stage_ops(3)] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()
     # fewer microbatches than warm-up slots: warm-up is capped at num_microbatches
-    assert [str(t) for t in OneFOneB(5, 2).stage_ops(0)] == "F0 F1 B0 B1".split()
+    assert [str(t) for t in OneFOneB().bind(5, 2).stage_ops(0)] == "F0 F1 B0 B1".split()
 
 
 def test_1f1b_holds_less_than_gpipe():
-    assert OneFOneB(4, 8).max_in_flight() == (4, 3, 2, 1)
-    assert GPipe(4, 8).max_in_flight() == (8, 8, 8, 8)
-    gpipe_events = grid_events(GPipe(4, 8).tasks())
+    assert OneFOneB().bind(4, 8).max_in_flight() == (4, 3, 2, 1)
+    assert GPipe().bind(4, 8).max_in_flight() == (8, 8, 8, 8)
+    gpipe_events = grid_events(GPipe().bind(4, 8).tasks())
     assert _check(gpipe_events, 4, 8, max_in_flight=[4, 3, 2, 1])
 
 
 def test_get_schedule():
-    assert get_schedule("gpipe", 2, 3) == GPipe(2, 3)
-    assert get_schedule("1f1b", 2, 3) == OneFOneB(2, 3)
-    assert get_schedule("zb-h1", 2, 3) == ZeroBubbleH1(2, 3)
-    assert get_schedule("interleaved", 2, 4) == Interleaved(2, 4, 2)
-    assert get_schedule("zb-v", 2, 3) == ZeroBubbleV(2, 3)
+    assert get_schedule("gpipe", 2, 3) == GPipe().bind(2, 3)
+    assert get_schedule("1f1b", 2, 3) == OneFOneB().bind(2, 3)
+    assert get_schedule("zb-h1", 2, 3) == ZeroBubbleH1().bind(2, 3)
+    assert get_schedule("interleaved", 2, 4) == Interleaved(2).bind(2, 4)
+    assert get_schedule("zb-v", 2, 3) == ZeroBubbleV().bind(2, 3)
     with pytest.raises(ValueError, match="gpipe, 1f1b, zb-h1, interleaved, zb-v"):
         get_schedule("dualpipe", 2, 3)
     with pytest.raises(ValueError, match="num_microbatches=3 is not a multiple of num_stages=2"):
@@ -87,7 +87,7 @@ def test_get_schedule():
 
 
 def test_bubble_fraction_examples():
-    assert bubble_fraction(OneFOneB(1, 5).tasks()) == 0.0
+    assert bubble_fraction(OneFOneB().bind(1, 5).tasks()) == 0.0
     assert bubble_fraction(()) == 0.0
     f, b = Task("F", 0), Task("B", 0)
     assert bubble_fraction(((f, None), (None, b))) == 0.5
@@ -97,7 +97,7 @@ def test_bubble_fraction_examples():
 
 
 def _base(p=3, m=4):
-    return grid_events(OneFOneB(p, m).tasks()), p, m
+    return grid_events(OneFOneB().bind(p, m).tasks()), p, m
 
 
 def _replace(events, stage, kind, mb, start, end):
@@ -148,13 +148,13 @@ def test_overlap_on_one_stage_is_caught():
 
 
 def test_in_flight_violation_is_caught():
-    events = grid_events(GPipe(3, 4).tasks())
+    events = grid_events(GPipe().bind(3, 4).tasks())
     errs = _check(events, 3, 4, max_in_flight=[3, 2, 1])
     assert any("stage 0: 4 microbatches in flight" in e and "max_in_flight[0]=3" in e for e in errs), errs
 
 
 def test_forwards_first_violation_is_caught():
-    events = grid_events(OneFOneB(2, 3).tasks())
+    events = grid_events(OneFOneB().bind(2, 3).tasks())
     errs = _check(events, 2, 3, forwards_first=True)
     assert any("expected all forwards first" in e for e in errs), errs
 
@@ -190,7 +190,7 @@ PUBLISHED = [(p, m) for p in range(2, 9) for m in range(p, 4 * p + 1)]
 
 @pytest.mark.parametrize("p,m", SHAPES)
 def test_zb_h1_one_f_b_w_per_microbatch_and_dependencies(p, m):
-    sched = ZeroBubbleH1(p, m)
+    sched = ZeroBubbleH1().bind(p, m)
     grid = sched.tasks()
     for s in range(p):
         ops = sched.stage_ops(s)
@@ -208,33 +208,33 @@ def test_zb_h1_one_f_b_w_per_microbatch_and_dependencies(p, m):
 @pytest.mark.parametrize("p,m", PUBLISHED)
 def test_bubble_equals_published_formula_with_unit_f_b_w(p, m):
     # 1F1B with F = B = W = 1 (its backward lasts B + W = 2): (p - 1) / (m + p - 1)
-    one_f_one_b = timed_events(OneFOneB(p, m), forward=1, backward=1, weight=1)
+    one_f_one_b = timed_events(OneFOneB().bind(p, m), forward=1, backward=1, weight=1)
     assert idle_fraction(one_f_one_b, p) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
-    assert idle_fraction(timed_events(GPipe(p, m)), p) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert idle_fraction(timed_events(GPipe().bind(p, m)), p) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
     # ZB-H1 (arXiv 2401.10241): (p - 1)(F + B - W) idle per stage = p - 1 slots of a 3m + p - 1 makespan
-    zb = timed_events(ZeroBubbleH1(p, m), forward=1, backward=1, weight=1)
+    zb = timed_events(ZeroBubbleH1().bind(p, m), forward=1, backward=1, weight=1)
     assert max(e[4] for e in zb) == 3 * m + p - 1
     assert idle_fraction(zb, p) == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
     # the unit grid of the schedule is the same placement
-    assert bubble_fraction(ZeroBubbleH1(p, m).tasks()) == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    assert bubble_fraction(ZeroBubbleH1().bind(p, m).tasks()) == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
 
 
 def test_zb_h1_stage_ops_shape():
-    sched = ZeroBubbleH1(4, 6)
+    sched = ZeroBubbleH1().bind(4, 6)
     assert " ".join(map(str, sched.stage_ops(0))) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5"
     # the last stage holds its W's back by p - 1 and runs them at the end
     assert " ".join(map(str, sched.stage_ops(3))) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"
 
 
 def test_unsplit_schedules_have_no_w():
-    for sched in (GPipe(3, 5), OneFOneB(3, 5)):
+    for sched in (GPipe().bind(3, 5), OneFOneB().bind(3, 5)):
         assert not sched.split_backward
         assert all(t.kind != "W" for s in range(3) for t in sched.stage_ops(s))
-    assert ZeroBubbleH1(3, 5).split_backward
+    assert ZeroBubbleH1().bind(3, 5).split_backward
 
 
 def test_weight_before_its_input_gradient_is_caught():
-    events = grid_events(ZeroBubbleH1(2, 3).tasks())
+    events = grid_events(ZeroBubbleH1().bind(2, 3).tasks())
     b = [e for e in events if e[:3] == (1, "B", 0)][0]
     events = _replace(events, 1, "W", 0, b[3] - 1.0, b[3] - 0.5)
     errs = _check(events, 2, 3)
@@ -242,7 +242,7 @@ def test_weight_before_its_input_gradient_is_caught():
 
 
 def test_missing_or_duplicate_weight_is_caught():
-    events = grid_events(ZeroBubbleH1(2, 3).tasks())
+    events = grid_events(ZeroBubbleH1().bind(2, 3).tasks())
     missing = [e for e in events if e[:3] != (0, "W", 2)]
     assert any("stage 0 microbatch 2: W runs 0 times" in e for e in _check(missing, 2, 3, split_backward=True))
     dup = events + [(1, "W", 1, 100.0, 101.0)]
@@ -295,7 +295,7 @@ CHUNKED = [("interleaved", p, m, v) for p in range(1, 7) for m in range(p, 4 * p
 
 @pytest.mark.parametrize("name,p,m,v", CHUNKED)
 def test_chunked_schedules_are_valid(name, p, m, v):
-    sched = Interleaved(p, m, v) if name == "interleaved" else ZeroBubbleV(p, m)
+    sched = Interleaved(v).bind(p, m) if name == "interleaved" else ZeroBubbleV().bind(p, m)
     kinds = "FBW" if sched.split_backward else "FB"
     grid = sched.tasks()
     positions = sorted(sched.virtual_stage(s, c) for s in range(p) for c in range(v))
@@ -317,7 +317,7 @@ def test_chunked_schedules_are_valid(name, p, m, v):
 @pytest.mark.parametrize("p,m", [(p, m) for p, m in PUBLISHED if m % p == 0])
 def test_interleaved_bubble_equals_megatron_formula(p, m):
     for v in (2, 3):
-        events = timed_events(Interleaved(p, m, v), forward=1, backward=1, weight=1)
+        events = timed_events(Interleaved(v).bind(p, m), forward=1, backward=1, weight=1)
         assert idle_fraction(events, p) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
 
 
@@ -325,24 +325,24 @@ def test_interleaved_bubble_equals_megatron_formula(p, m):
 def test_zb_v_bubble_is_only_the_fill(p, m):
     if m < 2 * p - 1:
         with pytest.raises(ValueError, match="2 \\* num_stages - 1"):
-            ZeroBubbleV(p, m)
+            ZeroBubbleV().bind(p, m)
         return
-    events = timed_events(ZeroBubbleV(p, m), forward=1, backward=1, weight=1)
+    events = timed_events(ZeroBubbleV().bind(p, m), forward=1, backward=1, weight=1)
     # each stage does 6m unit chunk tasks; the last starts after p - 1 chunk forwards
     assert max(e[4] for e in events) == 6 * m + p - 1
     assert idle_fraction(events, p) == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
     # half-stage chunks: per stage-sized unit that is half ZB-H1's idle
-    assert ZeroBubbleV(p, m).max_in_flight() == (2 * p,) * p
+    assert ZeroBubbleV().bind(p, m).max_in_flight() == (2 * p,) * p
 
 
 def test_interleaved_stage_ops_shape():
-    sched = Interleaved(2, 4, 2)
+    sched = Interleaved(2).bind(2, 4)
     assert " ".join(map(str, sched.stage_ops(0))) == ("F0 F1 F0c1 F1c1 F2 B0c1 F3 B1c1 F2c1 B0 F3c1 B1 B2c1 B3c1 B2 B3")
     assert sched.max_in_flight() == (5, 3)
 
 
 def test_chunk_dependency_violation_is_caught():
-    sched = Interleaved(2, 2, 2)
+    sched = Interleaved(2).bind(2, 2)
     events = grid_events(sched.tasks())
     # chunk 1 of stage 0 is model position 2: its F needs stage 1 chunk 0 (position 1)
     f = [e for e in events if e[:3] == (0, "F", 0) and e[5] == 1][0]

@@ -15,21 +15,21 @@ from h2jax.plan import (
     ModelShape,
     Plan,
     ProfileTable,
+    Schedule,
     StageSpec,
+    as_schedule,
     estimate,
     get_schedule,
     simulate_plan,
 )
 from h2jax.plan._cost import (
-    in_flight,
-    pending_weight_grads,
     pipeline_time,
     transfer_s,
     weight_grad_keep_bytes,
     weight_grad_share,
 )
 from h2jax.plan._profiles import PROGRAM
-from h2jax.plan._schedule import backward_peaks
+from h2jax.plan.schedules import backward_peaks
 
 MODEL = ModelShape(n_layers=4, d_model=64, n_heads=4, d_ff=128, vocab_size=256, seq_len=16, act_bytes=4)
 SPEC = dict(memory_gib=1.0, peak_tflops=0.1, mem_bw_gbps=40, intra_node_gbps=10, inter_node_gbps=5, devices_per_node=4)
@@ -90,12 +90,12 @@ def test_weight_gradient_share_from_flops():
 @pytest.mark.parametrize("p", range(1, 9))
 @pytest.mark.parametrize("m", range(1, 17))
 def test_memory_counts_of_each_schedule(p, m):
+    gpipe, one, zb = (get_schedule(n, p, m).memory_counts() for n in ("gpipe", "1f1b", "zb-h1"))
     for s in range(p):
-        assert in_flight("gpipe", p, m, s) == m and pending_weight_grads("gpipe", p, m, s) == 0
-        assert in_flight("1f1b", p, m, s) == min(p - s, m) and pending_weight_grads("1f1b", p, m, s) == 0
+        assert gpipe[s] == (m, 0)
+        assert one[s] == (min(p - s, m), 0)
         # ZB-H1 holds 1F1B's activations awaiting B, and up to s + 1 microbatches awaiting W
-        assert in_flight("zb-h1", p, m, s) == min(p - s, m)
-        assert pending_weight_grads("zb-h1", p, m, s) == min(s + 1, m)
+        assert zb[s] == (min(p - s, m), min(s + 1, m))
 
 
 @pytest.mark.parametrize(
@@ -109,7 +109,8 @@ def test_closed_form_counts_equal_the_walk_of_the_op_lists(name, v):
                 sched = get_schedule(name, p, m, num_chunks=v)
             except ValueError:  # interleaved: m a multiple of p; zb-v: m >= 2p - 1
                 continue
-            assert sched.backward_counts() == tuple(backward_peaks(sched.stage_ops(s)) for s in range(p)), (p, m)
+            assert sched.memory_counts() == tuple(backward_peaks(sched.stage_ops(s)) for s in range(p)), (p, m)
+            assert sched.max_in_flight() == Schedule.max_in_flight(sched.schedule, p, m), (p, m)
 
 
 def test_zb_h1_time_and_memory_hand_computed():
@@ -156,9 +157,11 @@ def test_zb_h1_on_equal_stages_is_the_paper_formula():
         for p in range(2, 9):
             stages = [StageCost(f, b + w, 0.0, 0.0, mem, 1.0, 1, False, w_s=w, w_hidden_s=min(w, f)) for _ in range(p)]
             for m in range(p, 4 * p + 1):
-                t = pipeline_time(stages, "zb-h1", m, transfers=0.0)
+                t = pipeline_time(stages, as_schedule("zb-h1"), m, transfers=0.0)
                 assert math.isclose(t, m * (f + b + w) + (p - 1) * (f + b - w))
-                assert math.isclose(pipeline_time(stages, "1f1b", m, transfers=0.0), (m + p - 1) * (f + b + w))
+                assert math.isclose(
+                    pipeline_time(stages, as_schedule("1f1b"), m, transfers=0.0), (m + p - 1) * (f + b + w)
+                )
 
 
 def test_zb_h1_estimate_against_the_replay_on_uneven_plans():

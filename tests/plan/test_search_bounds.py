@@ -11,9 +11,7 @@ import random
 
 import pytest
 
-from h2jax.plan import ChipProfile, Cluster, ModelShape, SearchOptions, exhaustive, schedule_variant, search
-from h2jax.plan._schedule import memory_counts
-from h2jax.plan._search import count_floors
+from h2jax.plan import ChipProfile, Cluster, ModelShape, SearchOptions, as_schedule, exhaustive, search
 
 
 @pytest.mark.parametrize(
@@ -29,14 +27,13 @@ def test_count_floors_under_count_every_placement(schedule):
     checked = 0
     for p in range(1, 10):
         for m in range(1, 12):
-            name, v = schedule_variant(schedule)
-            try:
-                counts = memory_counts(name, p, m, v if name == "interleaved" else None)
-            except ValueError:  # a shape this schedule does not run (interleaved: m not a multiple of p)
+            sched = as_schedule(schedule)
+            if sched.shape_error(p, m) is not None:  # a shape it does not run (interleaved: m % p)
                 continue
+            counts = sched.memory_counts(p, m)
             for n_types in range(1, p + 1):
                 for k in range(1, p - n_types + 2):
-                    floors = count_floors(schedule, k=k, m=m, n_types=n_types, L=p)
+                    floors = sched.count_floors(k=k, m=m, n_types=n_types, L=p)
                     for pos in itertools.combinations(range(p), k):
                         ranked = sorted((counts[s] for s in pos), key=lambda c: c[0])
                         for r, (j, q) in enumerate(ranked):
@@ -135,15 +132,17 @@ def test_root_bound_is_infinite_where_a_chip_type_holds_no_block_under_the_sched
 
     from h2jax.plan._search import ChipChoice, StageCaps, root_bound
 
+    ONE = as_schedule("1f1b")
+
     def choice(chip, stages, under_1f1b, loose):
         caps = {
-            "1f1b": StageCaps(np.array(under_1f1b, float), np.array(under_1f1b, float), 1.0),
+            ONE: StageCaps(np.array(under_1f1b, float), np.array(under_1f1b, float), 1.0),
             None: StageCaps(np.array(loose, float), np.array(loose, float), 0.5),
         }
         return ChipChoice(chip, stages, 1, 1, 1.0, 1.5, caps)
 
     choices = {"big": [choice("big", 2, [4, 4], [4, 4])], "small": [choice("small", 1, [0], [2])]}
-    assert root_bound(choices, m=2, L=4, schedule="1f1b") == math.inf
+    assert root_bound(choices, m=2, L=4, schedule=ONE) == math.inf
     loose = root_bound(choices, m=2, L=4, schedule=None)  # the loosest caps let "small" hold two
     assert math.isfinite(loose) and loose > 0
 

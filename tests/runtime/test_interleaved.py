@@ -163,7 +163,7 @@ def test_config_validation_names_the_key():
         "model.seq_len=16",
     ]
     cfg = load_config(None, [*base, f"plan={yaml.safe_dump(ZBV, default_flow_style=True, width=1000).strip()}"])
-    assert cfg.plan.schedule == "zb-v" and cfg.plan.stages[0].chunks == ((0, 1), (5, 8))
+    assert cfg.plan.schedule.name == "zb-v" and cfg.plan.stages[0].chunks == ((0, 1), (5, 8))
     bad = {**ZBV, "num_microbatches": 2, "global_batch": 4}
     with pytest.raises(ConfigError, match=r"plan.num_microbatches: zb-v: num_microbatches=2 < 2"):
         load_config(None, [*base, f"plan={yaml.safe_dump(bad, default_flow_style=True, width=1000).strip()}"])
@@ -311,7 +311,7 @@ def test_chunked_pipeline_equals_sequential(name, tmp_path):
     trainer = Trainer(cfg, run_dir=tmp_path)
     v = cfg.plan.num_chunks
     assert len(trainer.stages) == v * cfg.plan.num_stages and all(len(r.programs) == v for r in trainer.runners)
-    assert all(r.split == (cfg.plan.schedule == "zb-v") for r in trainer.runners)
+    assert all(r.split == cfg.plan.schedule.split_backward for r in trainer.runners)
     reference_model = build_model(cfg.model, seed=cfg.seed)
     tx, _ = make_optimizer(cfg)
     tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)
@@ -390,14 +390,14 @@ def test_chunk_activation_peak_weighs_each_chunk():
     """The memory check's activation peak walks the stage's ops: F adds its chunk's size, the
     last backward task of it (W split, B unsplit) frees it; uneven chunks weigh differently."""
     from h2jax.plan import Task
-    from h2jax.plan._schedule import Interleaved, ZeroBubbleV
+    from h2jax.plan.schedules import Interleaved, ZeroBubbleV
     from h2jax.runtime._trainer import chunk_activation_peak
 
     ops = [Task("F", 0, 0), Task("F", 0, 1), Task("B", 0, 1), Task("F", 1, 0), Task("B", 0, 0), Task("B", 1, 0)]
     assert chunk_activation_peak(ops, [10, 1], split=False) == (20, 2)  # two chunk-0 microbatches
     assert chunk_activation_peak(ops, [1, 10], split=False) == (11, 2)
     # with unit sizes the peak count is the schedule's in-flight bound
-    for sched in (Interleaved(2, 4), Interleaved(3, 6, num_chunks=3), ZeroBubbleV(3, 6)):
+    for sched in (Interleaved().bind(2, 4), Interleaved(3).bind(3, 6), ZeroBubbleV().bind(3, 6)):
         for s in range(sched.num_stages):
             peak, count = chunk_activation_peak(sched.stage_ops(s), [1] * sched.num_chunks, split=sched.split_backward)
             assert peak == count <= sched.max_in_flight()[s]

@@ -174,7 +174,7 @@ def test_recorded_timeline_obeys_the_schedule(tmp_path):
             assert len(compute) == 2 * p * m
             kw = (
                 {"max_in_flight": trainer.schedule.max_in_flight()}
-                if cfg.plan.schedule == "1f1b"
+                if cfg.plan.schedule.name == "1f1b"
                 else {"forwards_first": True}
             )
             # eps: 1 ns, the rounding of (start - t0) * 1e6 vs start_us + dur_us
