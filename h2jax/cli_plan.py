@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
+from h2jax.plan import DEFAULT_TIME_BUDGET_S, INTERLEAVED_CHUNKS, schedule_names
+
 EXIT_CONFIG = 2
-DEFAULT_TIME_BUDGET_S = 3.0  # h2jax.plan._search.DEFAULT_TIME_BUDGET_S (not imported: keeps --help fast)
-DEFAULT_INTERLEAVED_CHUNKS = (2, 3, 4)  # h2jax.plan.INTERLEAVED_CHUNKS (ditto)
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +37,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--schedule",
         default=None,
-        help="pin the pipeline schedule: a registered name (" + ", ".join(_schedule_names()) + "), "
+        help="pin the pipeline schedule: a registered name (" + ", ".join(schedule_names()) + "), "
         "name:chunks (interleaved:3), or a schedule file (.csv: each stage's F/B/W tasks, "
         "examples/schedules/); default: the search chooses among --schedules, as one more dimension",
     )
@@ -50,7 +50,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--interleaved-chunks",
-        default=",".join(map(str, DEFAULT_INTERLEAVED_CHUNKS)),
+        default=",".join(map(str, INTERLEAVED_CHUNKS)),
         help="comma-separated chunk counts v (each >= 2) the search tries for interleaved (default %(default)s)",
     )
     p.add_argument(
@@ -170,12 +170,6 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
 
 
-def _schedule_names() -> tuple[str, ...]:
-    from h2jax.plan import schedule_names
-
-    return schedule_names()
-
-
 def _schedule_arg(text: str | None, flag: str = "--schedule"):
     """The schedule `text` names (None: None); ProfileError naming the flag otherwise."""
     from h2jax.plan import ScheduleError, as_schedule
@@ -190,7 +184,7 @@ def _schedule_arg(text: str | None, flag: str = "--schedule"):
 
 
 def _schedules_arg(text: str) -> tuple:
-    names = _schedule_names() if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
+    names = schedule_names() if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
     if not names:
         from h2jax.plan._profiles import ProfileError
 
@@ -215,7 +209,7 @@ def search_options(
     *,
     schedule=None,
     schedules: tuple = (),
-    interleaved_chunks: tuple[int, ...] = DEFAULT_INTERLEAVED_CHUNKS,
+    interleaved_chunks: tuple[int, ...] = INTERLEAVED_CHUNKS,
     group_size: int | None = None,
     beam: int | None = None,
     max_orders: int = 120,
@@ -229,7 +223,7 @@ def search_options(
 
     return SearchOptions(
         schedule=schedule,
-        schedules=schedules or _schedule_names(),
+        schedules=schedules or schedule_names(),
         interleaved_chunks=interleaved_chunks,
         group_size=group_size,
         max_options_per_chip=beam,
@@ -251,7 +245,7 @@ def _schedules_line(res, model, cluster, table, opts) -> str:
 
     how = "pinned by --schedule" if opts.schedule is not None else "chosen"
     chosen = res.plan.schedule
-    scheds = expand_chunks(tuple(as_schedule(n) for n in _schedule_names()), opts.interleaved_chunks)
+    scheds = expand_chunks(tuple(as_schedule(n) for n in schedule_names()), opts.interleaved_chunks)
     others = []
     for sched, c in schedule_estimates(res.plan, model, cluster, table=table, opts=opts.cost, schedules=scheds).items():
         if sched == chosen:

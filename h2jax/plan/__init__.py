@@ -105,6 +105,7 @@ from h2jax.plan._profiles import (  # noqa: E402
     roofline_costs,
 )
 from h2jax.plan._search import (  # noqa: E402
+    DEFAULT_TIME_BUDGET_S,
     SearchOptions,
     SearchResult,
     exhaustive,
@@ -114,6 +115,7 @@ from h2jax.plan._search import (  # noqa: E402
 from h2jax.plan._simulate import SimEvent, SimResult, simulate, simulate_plan  # noqa: E402
 
 __all__ += [
+    "DEFAULT_TIME_BUDGET_S",
     "GIB",
     "SimEvent",
     "SimResult",

@@ -263,13 +263,14 @@ def test_interleaved_chunks_are_checked():
 
 
 def test_h2jax_plan_offers_every_schedule():
-    from h2jax.cli_plan import DEFAULT_INTERLEAVED_CHUNKS, _chunks_arg, _schedules_arg, search_options
+    from h2jax.cli_plan import INTERLEAVED_CHUNKS as CLI_CHUNKS
+    from h2jax.cli_plan import _chunks_arg, _schedules_arg, search_options
     from h2jax.plan import INTERLEAVED_CHUNKS
     from h2jax.plan._profiles import ProfileError
 
     cluster, _, _, _ = _instance(0)
     assert search_options(cluster).schedules == SearchOptions().schedules == schedule_names()
-    assert SearchOptions().interleaved_chunks == DEFAULT_INTERLEAVED_CHUNKS == INTERLEAVED_CHUNKS
+    assert SearchOptions().interleaved_chunks == CLI_CHUNKS == INTERLEAVED_CHUNKS
     assert _schedules_arg("all") == tuple(as_schedule(n) for n in schedule_names())
     assert _schedules_arg("1f1b, zb-v") == (as_schedule("1f1b"), as_schedule("zb-v"))
     with pytest.raises(ProfileError, match="--schedules: schedule='zb-x' is not one of gpipe"):
@@ -284,7 +285,7 @@ def test_h2jax_plan_offers_every_schedule():
 def test_the_searchs_stage_arrays_price_each_layer_count_as_the_cost_model_does(schedule):
     # every layer count's time, fill and end as stage_cost + pipeline_terms give them with the
     # recompute flag the search picks for it -- a recomputing chunked stage's end is longer
-    from h2jax.plan._search import _Solver
+    from h2jax.plan._search._solver import _Solver
 
     path = ROOT / "configs" / "clusters" / "mixed_gaudi2_h100.yaml"
     cluster = Cluster.load(path)
