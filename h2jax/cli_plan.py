@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-EXIT_CONFIG = 2
+from h2jax._errors import fail
+
 DEFAULT_TIME_BUDGET_S = 3.0  # h2jax.plan._search.DEFAULT_TIME_BUDGET_S (not imported: keeps --help fast)
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")  # h2jax.plan.RUN_SCHEDULES (ditto)
 DEFAULT_SCHEDULES = SCHEDULE_CHOICES  # SearchOptions().schedules: a free search chooses among every schedule
@@ -121,14 +122,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _fail(e: Exception) -> SystemExit:
-    from rich.console import Console
-    from rich.markup import escape
-
     from h2jax.config import ConfigError
 
     err = e if isinstance(e, ConfigError) else ConfigError("plan", str(e))
-    Console(stderr=True).print(f"[bold red]h2jax: config error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-    return SystemExit(EXIT_CONFIG)
+    return SystemExit(fail("config error", str(err)))
 
 
 def _read_yaml(path: str) -> Any:
