@@ -316,8 +316,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from h2jax._units import GIB
     from h2jax.plan import Cluster, PlanError, search
-    from h2jax.plan._profiles import GIB, ProfileError
+    from h2jax.plan._profiles import ProfileError
 
     try:
         raw = _read_yaml(args.cluster)

@@ -37,10 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from h2jax._strict import VALUE_CHECKS, ConfigError, build_dataclass, read_yaml
+from h2jax._units import GB, GIB
 from h2jax.plan._numerics import NumericsPolicy
-
-GIB = 2**30
-GB = 1e9
 
 LOCAL_HOST = "local"  # the machine that runs the job: where every emulated chip computes
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu", "xpu")  # PJRT platforms a real chip type may name

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from h2jax._errors import EXIT_CONFIG, EXIT_FAIL, EXIT_INTERRUPTED, debug, say
+from h2jax._units import MIB
 from h2jax.checkpoint import CheckpointError, CheckpointSaveError
 from h2jax.config import ConfigError, ExperimentConfig
 from h2jax.runtime._runner import StageFailure
@@ -58,7 +59,7 @@ def run_job(
             for s, spec in enumerate(cfg.plan.stages):
                 if s in mem:
                     console.print(
-                        f"stage {s} on {spec.chip}: {mem[s] / 2**20:.1f} MiB per device "
+                        f"stage {s} on {spec.chip}: {mem[s] / MIB:.1f} MiB per device "
                         f"(limit {cfg.cluster.chips[spec.chip].memory_gib:g} GiB)"
                     )
         resumed = trainer.resume(restore_step=restore_step, init_from=init_from)

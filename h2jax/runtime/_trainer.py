@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 
+from h2jax._units import GIB
 from h2jax.checkpoint import CheckpointError, CheckpointStore
 from h2jax.checkpoint._faults import failpoint
 from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher, stage_links
@@ -71,8 +72,6 @@ from h2jax.runtime._state import (
 from h2jax.runtime._tied import TiedParams, check_tieable
 from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
 from h2jax.runtime._world import JobError, MpiWorld, World, make_world
-
-GIB = 1024**3
 
 
 def part_name(stage: int) -> str:
