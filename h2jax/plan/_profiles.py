@@ -39,9 +39,9 @@ from typing import Any
 from h2jax._strict import VALUE_CHECKS, ConfigError, build_dataclass, read_yaml
 from h2jax._units import GB, GIB
 from h2jax.plan._numerics import NumericsPolicy
+from xla_plugins import PLATFORMS, fused_attention
 
 LOCAL_HOST = "local"  # the machine that runs the job: where every emulated chip computes
-PLATFORMS = ("cpu", "cuda", "rocm", "tpu", "xpu")  # PJRT platforms a real chip type may name
 
 
 def local_cores() -> int:
@@ -542,7 +542,7 @@ def roofline_costs(
     # the block's output (as the profiler counts: the forward program's outputs). Nothing per
     # score: the attention recomputes its scores in the backward (h2jax.models' `attend`), and
     # a fused kernel (cuDNN: cuda chips in bf16/fp16) adds only its fp32 softmax statistics.
-    fused = model.attention == "auto" and chip.platform == "cuda" and a == 2 and hd <= 128 and hd % 8 == 0
+    fused = model.attention == "auto" and fused_attention(chip.platform) and a == 2 and hd <= 128 and hd % 8 == 0
     per_token = 24 * d + 16 + 2 * a * d + (2 * a * d + 6 * a * f + (4 * h if fused else 0)) / t + 2 * a * kv * hd / t_kv
     act_block = tokens * per_token + s * 8 * hd + w_block * a + hidden
     by_block = w_block * a + act_block + 2 * hidden
