@@ -129,7 +129,8 @@ def _fail(e: Exception) -> SystemExit:
 
 
 def _read_yaml(path: str) -> Any:
-    from h2jax.plan._profiles import ProfileError, find_config
+    from h2jax._paths import find_config
+    from h2jax.plan._profiles import ProfileError
 
     p = Path(path)
     if not p.is_file():

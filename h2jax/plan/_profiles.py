@@ -36,6 +36,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from h2jax._paths import config_dirs, find_config
 from h2jax._strict import VALUE_CHECKS, ConfigError, build_dataclass, read_yaml
 from h2jax._units import GB, GIB
 from h2jax.plan._numerics import NumericsPolicy
@@ -155,28 +156,6 @@ VALUE_CHECKS[ChipProfile] = check_chip_values
 
 # what a cluster entry or profile file may say: the fields, and `count` (devices, for nodes)
 CHIP_KEYS = tuple(sorted({f.name for f in fields(ChipProfile)} - {"name"} | {"count"}))
-
-
-def config_dirs() -> list[Path]:
-    """Where named configs are looked up: $H2JAX_CONFIG_DIR, ./configs, the repository's configs/."""
-    dirs = []
-    if env := os.environ.get("H2JAX_CONFIG_DIR"):
-        dirs.append(Path(env))
-    dirs.append(Path.cwd() / "configs")
-    dirs.append(Path(__file__).resolve().parents[2] / "configs")
-    return list(dict.fromkeys(d.resolve() for d in dirs))
-
-
-def find_config(kind: str, name: str) -> Path | None:
-    """``configs/<kind>/<name>.yaml`` (or ``name`` itself when it is a YAML path), or None."""
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
-    for d in config_dirs():
-        f = d / kind / f"{name}.yaml"
-        if f.is_file():
-            return f
-    return None
 
 
 def _check_chip_keys(raw: Mapping[str, Any], where: str, source: Path | None = None) -> None:
