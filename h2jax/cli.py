@@ -130,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "[dim]emulated chip types: CPU PJRT clients sharing this host's cores; declared "
                 "memory is enforced by the memory check, speed is not emulated.[/]"
             )
-    from h2jax.runtime._job import run_job
+    from h2jax.runtime import run_job
 
     return run_job(
         cfg,

@@ -87,7 +87,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from h2jax._strict import ConfigError
-    from h2jax.data._tokenize import tokenize_files
+    from h2jax.data import tokenize_files
 
     try:
         stats = tokenize_files(

@@ -130,7 +130,7 @@ def _fail(e: Exception) -> SystemExit:
 
 def _read_yaml(path: str) -> Any:
     from h2jax._paths import find_config
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import ProfileError
 
     p = Path(path)
     if not p.is_file():
@@ -141,8 +141,7 @@ def _read_yaml(path: str) -> Any:
 
 
 def _model(path: str | None, fallback: Any):
-    from h2jax.plan import ModelShape
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import ModelShape, ProfileError
 
     raw = _read_yaml(path) if path else fallback
     if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
@@ -171,7 +170,7 @@ def _fmt_s(x: float) -> str:
 
 
 def _schedules_arg(text: str) -> tuple[str, ...]:
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import ProfileError
 
     names = SCHEDULE_CHOICES if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
     bad = [n for n in names if n not in SCHEDULE_CHOICES]
@@ -183,7 +182,7 @@ def _schedules_arg(text: str) -> tuple[str, ...]:
 
 
 def _chunks_arg(text: str) -> tuple[int, ...]:
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import ProfileError
 
     try:
         vs = tuple(int(v) for v in text.split(",") if v.strip())
@@ -318,8 +317,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from h2jax._units import GIB
-    from h2jax.plan import Cluster, PlanError, search
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import Cluster, PlanError, ProfileError, search
 
     try:
         raw = _read_yaml(args.cluster)
@@ -481,8 +479,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from h2jax.plan import Cluster, CostOptions, Plan, PlanError, simulate_plan
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import Cluster, CostOptions, Plan, PlanError, ProfileError, simulate_plan
 
     try:
         raw_plan = _read_yaml(args.plan)
@@ -526,8 +523,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
     """Time the stage programs on the chip's devices (imports JAX; registers emulated chips first)."""
 
     from h2jax._strict import build_dataclass
-    from h2jax.config import ConfigError
-    from h2jax.config._chips import resolve_chip
+    from h2jax.config import ConfigError, resolve_chip
     from h2jax.models import GPTConfig
 
     try:
@@ -539,7 +535,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
     if not chip.emulated:
         print(f"measuring on the local {chip.platform} backend")
     from h2jax.plan._profiles import local_cores
-    from h2jax.runtime._profile import profile_chip
+    from h2jax.runtime import profile_chip
 
     rows = profile_chip(
         args.chip,
@@ -556,7 +552,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
     # runtime's own driver takes from it (a null model through the real trainer)
     driver = None
     if not args.no_driver:
-        from h2jax.runtime._profile import profile_driver
+        from h2jax.runtime import profile_driver
 
         try:
             driver = profile_driver(args.chip, statistic=args.statistic)
@@ -566,8 +562,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from h2jax.plan import ProfileTable, load_chip, roofline_costs
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import ProfileError, ProfileTable, load_chip, roofline_costs
 
     try:
         chip, _ = load_chip(args.chip)

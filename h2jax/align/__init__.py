@@ -26,7 +26,7 @@ from h2jax.align._report import AlignReport, plot_run
 from h2jax.align._runlevel import DEFAULT_MRE_GATE, RunLevel, run_level, train_losses
 from h2jax.align._targets import AlignInputError, ChipTarget, load_experiment, plan_policy, resolve_chips
 from h2jax.align._tool import DEFAULT_STEPS, LEVELS, align, replay
-from h2jax.plan._numerics import NumericsError, NumericsPolicy, parse_numerics
+from h2jax.plan import NumericsError, NumericsPolicy, parse_numerics
 
 __all__ = [
     "DEFAULT_LAYER_GATE",

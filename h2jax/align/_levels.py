@@ -30,7 +30,7 @@ from h2jax.align._compare import DTYPE_RTOL, Metrics, compare, compare_exact, op
 from h2jax.align._reference import reference, run_op_reference
 from h2jax.align._reference import widen as widen_value
 from h2jax.align._targets import HOST, ChipTarget, Experiment, graphdef_for, step_hiddens, step_loss
-from h2jax.plan._numerics import NumericsPolicy
+from h2jax.plan import NumericsPolicy
 
 EXACT_PRIMITIVES = frozenset(
     {

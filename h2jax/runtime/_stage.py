@@ -53,8 +53,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from h2jax._jaxpr import apply_policy
-from h2jax.models import StageModule, partition_specs
-from h2jax.models._dropout import Dropout, dropout_step
+from h2jax.models import Dropout, StageModule, dropout_step, partition_specs
 from h2jax.plan import StageSpec
 from h2jax.runtime._split import SplitJaxpr, analyse
 
