@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+KIB = 2**10
 MIB = 2**20
 GIB = 2**30
+TIB = 2**40
 GB = 1e9

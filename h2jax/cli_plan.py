@@ -562,6 +562,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from h2jax._units import MIB
     from h2jax.plan import ProfileError, ProfileTable, load_chip, roofline_costs
 
     try:
@@ -580,8 +581,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             blk = parts["block"]
             print(
                 f"{chip.name} tensor={t} microbatch={b}: block fwd {blk.fwd_s * 1e3:.3f} ms, bwd "
-                f"{blk.bwd_s * 1e3:.3f} ms, params {blk.param_bytes / 2**20:.1f} MiB, activations "
-                f"{blk.act_bytes / 2**20:.1f} MiB ({'estimated: roofline' if blk.estimated else 'measured'})"
+                f"{blk.bwd_s * 1e3:.3f} ms, params {blk.param_bytes / MIB:.1f} MiB, activations "
+                f"{blk.act_bytes / MIB:.1f} MiB ({'estimated: roofline' if blk.estimated else 'measured'})"
             )
     if got["host_cores"] is not None:
         print(f"host: {chip.host!r}, {got['host_cores']} cores (every emulated chip computes on this machine)")
