@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-EXIT_CONFIG = 2
+from h2jax._errors import debug, fail
 
 
 def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -74,11 +74,7 @@ def _load(args: argparse.Namespace):
             return load_config(path, overrides)
         return check_inputs(load_config(path, overrides, check_files=False), run_dir=run_dir)
     except ConfigError as e:
-        # escape: keys and values come from the user, and rich would read "[red]" as markup
-        Console(stderr=True).print(
-            f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True
-        )
-        raise SystemExit(EXIT_CONFIG) from None
+        raise SystemExit(fail("config error", str(e))) from None
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -106,8 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         launch = detect_launch()
     except LauncherError as e:
-        console.print(f"[bold red]h2jax: launcher error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return EXIT_CONFIG
+        return fail("launcher error", str(e), console=console)
     fail_fast = None
     if launch is not None and launch.size > 1:
         fail_fast = FailFast(launch)
@@ -118,8 +113,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:  # a gin file may select the user's own model class (experiment.model = @module.Class)
         model = model_factory(_split_args(args.config)[0], cfg)
     except ConfigError as e:
-        console.print(f"[bold red]h2jax: config error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return EXIT_CONFIG
+        return fail("config error", str(e), console=console)
 
     writer = launch is None or launch.rank == 0
     if writer:
@@ -136,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "[dim]emulated chip types: CPU PJRT clients sharing this host's cores; declared "
                 "memory is enforced by the memory check, speed is not emulated.[/]"
             )
-    from h2jax.runtime._job import run_job
+    from h2jax.runtime import run_job
 
     return run_job(
         cfg,
@@ -196,9 +190,8 @@ def _quiet_libraries() -> None:
     never retrieved". h2jax reports the failed save once, as one line naming the path and step,
     so those logs show only with ``H2JAX_DEBUG=1``."""
     import logging
-    import os
 
-    if os.environ.get("H2JAX_DEBUG", "") in ("", "0"):
+    if not debug():
         logging.getLogger("absl").setLevel(logging.CRITICAL)
         asyncio_log = logging.getLogger("asyncio")
         if _drop_unretrieved_task_errors not in asyncio_log.filters:

@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-EXIT_PASS, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
+from h2jax._errors import EXIT_FAIL, EXIT_OK, fail
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -60,14 +60,6 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     # TEST-ONLY: perturb one primitive on a chip type, to prove the tool finds real faults
     a.add_argument("--inject-fault", nargs="*", default=[], help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_align)
-
-
-def _fail_input(message: str) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-
-    Console(stderr=True).print(f"[bold red]h2jax align:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    return EXIT_INPUT
 
 
 def _pairs(items: Sequence[str], what: str) -> dict[str, float]:
@@ -122,9 +114,9 @@ def cmd_align(args: argparse.Namespace) -> int:
             trainer=args.trainer,
         )
     except (ConfigError, AlignInputError, NumericsError, PolicyError, ValueError) as e:
-        return _fail_input(str(e))
+        return fail(None, str(e), prog="h2jax align")
     report.print(top=args.top)
-    return EXIT_PASS if report.passed() else EXIT_FAIL
+    return EXIT_OK if report.passed() else EXIT_FAIL
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -135,7 +127,7 @@ def _replay(args: argparse.Namespace) -> int:
     result = replay(args.replay, args.chip, numerics=args.numerics, tolerances=_pairs(args.tol, "--tol"))
     json.dump(result, sys.stdout, indent=1, default=str)
     sys.stdout.write("\n")
-    return EXIT_FAIL if result["status"] == "fail" else EXIT_PASS
+    return EXIT_FAIL if result["status"] == "fail" else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-EXIT_CONFIG = 2
+from h2jax._errors import fail
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -59,14 +59,6 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_tokenize)
 
 
-def _fail(kind: str, message: str) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-
-    Console(stderr=True).print(f"[bold red]h2jax: {kind} error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    return EXIT_CONFIG
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
     from h2jax.convert import ConvertError, export_hf, import_hf
 
@@ -89,13 +81,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 f"{src}: neither a Hugging Face model directory (config.json) nor an h2jax checkpoint (commits/)"
             )
     except ConvertError as e:
-        return _fail("convert", str(e))
+        return fail("convert error", str(e))
     return 0
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from h2jax._strict import ConfigError
-    from h2jax.data._tokenize import tokenize_files
+    from h2jax.data import tokenize_files
 
     try:
         stats = tokenize_files(
@@ -111,7 +103,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     except (ConfigError, ValueError, OSError) as e:
-        return _fail("tokenize", str(e))
+        return fail("tokenize error", str(e))
     print(
         f"wrote {stats.tokens:,} tokens ({stats.dtype}) of {stats.documents:,} documents to {args.out} "
         f"in {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s); "

@@ -13,9 +13,8 @@ from typing import Any
 
 import yaml
 
+from h2jax._errors import fail
 from h2jax.plan import DEFAULT_TIME_BUDGET_S, INTERLEAVED_CHUNKS, schedule_names
-
-EXIT_CONFIG = 2
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -119,18 +118,15 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _fail(e: Exception) -> SystemExit:
-    from rich.console import Console
-    from rich.markup import escape
-
     from h2jax.config import ConfigError
 
     err = e if isinstance(e, ConfigError) else ConfigError("plan", str(e))
-    Console(stderr=True).print(f"[bold red]h2jax: config error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-    return SystemExit(EXIT_CONFIG)
+    return SystemExit(fail("config error", str(err)))
 
 
 def _read_yaml(path: str) -> Any:
-    from h2jax.plan._profiles import ProfileError, find_config
+    from h2jax._paths import find_config
+    from h2jax.plan import ProfileError
 
     p = Path(path)
     if not p.is_file():
@@ -141,8 +137,7 @@ def _read_yaml(path: str) -> Any:
 
 
 def _model(path: str | None, fallback: Any):
-    from h2jax.plan import ModelShape
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import ModelShape, ProfileError
 
     raw = _read_yaml(path) if path else fallback
     if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
@@ -172,8 +167,7 @@ def _fmt_s(x: float) -> str:
 
 def _schedule_arg(text: str | None, flag: str = "--schedule"):
     """The schedule `text` names (None: None); ProfileError naming the flag otherwise."""
-    from h2jax.plan import ScheduleError, as_schedule
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import ProfileError, ScheduleError, as_schedule
 
     if text is None:
         return None
@@ -186,14 +180,14 @@ def _schedule_arg(text: str | None, flag: str = "--schedule"):
 def _schedules_arg(text: str) -> tuple:
     names = schedule_names() if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
     if not names:
-        from h2jax.plan._profiles import ProfileError
+        from h2jax.plan import ProfileError
 
         raise ProfileError(f"--schedules: expected 'all' or a comma-separated list of schedules, got {text!r}")
     return tuple(_schedule_arg(n, "--schedules") for n in names)
 
 
 def _chunks_arg(text: str) -> tuple[int, ...]:
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import ProfileError
 
     try:
         vs = tuple(int(v) for v in text.split(",") if v.strip())
@@ -237,8 +231,7 @@ def search_options(
 
 def _schedules_line(res, model, cluster, table, opts) -> str:
     """The chosen schedule, and the same stages priced under the others."""
-    from h2jax.plan import as_schedule
-    from h2jax.plan._cost import expand_chunks, schedule_estimates
+    from h2jax.plan import as_schedule, expand_chunks, schedule_estimates
 
     def shown(sched) -> str:
         return f"{sched.name} v={sched.chunks}" if sched.chunk_choice else sched.label
@@ -322,8 +315,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from h2jax.plan import Cluster, PlanError, search
-    from h2jax.plan._profiles import GIB, ProfileError
+    from h2jax._units import GIB
+    from h2jax.plan import Cluster, PlanError, ProfileError, search
 
     try:
         raw = _read_yaml(args.cluster)
@@ -485,8 +478,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from h2jax.plan import Cluster, CostOptions, Plan, PlanError, simulate_plan
-    from h2jax.plan._profiles import ProfileError
+    from h2jax.plan import Cluster, CostOptions, Plan, PlanError, ProfileError, simulate_plan
 
     try:
         raw_plan = _read_yaml(args.plan)
@@ -530,8 +522,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
     """Time the stage programs on the chip's devices (imports JAX; registers emulated chips first)."""
 
     from h2jax._strict import build_dataclass
-    from h2jax.config import ConfigError
-    from h2jax.config._chips import resolve_chip
+    from h2jax.config import ConfigError, resolve_chip
     from h2jax.models import GPTConfig
 
     try:
@@ -542,8 +533,8 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
         raise _fail(e) from None
     if not chip.emulated:
         print(f"measuring on the local {chip.platform} backend")
-    from h2jax.plan._profiles import local_cores
-    from h2jax.runtime._profile import profile_chip
+    from h2jax.plan import local_cores
+    from h2jax.runtime import profile_chip
 
     rows = profile_chip(
         args.chip,
@@ -560,7 +551,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
     # runtime's own driver takes from it (a null model through the real trainer)
     driver = None
     if not args.no_driver:
-        from h2jax.runtime._profile import profile_driver
+        from h2jax.runtime import profile_driver
 
         try:
             driver = profile_driver(args.chip, statistic=args.statistic)
@@ -570,8 +561,8 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from h2jax.plan import ProfileTable, load_chip, roofline_costs
-    from h2jax.plan._profiles import ProfileError
+    from h2jax._units import MIB
+    from h2jax.plan import ProfileError, ProfileTable, load_chip, roofline_costs
 
     try:
         chip, _ = load_chip(args.chip)
@@ -589,8 +580,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             blk = parts["block"]
             print(
                 f"{chip.name} tensor={t} microbatch={b}: block fwd {blk.fwd_s * 1e3:.3f} ms, bwd "
-                f"{blk.bwd_s * 1e3:.3f} ms, params {blk.param_bytes / 2**20:.1f} MiB, activations "
-                f"{blk.act_bytes / 2**20:.1f} MiB ({'estimated: roofline' if blk.estimated else 'measured'})"
+                f"{blk.bwd_s * 1e3:.3f} ms, params {blk.param_bytes / MIB:.1f} MiB, activations "
+                f"{blk.act_bytes / MIB:.1f} MiB ({'estimated: roofline' if blk.estimated else 'measured'})"
             )
     if got["host_cores"] is not None:
         print(f"host: {chip.host!r}, {got['host_cores']} cores (every emulated chip computes on this machine)")

@@ -12,13 +12,26 @@ from xla_plugins.emulated import (
     emulated_backends,
     register_emulated_chips,
 )
-from xla_plugins.vendors import VENDOR_PLATFORMS, platform_of
+from xla_plugins.vendors import (
+    PLATFORMS,
+    VENDOR_PLATFORMS,
+    VENDORS,
+    Vendor,
+    device_kind_matches,
+    fused_attention,
+    platform_of,
+)
 
 __all__ = [
+    "PLATFORMS",
+    "VENDORS",
     "EmulatedBackendError",
     "VENDOR_PLATFORMS",
+    "Vendor",
     "backend_name",
+    "device_kind_matches",
     "emulated_backends",
+    "fused_attention",
     "platform_of",
     "register_emulated_chips",
 ]

@@ -3,14 +3,12 @@
 Three levels (see docs/ALIGN.md): every operator of one training step with the reference's
 inputs (:func:`op_level`), every layer's output and gradient of one step
 (:func:`layer_level`), and the loss curve over N steps (:func:`run_level`); :func:`align`
-runs them and :func:`replay` re-runs a dumped failing operator. :func:`apply_policy` is the
-seam the runtime uses to compile a chip type's programs under its
-:class:`~h2jax.plan.NumericsPolicy`.
+runs them and :func:`replay` re-runs a dumped failing operator. :func:`apply_policy` (defined in
+:mod:`h2jax._jaxpr`, below the runtime, which compiles a chip type's programs with it) applies a
+:class:`~h2jax.plan.NumericsPolicy`; :func:`reference` is the float64 program it is measured against.
 """
 
-from h2jax.align._compare import DTYPE_RTOL, Metrics, compare, op_status, ratio_status
-from h2jax.align._levels import DEFAULT_LAYER_GATE, LayerLevel, OpLevel, layer_level, op_level
-from h2jax.align._policy import (
+from h2jax._jaxpr import (
     Fault,
     FlatProgram,
     Op,
@@ -18,15 +16,17 @@ from h2jax.align._policy import (
     ScopedPolicy,
     apply_policy,
     module_scopes,
-    reference,
     run_op,
     trace,
 )
+from h2jax.align._compare import DTYPE_RTOL, Metrics, compare, op_status, ratio_status
+from h2jax.align._levels import DEFAULT_LAYER_GATE, LayerLevel, OpLevel, layer_level, op_level
+from h2jax.align._reference import reference
 from h2jax.align._report import AlignReport, plot_run
 from h2jax.align._runlevel import DEFAULT_MRE_GATE, RunLevel, run_level, train_losses
 from h2jax.align._targets import AlignInputError, ChipTarget, load_experiment, plan_policy, resolve_chips
 from h2jax.align._tool import DEFAULT_STEPS, LEVELS, align, replay
-from h2jax.plan._numerics import NumericsError, NumericsPolicy, parse_numerics
+from h2jax.plan import NumericsError, NumericsPolicy, parse_numerics
 
 __all__ = [
     "DEFAULT_LAYER_GATE",

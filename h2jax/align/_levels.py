@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from h2jax._jaxpr import FlatProgram, Op, apply_policy, evaluate, run_op, trace
 from h2jax.align._compare import DTYPE_RTOL, Metrics, compare, compare_exact, op_status, ratio, tolerance, worst
-from h2jax.align._policy import FlatProgram, Op, apply_policy, evaluate, reference, run_op, run_op_reference, trace
-from h2jax.align._policy import widen as widen_value
+from h2jax.align._reference import reference, run_op_reference
+from h2jax.align._reference import widen as widen_value
 from h2jax.align._targets import HOST, ChipTarget, Experiment, graphdef_for, step_hiddens, step_loss
-from h2jax.plan._numerics import NumericsPolicy
+from h2jax.plan import NumericsPolicy
 
 EXACT_PRIMITIVES = frozenset(
     {

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from h2jax.align._policy import PolicyLike, apply_policy, reference
+from h2jax._jaxpr import PolicyLike, apply_policy
+from h2jax.align._reference import reference
 from h2jax.align._targets import HOST, ChipTarget, Experiment, graphdef_for, step_loss
 
 DEFAULT_MRE_GATE = 0.015

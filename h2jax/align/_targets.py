@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from h2jax.align._policy import Fault, PolicyLike, ScopedPolicy, module_scopes
-from h2jax.plan._numerics import NumericsError, NumericsPolicy, parse_numerics
+from h2jax._jaxpr import Fault, PolicyLike, ScopedPolicy, module_scopes
+from h2jax.plan import NumericsError, NumericsPolicy, parse_numerics
 
 HOST = "cpu"
 """Chip name of the host CPU itself (the fp32 baseline of the ratio rule)."""

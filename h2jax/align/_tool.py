@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 
+from h2jax._jaxpr import Fault, run_op
 from h2jax.align._compare import Metrics, compare, compare_exact, op_status, tolerance
 from h2jax.align._levels import DEFAULT_LAYER_GATE, layer_level, op_level, op_program
-from h2jax.align._policy import Fault, run_op
 from h2jax.align._report import AlignReport
 from h2jax.align._runlevel import DEFAULT_MRE_GATE, run_level
 from h2jax.align._targets import HOST, AlignInputError, ChipTarget, load_experiment, plan_policy, resolve_chips
-from h2jax.plan._numerics import NumericsPolicy
+from h2jax.plan import NumericsPolicy
 
 LEVELS = ("op", "layer", "run")
 DEFAULT_STEPS = 300

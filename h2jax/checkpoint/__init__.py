@@ -7,6 +7,7 @@ explicit target shardings. The runtime's ``Trainer`` maps its stages to and from
 layout (``h2jax.runtime._layout``).
 """
 
+from h2jax.checkpoint._faults import failpoint
 from h2jax.checkpoint._store import (
     CheckpointCorruptError,
     CheckpointError,
@@ -17,4 +18,12 @@ from h2jax.checkpoint._store import (
     unnest,
 )
 
-__all__ = ["CheckpointCorruptError", "CheckpointSaveError", "CheckpointStore", "nest", "retained", "unnest"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointSaveError",
+    "CheckpointStore",
+    "failpoint",
+    "nest",
+    "retained",
+    "unnest",
+]

@@ -26,65 +26,88 @@ tokens order the calls)::
 
 A receive whose message never comes fails after ``timeout_s`` naming rank, peer, tag and
 tensor. ``stash_stats()`` counts the messages that took the deadlock-free detour.
+
+The transport registry (:data:`TRANSPORTS`, :class:`Transport`) is pure data and loads at
+once, so that ``h2jax.config`` checks ``train.transport`` without importing JAX; every other
+name loads with its module on first use.
 """
 
-from h2jax.comm._channel import (
-    PROCESS_TRANSPORTS,
-    TRANSPORTS,
-    Channel,
-    FfiChannel,
-    LocalHub,
-    PeerChannel,
-    PipelineAborted,
-    StageLink,
-    TransferFailure,
-    make_channel,
-    needs_launcher,
-    stage_links,
-)
-from h2jax.comm._ffi import (
-    DEFAULT_TIMEOUT_S,
-    FfiUnavailableError,
-    is_available,
-    new_token,
-    recv,
-    register,
-    send,
-    sendrecv,
-    stash_stats,
-)
-from h2jax.comm._host import HostTransport
-from h2jax.comm._peer import FfiTransport, PeerTransport
-from h2jax.comm._routing import BWD, FWD, Boundary, RoutingUnsupported, tag_base
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "FfiTransport",
-    "FfiUnavailableError",
-    "HostTransport",
-    "LocalHub",
-    "PeerChannel",
-    "PipelineAborted",
-    "PROCESS_TRANSPORTS",
-    "RoutingUnsupported",
-    "StageLink",
-    "TRANSPORTS",
-    "TransferFailure",
-    "make_channel",
-    "needs_launcher",
-    "stage_links",
-    "tag_base",
-    "BWD",
-    "FWD",
-    "Boundary",
-    "Channel",
-    "FfiChannel",
-    "PeerTransport",
-    "is_available",
-    "new_token",
-    "recv",
-    "register",
-    "send",
-    "sendrecv",
-    "stash_stats",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from h2jax.comm._transports import PROCESS_TRANSPORTS, REGISTRY, TRANSPORTS, Transport
+
+_LAZY = {
+    "Channel": "h2jax.comm._channel",
+    "FfiChannel": "h2jax.comm._channel",
+    "LocalHub": "h2jax.comm._channel",
+    "PeerChannel": "h2jax.comm._channel",
+    "PipelineAborted": "h2jax.comm._channel",
+    "StageLink": "h2jax.comm._channel",
+    "TransferFailure": "h2jax.comm._channel",
+    "make_channel": "h2jax.comm._channel",
+    "needs_launcher": "h2jax.comm._channel",
+    "stage_links": "h2jax.comm._channel",
+    "DEFAULT_TIMEOUT_S": "h2jax.comm._ffi",
+    "FfiUnavailableError": "h2jax.comm._ffi",
+    "is_available": "h2jax.comm._ffi",
+    "new_token": "h2jax.comm._ffi",
+    "recv": "h2jax.comm._ffi",
+    "register": "h2jax.comm._ffi",
+    "send": "h2jax.comm._ffi",
+    "sendrecv": "h2jax.comm._ffi",
+    "stash_stats": "h2jax.comm._ffi",
+    "HostTransport": "h2jax.comm._host",
+    "FfiTransport": "h2jax.comm._peer",
+    "PeerTransport": "h2jax.comm._peer",
+    "BWD": "h2jax.comm._routing",
+    "FWD": "h2jax.comm._routing",
+    "Boundary": "h2jax.comm._routing",
+    "RoutingUnsupported": "h2jax.comm._routing",
+    "tag_base": "h2jax.comm._routing",
+}
+
+if TYPE_CHECKING:
+    from h2jax.comm._channel import (
+        Channel,
+        FfiChannel,
+        LocalHub,
+        PeerChannel,
+        PipelineAborted,
+        StageLink,
+        TransferFailure,
+        make_channel,
+        needs_launcher,
+        stage_links,
+    )
+    from h2jax.comm._ffi import (
+        DEFAULT_TIMEOUT_S,
+        FfiUnavailableError,
+        is_available,
+        new_token,
+        recv,
+        register,
+        send,
+        sendrecv,
+        stash_stats,
+    )
+    from h2jax.comm._host import HostTransport
+    from h2jax.comm._peer import FfiTransport, PeerTransport
+    from h2jax.comm._routing import BWD, FWD, Boundary, RoutingUnsupported, tag_base
+
+__all__ = ["PROCESS_TRANSPORTS", "REGISTRY", "TRANSPORTS", "Transport", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'h2jax.comm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -50,8 +50,7 @@ import jax
 import numpy as np
 
 from h2jax.comm._routing import BWD, FWD, TAG_SPACE, Boundary, RoutingUnsupported, lane_offset, lin, tag, tag_base
-from h2jax.config._load import MULTIPROCESS_TRANSPORTS as PROCESS_TRANSPORTS  # one definition, in config
-from h2jax.config._load import TRANSPORTS
+from h2jax.comm._transports import PROCESS_TRANSPORTS, TRANSPORTS
 
 _POLL_S = 0.05
 

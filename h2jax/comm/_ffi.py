@@ -38,10 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xla_plugins import VENDORS
+
 DEFAULT_TIMEOUT_S = 60.0
 _TOKEN = jax.ShapeDtypeStruct((1,), jnp.uint8)
-_MODULES = {"cpu": "_mpi_ffi_cpu", "cuda": "_mpi_ffi_cuda"}
-_XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
+_MODULES = {p: v.ffi_module for p, v in VENDORS.items() if v.ffi_module is not None}
 _lock = threading.Lock()
 _registered: set[str] = set()
 
@@ -79,9 +80,8 @@ def register(platform: str = "cpu") -> None:
             return
         ext = _extension(platform)
         for target, capsule in ext.registrations().items():
-            # XLA's own platform name: jax 0.11 no longer maps "cuda" to "CUDA" here, and a
-            # target registered under "cuda" waits forever for a handler (seen on an H200)
-            jax.ffi.register_ffi_target(target, capsule, platform=_XLA_PLATFORM.get(platform, platform))
+            # under XLA's own platform name (the vendor table says why cuda's differs)
+            jax.ffi.register_ffi_target(target, capsule, platform=VENDORS[platform].xla_platform or platform)
         _registered.add(platform)
 
 

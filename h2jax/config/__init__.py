@@ -6,6 +6,7 @@ what was expected -- before any device is touched. It runs :func:`validate` (the
 against itself) and :func:`check_inputs` (against the files the run reads and writes).
 """
 
+from h2jax.config._chips import resolve_chip
 from h2jax.config._errors import ConfigError
 from h2jax.config._gin import model_factory, read_gin
 from h2jax.config._inputs import check_inputs, format_bytes, format_count
@@ -37,6 +38,7 @@ __all__ = [
     "load_raw",
     "model_factory",
     "read_gin",
+    "resolve_chip",
     "save_config",
     "validate",
 ]

@@ -29,6 +29,7 @@ from typing import Any
 
 from gin import config_parser
 
+from h2jax._paths import find_experiment
 from h2jax.config._errors import ConfigError
 from h2jax.config._schema import ExperimentConfig
 
@@ -221,9 +222,7 @@ def model_factory(path: str | Path | None, cfg: ExperimentConfig) -> Callable[[]
     """
     if not is_gin(path):
         return None
-    from h2jax.config._load import find_config
-
-    factory = read_gin(find_config(path)).model_factory()
+    factory = read_gin(find_experiment(path)).model_factory()
     if factory is None:
         return None
     seed = cfg.seed

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from h2jax._strict import ConfigError
+from h2jax._units import GIB, KIB, MIB, TIB
 from h2jax.config._schema import ExperimentConfig
 from h2jax.data import check_token_ids, default_corpus_text, load_text, load_tokenizer, open_token_file
 
@@ -36,8 +37,8 @@ def format_count(n: float) -> str:
 
 
 def format_bytes(n: float) -> str:
-    """Bytes for people, in binary units (GiB = 2**30 B)."""
-    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+    """Bytes for people, in binary units (h2jax._units)."""
+    for scale, unit in ((TIB, "TiB"), (GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"

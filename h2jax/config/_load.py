@@ -13,18 +13,17 @@ from typing import Any
 
 import yaml
 
+from h2jax._paths import find_experiment
 from h2jax._strict import VALUE_CHECKS, build_dataclass, read_yaml, to_raw
+from h2jax.comm import PROCESS_TRANSPORTS, TRANSPORTS
 from h2jax.config._chips import resolve_chip
 from h2jax.config._errors import ConfigError
+from h2jax.config._gin import read_gin
 from h2jax.config._inputs import check_inputs
 from h2jax.config._schema import ExperimentConfig
 from h2jax.models import GPTConfig, tensor_divisible_dims
 from h2jax.plan import PlanError, check_plan
-from h2jax.plan._profiles import config_dirs
 
-# local: one process; host, ffi, ffi-call: between processes (mpirun, srun), see h2jax/comm/_channel.py
-TRANSPORTS = ("local", "host", "ffi", "ffi-call")
-MULTIPROCESS_TRANSPORTS = ("host", "ffi", "ffi-call")  # these need a launcher (mpirun, srun) and more than one process
 TOKEN_DTYPES = ("uint16", "uint32")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 NONFINITE_POLICIES = ("abort", "skip")
@@ -90,27 +89,11 @@ def apply_override(raw: dict, parts: list[str], value: Any) -> None:
             raise ConfigError(key, f"{'.'.join(parts[:i])} is {node!r}, not a mapping or list")
 
 
-def find_config(path: str | Path) -> Path:
-    """The experiment file ``path`` names: as given, else in the config folders (``.yaml`` optional)."""
-    p = Path(path)
-    if not p.is_file():
-        candidates = [d / p for d in config_dirs()] + [d / f"{p}.yaml" for d in config_dirs()]
-        found = next((c for c in candidates if c.is_file()), None)
-        if found is None:
-            raise ConfigError(
-                "config", f"file {str(path)!r} not found (also looked in {[str(d) for d in config_dirs()]})"
-            )
-        p = found
-    return p
-
-
 def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     raw = default_raw()
     if path is not None:
-        p = find_config(path)
+        p = find_experiment(path)
         if p.suffix == ".gin":
-            from h2jax.config._gin import read_gin
-
             user = read_gin(p).raw
         else:
             user = read_yaml(p, key="config") or {}
@@ -203,7 +186,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("train.transfer_timeout_s", f"transfer_timeout_s={t.transfer_timeout_s}; expected > 0")
     if t.transport not in TRANSPORTS:
         raise ConfigError("train.transport", f"transport={t.transport!r}; expected one of {list(TRANSPORTS)}")
-    if t.transport in MULTIPROCESS_TRANSPORTS:
+    if t.transport in PROCESS_TRANSPORTS:
         _check_launcher(t.transport, cfg.plan.num_stages)
     if t.gantt_step != -1 and not 0 <= t.gantt_step < t.steps:
         raise ConfigError("train.gantt_step", f"gantt_step={t.gantt_step}; expected -1 or 0..{t.steps - 1}")

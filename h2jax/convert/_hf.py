@@ -36,7 +36,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from h2jax.models._config import GPTConfig, RopeScaling
+from h2jax.models import GPTConfig, RopeScaling
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 """Hugging Face classes whose tensors and maths are h2jax's LLaMA (Mistral: without a sliding

@@ -50,6 +50,7 @@ _LAZY = {
     "Embed": "h2jax.models._llama",
     "Head": "h2jax.models._llama",
     "build_model": "h2jax.models._llama",
+    "SharedParam": "h2jax.models._stage",
     "StageModule": "h2jax.models._stage",
     "boundary_shapes": "h2jax.models._stage",
     "shared_parameters": "h2jax.models._stage",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     from h2jax.models._dropout import Dropout, dropout_step
     from h2jax.models._llama import GPT, TENSOR, Block, Embed, Head, build_model
     from h2jax.models._stage import (
+        SharedParam,
         StageModule,
         boundary_shapes,
         check_stageable,

@@ -138,7 +138,7 @@ class GPTConfig:
 
     def num_params(self) -> int:
         """Exact number of parameters (scalars) of the model built from this config, by arithmetic alone."""
-        from h2jax.plan._profiles import ModelShape  # the planner's count is the one definition
+        from h2jax.plan import ModelShape  # the planner's count is the one definition
 
         return ModelShape.from_config(self).num_params()
 

@@ -88,11 +88,15 @@ from h2jax.plan._cost import (  # noqa: E402
     PlanCost,
     StageCost,
     estimate,
+    expand_chunks,
+    schedule_estimates,
     stage_cost,
     transfer_s,
 )
 from h2jax.plan._profiles import (  # noqa: E402
     GIB,
+    PROGRAM,
+    TRANSFER,
     ChipProfile,
     Cluster,
     DriverCost,
@@ -102,6 +106,7 @@ from h2jax.plan._profiles import (  # noqa: E402
     ProfileError,
     ProfileTable,
     load_chip,
+    local_cores,
     roofline_costs,
 )
 from h2jax.plan._search import (  # noqa: E402
@@ -117,6 +122,11 @@ from h2jax.plan._simulate import SimEvent, SimResult, simulate, simulate_plan  #
 __all__ += [
     "DEFAULT_TIME_BUDGET_S",
     "GIB",
+    "PROGRAM",
+    "TRANSFER",
+    "expand_chunks",
+    "local_cores",
+    "schedule_estimates",
     "SimEvent",
     "SimResult",
     "simulate",

@@ -36,14 +36,13 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from h2jax._paths import config_dirs, find_config
 from h2jax._strict import VALUE_CHECKS, ConfigError, build_dataclass, read_yaml
+from h2jax._units import GB, GIB
 from h2jax.plan._numerics import NumericsPolicy
-
-GIB = 2**30
-GB = 1e9
+from xla_plugins import PLATFORMS, fused_attention
 
 LOCAL_HOST = "local"  # the machine that runs the job: where every emulated chip computes
-PLATFORMS = ("cpu", "cuda", "rocm", "tpu", "xpu")  # PJRT platforms a real chip type may name
 
 
 def local_cores() -> int:
@@ -157,28 +156,6 @@ VALUE_CHECKS[ChipProfile] = check_chip_values
 
 # what a cluster entry or profile file may say: the fields, and `count` (devices, for nodes)
 CHIP_KEYS = tuple(sorted({f.name for f in fields(ChipProfile)} - {"name"} | {"count"}))
-
-
-def config_dirs() -> list[Path]:
-    """Where named configs are looked up: $H2JAX_CONFIG_DIR, ./configs, the repository's configs/."""
-    dirs = []
-    if env := os.environ.get("H2JAX_CONFIG_DIR"):
-        dirs.append(Path(env))
-    dirs.append(Path.cwd() / "configs")
-    dirs.append(Path(__file__).resolve().parents[2] / "configs")
-    return list(dict.fromkeys(d.resolve() for d in dirs))
-
-
-def find_config(kind: str, name: str) -> Path | None:
-    """``configs/<kind>/<name>.yaml`` (or ``name`` itself when it is a YAML path), or None."""
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
-    for d in config_dirs():
-        f = d / kind / f"{name}.yaml"
-        if f.is_file():
-            return f
-    return None
 
 
 def _check_chip_keys(raw: Mapping[str, Any], where: str, source: Path | None = None) -> None:
@@ -544,7 +521,7 @@ def roofline_costs(
     # the block's output (as the profiler counts: the forward program's outputs). Nothing per
     # score: the attention recomputes its scores in the backward (h2jax.models' `attend`), and
     # a fused kernel (cuDNN: cuda chips in bf16/fp16) adds only its fp32 softmax statistics.
-    fused = model.attention == "auto" and chip.platform == "cuda" and a == 2 and hd <= 128 and hd % 8 == 0
+    fused = model.attention == "auto" and fused_attention(chip.platform) and a == 2 and hd <= 128 and hd % 8 == 0
     per_token = 24 * d + 16 + 2 * a * d + (2 * a * d + 6 * a * f + (4 * h if fused else 0)) / t + 2 * a * kv * hd / t_kv
     act_block = tokens * per_token + s * 8 * hd + w_block * a + hidden
     by_block = w_block * a + act_block + 2 * hidden

@@ -30,25 +30,24 @@ Durations come from the cost model
 (:func:`simulate_plan`) or from a real run's trace (per stage, per microbatch), so the
 simulator both checks the analytic formula and replays a measured run.
 
-The events are written in the runtime's Chrome trace format (``h2jax.runtime`` timeline:
-``pid`` = stage, ``tid`` 0 compute / 1 comm, args step/stage/microbatch/kind/chip; a split
-backward's tasks are ``bwd`` events with ``part`` "B" or "W", a chunk's carry ``chunk``), so
-the runtime's ``load_trace`` / ``plot_gantt`` read and draw them; :meth:`SimResult.plot`
-draws a Gantt PNG without importing JAX.
+The events are the runtime's (:mod:`h2jax._trace`: a split backward's tasks are ``bwd``
+events with ``part`` "B" or "W", a chunk's carry ``chunk``), written as the same Chrome trace
+(:meth:`SimResult.save_trace`) and drawn as the same Gantt chart (:meth:`SimResult.plot`),
+without importing JAX.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h2jax._trace import TraceEvent, chrome_trace, plot_gantt, sort_events, write_trace
 from h2jax.plan._cost import CostOptions, PlanCost, estimate
 from h2jax.plan._plan import Plan, PlanError
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
-from h2jax.plan.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, ScheduleError, Task, get_schedule
+from h2jax.plan.schedules import BACKWARD, FORWARD, Schedule, ScheduleError, Task, get_schedule
 
 
 @dataclass(frozen=True)
@@ -107,89 +106,36 @@ class SimResult:
         u = self.utilisation()
         return 1.0 - sum(u) / len(u) if u else 0.0
 
+    def stage_labels(self) -> list[str]:
+        """``stage <s>``, with the chip type when known: the rows of the trace and the chart."""
+        return [f"stage {s}" + (f" · {self.chips[s]}" if self.chips else "") for s in range(self.num_stages)]
+
+    def trace_events(self, *, step: int = 0) -> list[TraceEvent]:
+        """The events as the runtime records them (µs from the start of the step)."""
+        return [
+            TraceEvent(
+                kind=e.kind,
+                stage=e.stage,
+                step=step,
+                microbatch=e.microbatch,
+                start_us=e.start * 1e6,
+                dur_us=(e.end - e.start) * 1e6,
+                chip=self.chips[e.stage] if self.chips else "",
+                extra=dict(e.extra),
+            )
+            for e in self.events
+        ]
+
     def to_chrome_trace(self, *, step: int = 0, stage_labels: Sequence[str] | None = None) -> dict[str, Any]:
         """The events as the runtime's Chrome/Perfetto trace JSON (µs)."""
-        labels = list(
-            stage_labels
-            or [f"stage {s}" + (f" · {self.chips[s]}" if self.chips else "") for s in range(self.num_stages)]
-        )
-        out: list[dict[str, Any]] = []
-        for s in range(self.num_stages):
-            out.append({"ph": "M", "name": "process_name", "pid": s, "tid": 0, "args": {"name": labels[s]}})
-            out.append({"ph": "M", "name": "process_sort_index", "pid": s, "tid": 0, "args": {"sort_index": s}})
-        for e in sorted(self.events, key=lambda e: (e.start, e.stage)):
-            if e.kind in ("fwd", "bwd"):
-                name = f"{_task_kind(e)}{e.microbatch}" + (f"c{e.extra['chunk']}" if e.extra.get("chunk") else "")
-            else:
-                name = f"{e.kind} {e.extra.get('phase', '')}{'' if e.microbatch is None else e.microbatch}"
-            args = {
-                "step": step,
-                "stage": e.stage,
-                "microbatch": e.microbatch,
-                "kind": e.kind,
-                "chip": self.chips[e.stage] if self.chips else "",
-                **e.extra,
-            }
-            out.append(
-                {
-                    "name": name.strip(),
-                    "cat": e.kind,
-                    "ph": "X",
-                    "ts": e.start * 1e6,
-                    "dur": (e.end - e.start) * 1e6,
-                    "pid": e.stage,
-                    "tid": 1 if e.kind in ("send", "recv") else 0,
-                    "args": args,
-                }
-            )
-        return {"traceEvents": out, "displayTimeUnit": "ms"}
+        return chrome_trace(sort_events(self.trace_events(step=step)), list(stage_labels or self.stage_labels()))
 
     def save_trace(self, path: str | Path, **kw: Any) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_chrome_trace(**kw)))
-        return path
+        return write_trace(path, self.to_chrome_trace(**kw))
 
     def plot(self, path: str | Path, *, title: str = "") -> Path:
-        """Gantt chart PNG: one row per stage, forwards blue, backwards (B) orange, weight
-        gradients (W) brown, tail green."""
-        from matplotlib.figure import Figure
-
-        colours = {
-            "fwd": "#4C72B0",
-            "bwd": "#DD8452",
-            "wgt": "#937860",
-            "update": "#55A868",
-            "send": "#8172B3",
-            "recv": "#C44E52",
-        }
-        fig = Figure(figsize=(13.0, 1.6 + 0.7 * self.num_stages), dpi=110, layout="constrained")
-        ax = fig.add_subplot()
-        scale = 1e3 if self.iteration_s < 10 else 1.0
-        unit = "ms" if scale == 1e3 else "s"
-        for e in self.events:
-            lane = (e.stage + 0.22, 0.15) if e.kind in ("send", "recv") else (e.stage - 0.38, 0.58)
-            ax.broken_barh(
-                [(e.start * scale, (e.end - e.start) * scale)],
-                lane,
-                facecolors=colours.get("wgt" if e.extra.get("part") == WEIGHT else e.kind, "#999999"),
-                edgecolor="white",
-                linewidth=0.3,
-            )
-        labels = [f"stage {s}" + (f" · {self.chips[s]}" if self.chips else "") for s in range(self.num_stages)]
-        ax.set_yticks(range(self.num_stages), labels)
-        ax.set_ylim(self.num_stages - 0.5, -0.5)
-        ax.set_xlabel(f"time ({unit})")
-        ax.set_title(
-            f"{title}\nsimulated: {self.iteration_s * scale:.4g} {unit} per step, "
-            f"bubble {100 * self.bubble_fraction:.1f} %",
-            loc="left",
-            fontsize=10,
-        )
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png")
-        return path
+        """Gantt chart PNG, drawn as the runtime draws a recorded step."""
+        return plot_gantt(self.trace_events(), path, stage_labels=self.stage_labels(), title=title, what="simulated")
 
 
 def _per_mb(value: float | Sequence[float], m: int) -> list[float]:

@@ -6,8 +6,10 @@ channel per stage (h2jax.comm). See docs/ARCHITECTURE.md.
 """
 
 from h2jax.runtime._cluster import StagePlacement, place_stages, setup_backends, stage_mesh
+from h2jax.runtime._job import run_job
 from h2jax.runtime._layout import flatten, model_layout
 from h2jax.runtime._metrics import MetricsLogger, read_metrics
+from h2jax.runtime._profile import profile_chip, profile_driver
 from h2jax.runtime._reference import reference_loss_and_grads
 from h2jax.runtime._runner import StageFailure, StageRunner
 from h2jax.runtime._stage import StageMemory, StageProgram
@@ -42,8 +44,11 @@ __all__ = [
     "model_layout",
     "place_stages",
     "plot_gantt",
+    "profile_chip",
+    "profile_driver",
     "read_metrics",
     "reference_loss_and_grads",
+    "run_job",
     "setup_backends",
     "stage_mesh",
     "train",

@@ -8,6 +8,7 @@ import numpy as np
 
 from h2jax.config import ClusterConfig
 from h2jax.plan import Plan, assign_devices
+from xla_plugins import device_kind_matches
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,9 @@ def place_stages(plan: Plan, cluster: ClusterConfig) -> list[StagePlacement]:
         if max(idxs) >= len(devs):
             raise RuntimeError(f"stage {s} needs devices {list(idxs)} of backend {backend!r}, which has {len(devs)}")
         chip = cluster.chips[spec.chip]
-        if not chip.emulated and ":" in spec.chip:  # cuda:H100 -> the device kind must say H100
-            want = spec.chip.split(":", 1)[1].lower()
+        if not chip.emulated:  # cuda:H100 -> the device kind must say H100
             kinds = sorted({d.device_kind for d in devs})
-            if not any(want in k.lower() for k in kinds):
+            if not device_kind_matches(spec.chip, kinds):
                 raise RuntimeError(
                     f"stage {s} wants chip type {spec.chip!r}, but backend {backend!r} has devices of kind {kinds}"
                 )

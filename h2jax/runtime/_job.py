@@ -19,26 +19,14 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from h2jax._errors import EXIT_CONFIG, EXIT_FAIL, EXIT_INTERRUPTED, debug, say
+from h2jax._units import MIB
 from h2jax.checkpoint import CheckpointError, CheckpointSaveError
 from h2jax.config import ConfigError, ExperimentConfig
 from h2jax.runtime._runner import StageFailure
 from h2jax.runtime._state import NonFiniteLossError
 from h2jax.runtime._trainer import Trainer
 from h2jax.runtime._world import JobError
-
-EXIT_CONFIG = 2
-
-
-def debug() -> bool:
-    """Tracebacks wanted (``h2jax --debug`` or ``H2JAX_DEBUG=1``)."""
-    import os
-
-    return os.environ.get("H2JAX_DEBUG", "") not in ("", "0")
-
-
-def _say(console: Console, what: str, message: str, style: str = "bold red") -> None:
-    # escape: keys and values come from the user, and rich would read "[red]" as markup
-    console.print(f"[{style}]h2jax: {what}:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def run_job(
@@ -71,7 +59,7 @@ def run_job(
             for s, spec in enumerate(cfg.plan.stages):
                 if s in mem:
                     console.print(
-                        f"stage {s} on {spec.chip}: {mem[s] / 2**20:.1f} MiB per device "
+                        f"stage {s} on {spec.chip}: {mem[s] / MIB:.1f} MiB per device "
                         f"(limit {cfg.cluster.chips[spec.chip].memory_gib:g} GiB)"
                     )
         resumed = trainer.resume(restore_step=restore_step, init_from=init_from)
@@ -85,9 +73,9 @@ def run_job(
         if group is not None:
             group.close()  # leave the stage's jax.distributed cluster (collective over the stage)
     except (JobError, NonFiniteLossError) as e:  # every process is here, at the same point
-        what, code = (e.what, e.code) if isinstance(e, JobError) else ("training failed", 1)
+        what, code = (e.what, e.code) if isinstance(e, JobError) else ("training failed", EXIT_FAIL)
         if launch is None or launch.rank == 0:
-            _say(console, what, str(e))
+            say(what, str(e), console=console)
         if multi:  # nobody exits (and makes the launcher kill the others) before all are here
             from mpi4py import MPI
 
@@ -99,17 +87,17 @@ def run_job(
         if isinstance(e, ConfigError):
             what, code = "config error", EXIT_CONFIG
         elif isinstance(e, CheckpointSaveError):
-            what, code = "checkpoint save failed (earlier checkpoints are intact)", 1
+            what, code = "checkpoint save failed (earlier checkpoints are intact)", EXIT_FAIL
         elif isinstance(e, CheckpointError):
-            what, code = "checkpoint error", 1
+            what, code = "checkpoint error", EXIT_FAIL
         elif isinstance(e, (StageFailure, NonFiniteLossError)):
-            what, code = "training failed", 1
+            what, code = "training failed", EXIT_FAIL
         elif isinstance(e, KeyboardInterrupt):
-            what, code = "interrupted", 130
+            what, code = "interrupted", EXIT_INTERRUPTED
         else:
-            what, code = f"failed: {type(e).__name__}", 1
+            what, code = f"failed: {type(e).__name__}", EXIT_FAIL
         if not multi:
-            _say(console, what, str(e))
+            say(what, str(e), console=console)
             if debug():
                 raise
             return code
@@ -141,11 +129,7 @@ def run_job(
             )
         else:
             where = "checkpoints are off (checkpoint.enabled=false): nothing saved"
-        console.print(
-            f"[yellow]h2jax: stopped by {trainer.preempted} after step {trainer.step}:[/] {escape(where)}",
-            highlight=False,
-            soft_wrap=True,
-        )
+        say(f"stopped by {trainer.preempted} after step {trainer.step}", where, console=console, style="yellow")
     elif not history:
         console.print(
             f"nothing to train: the run is at step {start} of train.steps={cfg.train.steps}; "

@@ -64,8 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 from h2jax.config import ChipSpec
 from h2jax.models import GPTConfig, StageModule, build_model
-from h2jax.plan import DriverCost, LayerCost, StageSpec
-from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
+from h2jax.plan import PROGRAM, TRANSFER, DriverCost, LayerCost, StageSpec, local_cores
 from h2jax.runtime._cluster import StagePlacement, stage_mesh
 from h2jax.runtime._stage import StageProgram
 from h2jax.runtime._state import make_optimizer

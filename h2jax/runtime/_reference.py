@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from h2jax.models._dropout import dropout_step
+from h2jax.models import dropout_step
 from h2jax.runtime._stage import check_params_only
 
 

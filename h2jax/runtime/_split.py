@@ -39,18 +39,13 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from h2jax._jaxpr import bind_eqn
+
 _CONST, _PARAM, _ACT = 0, 1, 2  # value classes: constant, param-only, involves the input
 
 
 def _is_float(aval: Any) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.inexact)
-
-
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Re-emit one equation as ``jax.core.eval_jaxpr`` does (its context manager included)."""
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 @dataclass(frozen=True)
@@ -88,7 +83,7 @@ class SplitJaxpr:
             for j, val in enumerate(invals):
                 if (i, j) in kept_at:
                     kept[(i, j)] = val
-            outs = _bind(eqn, invals)
+            outs = bind_eqn(eqn, invals)
             for j, val in enumerate(outs):
                 if (i, j) in probe_at:
                     val = val + probe_at[(i, j)]
@@ -112,10 +107,10 @@ class SplitJaxpr:
         for i, eqn in enumerate(jaxpr.eqns):
             if i in mixing:
                 invals = [fixed[(i, j)] if (i, j) in fixed else read(v) for j, v in enumerate(eqn.invars)]
-                for j, val in enumerate(_bind(eqn, invals)):
+                for j, val in enumerate(bind_eqn(eqn, invals)):
                     outs_at[(i, j)] = val
             elif all(isinstance(v, jcore.Literal) or self.classes[v] != _ACT for v in eqn.invars):
-                for v, val in zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])):
+                for v, val in zip(eqn.outvars, bind_eqn(eqn, [read(v) for v in eqn.invars])):
                     env[v] = val
         return [outs_at[k] for k in self.probed]
 

@@ -52,8 +52,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from h2jax.models import StageModule, partition_specs
-from h2jax.models._dropout import Dropout, dropout_step
+from h2jax._jaxpr import apply_policy
+from h2jax.models import Dropout, StageModule, dropout_step, partition_specs
 from h2jax.plan import StageSpec
 from h2jax.runtime._split import SplitJaxpr, analyse
 
@@ -188,8 +188,6 @@ class StageProgram:
                 return module(x_, t) if self.last else module(x_)
 
         if self.numerics is not None:  # every op re-emitted as this chip type computes it
-            from h2jax.align import apply_policy
-
             run = apply_policy(run, self.numerics)
         y = run(params, x, targets, rng)
         if self.last:

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from h2jax.config import ConfigError
-from h2jax.models._stage import SharedParam
+from h2jax.models import SharedParam
 from h2jax.runtime._layout import flatten, opt_state_names, to_model_key
 from h2jax.runtime._procgroup import fetch, global_array
 from h2jax.runtime._world import World

@@ -40,8 +40,8 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 
-from h2jax.checkpoint import CheckpointError, CheckpointStore
-from h2jax.checkpoint._faults import failpoint
+from h2jax._units import GIB
+from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint
 from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher, stage_links
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, format_bytes, save_config, validate
 from h2jax.data import load_dataset, step_batch
@@ -70,8 +70,6 @@ from h2jax.runtime._state import (
 from h2jax.runtime._tied import TiedParams, check_tieable
 from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
 from h2jax.runtime._world import JobError, MpiWorld, World, make_world
-
-GIB = 1024**3
 
 
 def part_name(stage: int) -> str:

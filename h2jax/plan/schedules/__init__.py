@@ -7,8 +7,6 @@ from h2jax.plan.schedules._base import (
     BoundSchedule,
     Schedule,
     ScheduleError,
-    as_schedule,
-    get_schedule,
     register,
     schedule_family,
     schedule_names,
@@ -16,6 +14,7 @@ from h2jax.plan.schedules._base import (
 )
 from h2jax.plan.schedules._builtin import GPipe, Interleaved, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 from h2jax.plan.schedules._file import FileSchedule
+from h2jax.plan.schedules._lookup import as_schedule, get_schedule
 from h2jax.plan.schedules._tasks import (
     BACKWARD,
     FORWARD,

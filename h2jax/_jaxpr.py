@@ -1,4 +1,5 @@
-"""Applying a numerics policy to a traceable function, one jaxpr equation at a time.
+"""A traced program re-emitted one primitive at a time: the seam where a numerics policy
+changes the arithmetic, and where the B/W split of a stage's backward re-evaluates it.
 
 A function (e.g. ``jax.value_and_grad`` of the loss) is traced once with ``jax.make_jaxpr``
 and flattened into a list of :class:`Op` -- every nested ``jit``, ``remat`` and custom-rule
@@ -6,20 +7,20 @@ call inlined, so each op is one primitive, named by the Flax module path it came
 (:func:`module_scopes` pushes a ``jax.named_scope`` per module call while tracing), its
 direction (``bwd`` when JAX's name stack says it was transposed) and its source line.
 
-The flat program is then re-evaluated with :func:`run_op`, which is where a chip type's
-policy changes the arithmetic: every ``dot_general`` gets the policy's precision config and,
-for ``matmul_input_rounding``, its floating inputs go through ``lax.reduce_precision`` (round
-to nearest even to 7 or 10 mantissa bits) before the fp32-accumulated product. Both are real
-parts of the compiled program (``reduce-precision`` ops and ``operand_precision`` in the
-HLO), not a simulation beside it. :func:`apply_policy` wraps a function so that, under
-``jax.jit``, it compiles to exactly that program.
+The flat program is then re-evaluated (:func:`evaluate`) with :func:`run_op`, which is where
+a chip type's policy changes the arithmetic: every ``dot_general`` gets the policy's precision
+config and, for ``matmul_input_rounding``, its floating inputs go through
+``lax.reduce_precision`` (round to nearest even to 7 or 10 mantissa bits) before the
+fp32-accumulated product. Both are real parts of the compiled program (``reduce-precision``
+ops and ``operand_precision`` in the HLO), not a simulation beside it. :func:`apply_policy`
+wraps a function so that, under ``jax.jit``, it compiles to exactly that program; the
+runtime compiles a chip type's stage programs through it and ``h2jax.align`` measures them.
 
-The float64 reference is the same flat program evaluated with every float32/float16/bfloat16
-value and dtype parameter widened to float64 (:func:`run_op_reference`, under
-``jax.enable_x64``): the model's mathematics without its rounding.
+:func:`bind_eqn` re-emits one equation of a jaxpr as ``jax.core.eval_jaxpr`` does, for
+interpreters that walk a jaxpr without flattening it (``h2jax.runtime``'s B/W split).
 
 :class:`Fault` is a test-only hook: one primitive's outputs perturbed by a relative error,
-optionally only inside one module and one direction, to prove the tool finds real faults.
+optionally only inside one module and one direction, to prove ``h2jax align`` finds real faults.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util
 from jax.extend import core as jcore
+from jax.extend import source_info_util
 
-from h2jax.plan._numerics import NumericsPolicy
+from h2jax.plan import NumericsPolicy
 
 _PRECISIONS = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH, "highest": lax.Precision.HIGHEST}
 # call-like primitives whose body is inlined (evaluated, never differentiated, so a custom
@@ -56,7 +57,6 @@ _BODY_PARAMS = {
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
-_NARROW_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _PATH = re.compile(r"^[A-Za-z_]\w*(\.\w+)*$")
 
 
@@ -130,18 +130,30 @@ def direction_of(name_stack: str) -> str:
     return "bwd" if "transpose(" in name_stack else "fwd"
 
 
+_FRAME = re.compile(r"^(?P<path>.*?):(?P<line>\d+)(?::\d+)? \(.*\)$")  # summarize's "file:line[:col] (fn)"
+
+
 def _source_of(eqn: Any) -> str:
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
-    if frame is None:
+    """``path:line`` of the user code that emitted ``eqn`` (relative when under the cwd), or ""."""
+    match = _FRAME.match(source_info_util.summarize(eqn.source_info))
+    if match is None:
         return ""
-    path = frame.file_name
+    path = match["path"]
     with contextlib.suppress(ValueError):
         rel = os.path.relpath(path)
         if not rel.startswith(".."):
             path = rel
     if path.startswith("/"):
         path = "/".join(path.split("/")[-2:])
-    return f"{path}:{frame.start_line}"
+    return f"{path}:{match['line']}"
+
+
+def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Re-emit one jaxpr equation on ``invals`` as ``jax.core.eval_jaxpr`` does (its context
+    manager included); always a list of outputs."""
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 # -- the flat program --------------------------------------------------------------------------
@@ -388,38 +400,6 @@ def run_op(op: Op, invals: Sequence[Any], policy: PolicyLike, fault: Fault | Non
     return outs
 
 
-def _widen_dtype(value: Any) -> Any:
-    if isinstance(value, np.dtype) and value in _NARROW_FLOATS:
-        return np.dtype(np.float64)
-    return value
-
-
-def widen(x: Any) -> Any:
-    """float32/float16/bfloat16 -> float64; anything else unchanged."""
-    if _is_float(x) and jnp.result_type(x) in _NARROW_FLOATS:
-        return jnp.asarray(x, jnp.float64)
-    return x
-
-
-def run_op_reference(op: Op, invals: Sequence[Any]) -> list[Any]:
-    """Evaluate ``op`` in float64 (call under ``jax.enable_x64(True)``).
-
-    Inputs are widened, and so is every floating dtype parameter (a convert_element_type
-    to float32 becomes one to float64, a dot_general's preferred_element_type float64, ...):
-    the reference computes the model's mathematics without its roundings. Ops with a body
-    (scan, cond) run as traced and their outputs are widened.
-    """
-    if op.opaque:
-        narrowed = [jnp.asarray(x, a.dtype) if hasattr(a, "dtype") else x for x, a in zip(invals, op.in_avals)]
-        return [widen(o) for o in run_op(op, narrowed, NumericsPolicy())]
-    params = {k: _widen_dtype(v) for k, v in op.params.items()}
-    if op.name == "dot_general":
-        params["precision"] = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
-    outs = op.primitive.bind(*[widen(x) for x in invals], **params)
-    outs = list(outs) if op.primitive.multiple_results else [outs]
-    return [widen(o) for o in outs]
-
-
 def read_atom(env: dict[int, Any], atom: int | Lit) -> Any:
     return atom.value if isinstance(atom, Lit) else env[atom]
 
@@ -460,20 +440,6 @@ def apply_policy(fn: Callable, policy: PolicyLike, *, fault: Fault | None = None
         prog = trace(fn, *args)
         leaves = jax.tree.leaves(args)
         outs = evaluate(prog, leaves, lambda op, xs: run_op(op, xs, policy, fault))
-        return jax.tree.unflatten(prog.out_tree, outs)
-
-    return wrapped
-
-
-def reference(fn: Callable, *example_args: Any) -> Callable:
-    """``fn`` evaluated in float64: traced now (in the dtypes of ``example_args``), evaluated with
-    inputs, constants and dtype parameters widened. Call the result (or ``jax.jit`` of it)
-    under ``jax.enable_x64(True)``; it takes the same arguments as ``fn``."""
-    prog = trace(fn, *example_args)
-
-    def wrapped(*args: Any) -> Any:
-        leaves = [widen(x) for x in jax.tree.leaves(args)]
-        outs = evaluate(prog, leaves, run_op_reference, const=widen)
         return jax.tree.unflatten(prog.out_tree, outs)
 
     return wrapped
