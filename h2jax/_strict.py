@@ -61,6 +61,9 @@ _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str:
 # dataclass -> check of its field values, run before its constructor so that the message
 # names the dotted key (its __post_init__ would fail with a less precise one)
 VALUE_CHECKS: dict[type, Callable[[dict[str, Any], str], None]] = {}
+# type -> its reader from one YAML value and its dotted key (e.g. a pipeline schedule from its
+# name or file), raising ConfigError naming the key
+PARSERS: dict[type, Callable[[Any, str], Any]] = {}
 
 
 def _type_name(tp: Any) -> str:
@@ -91,6 +94,9 @@ def check_value(tp: Any, value: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and typing.get_origin(inner[0]) in (list, tuple, dict):
+            return check_value(inner[0], value, key)  # a container or null: the container's own message
         errors = []
         for a in args:
             if a is type(None):
@@ -100,16 +106,11 @@ def check_value(tp: Any, value: Any, key: str) -> Any:
             except ConfigError as e:
                 errors.append(e)
         raise ConfigError(key, f"got {value!r}; expected {' or '.join(_type_name(a) for a in args)}")
+    if isinstance(tp, type) and tp in PARSERS:
+        return PARSERS[tp](value, key)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
-        if hasattr(tp, "from_dict"):  # e.g. Plan: its own strict parser
-            try:
-                return tp.from_dict(value, key_prefix=key)
-            except ConfigError:
-                raise
-            except ValueError as e:
-                raise ConfigError(getattr(e, "key", key), getattr(e, "message", str(e))) from e
         return build_dataclass(tp, value, key)
     if origin is dict:
         kt, vt = typing.get_args(tp)
@@ -164,6 +165,10 @@ def build_dataclass(cls: type, raw: Any, key: str) -> Any:
     if unknown:
         where = f"{key}.{unknown[0]}" if key else str(unknown[0])
         raise ConfigError(where, f"unknown key; {_type_name(cls)} has keys {sorted(names)}")
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.init and required and f.name not in raw:
+            raise ConfigError(f"{key}.{f.name}" if key else f.name, "required key is missing")
     kwargs = {}
     for name, value in raw.items():
         sub = f"{key}.{name}" if key else name

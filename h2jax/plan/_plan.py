@@ -15,21 +15,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import yaml
 
-from h2jax._strict import ConfigError, read_yaml
+from h2jax._strict import PARSERS, VALUE_CHECKS, ConfigError, build_dataclass, read_yaml
 from h2jax.plan.schedules import Schedule, ScheduleError, as_schedule, schedule_family, schedule_names
 
 INTERLEAVED_CHUNKS: tuple[int, ...] = (2, 3, 4)
 """The chunk counts v a search tries for a family whose chunk count is a choice (interleaved:
 ``SearchOptions.interleaved_chunks``)."""
-
-
-_STAGE_KEYS = ("chip", "layers", "data", "tensor", "recompute", "chunks")
-_STAGE_REQUIRED = ("chip",)
-_PLAN_KEYS = ("model", "global_batch", "num_microbatches", "schedule", "stages")
-_PLAN_REQUIRED = ("global_batch", "num_microbatches", "stages")
 
 
 class PlanError(ConfigError):
@@ -181,39 +174,18 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Any, *, key_prefix: str = "plan") -> Plan:
-        """Build a Plan from plain data, checking every field's type strictly.
+        """Build a Plan from plain data with the one strict parser (:func:`h2jax._strict.build_dataclass`).
 
         Unknown keys, missing required keys and wrong types (a bool is not an int)
         raise PlanError naming the dotted key, e.g. `plan.stages[0].layers`. Values
         are checked against a model and a cluster by `check_plan`, not here.
         """
-        _check_keys(d, key_prefix, _PLAN_KEYS, _PLAN_REQUIRED)
-        stages_raw = d["stages"]
-        if not isinstance(stages_raw, (list, tuple)):
-            raise PlanError(
-                f"{key_prefix}.stages",
-                f"expected a list of stages, got {type(stages_raw).__name__} {stages_raw!r}",
-            )
-        stages = tuple(_stage_from_dict(s, f"{key_prefix}.stages[{i}]") for i, s in enumerate(stages_raw))
-        model = d.get("model")
-        if model is not None and not isinstance(model, str):
-            raise PlanError(
-                f"{key_prefix}.model",
-                f"expected a string or null, got {type(model).__name__} {model!r}",
-            )
-        schedule = d.get("schedule", "1f1b")
-        if not isinstance(schedule, str):
-            raise PlanError(
-                f"{key_prefix}.schedule",
-                f"expected a string (one of {', '.join(schedule_names())}, or a schedule file), "
-                f"got {type(schedule).__name__} {schedule!r}",
-            )
-        global_batch = _as_int(d["global_batch"], f"{key_prefix}.global_batch")
-        num_microbatches = _as_int(d["num_microbatches"], f"{key_prefix}.num_microbatches")
         try:
-            return cls(stages, global_batch, num_microbatches, schedule, model)
-        except PlanError as e:  # the schedule (the one field read in construction)
-            raise PlanError(f"{key_prefix}.schedule", e.message) from None
+            return build_dataclass(cls, d, key_prefix)
+        except PlanError:
+            raise
+        except ConfigError as e:
+            raise PlanError(e.key, e.message) from None
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as commented, hand-editable YAML (one flow mapping per stage)."""
@@ -275,24 +247,6 @@ def _commented(text: str, comment: str) -> str:
     return f"{text:<25} # {comment}"
 
 
-def _check_keys(d: Any, key: str, allowed: Sequence[str], required: Sequence[str]) -> None:
-    if not isinstance(d, Mapping):
-        raise PlanError(key, f"expected a mapping, got {type(d).__name__} {d!r}")
-    for k in d:
-        if k not in allowed:
-            raise PlanError(f"{key}.{k}", f"unknown key; expected one of {', '.join(allowed)}")
-    for k in required:
-        if k not in d:
-            raise PlanError(f"{key}.{k}", "required key is missing")
-
-
-def _as_int(value: Any, key: str) -> int:
-    # bool is a subclass of int; `data: true` is a typo, not a mesh size.
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise PlanError(key, f"expected an int, got {type(value).__name__} {value!r}")
-    return int(value)
-
-
 def _stage_dict(s: StageSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"chip": s.chip, "data": s.data, "tensor": s.tensor}
     if s.chunks:
@@ -303,46 +257,29 @@ def _stage_dict(s: StageSpec) -> dict[str, Any]:
     return out
 
 
-def _layer_range(value: Any, key: str) -> tuple[int, int]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise PlanError(key, f"expected [start, end] (2 ints, end exclusive), got {value!r}")
-    return _as_int(value[0], f"{key}[0]"), _as_int(value[1], f"{key}[1]")
-
-
-def _stage_from_dict(d: Any, key: str) -> StageSpec:
-    _check_keys(d, key, _STAGE_KEYS, _STAGE_REQUIRED)
-    chip = d["chip"]
-    if not isinstance(chip, str):
-        raise PlanError(f"{key}.chip", f"expected a string, got {type(chip).__name__} {chip!r}")
-    if ("layers" in d) == ("chunks" in d):
+def _check_stage(values: dict[str, Any], key: str) -> None:
+    """A stage gives exactly one of layers (one range) and chunks (several)."""
+    if (values["layers"] is None) == (not values["chunks"]):
         raise PlanError(
             f"{key}.layers",
             "give exactly one of layers ([start, end]) and chunks ([[start, end], ...], interleaved / zb-v)"
-            + ("; got both" if "layers" in d else "; required key is missing"),
+            + ("; got both" if values["chunks"] else "; required key is missing"),
         )
-    chunks: tuple[tuple[int, int], ...] = ()
-    if "chunks" in d:
-        raw = d["chunks"]
-        if not isinstance(raw, (list, tuple)) or not raw:
-            raise PlanError(f"{key}.chunks", f"expected a non-empty list of [start, end] ranges, got {raw!r}")
-        chunks = tuple(_layer_range(c, f"{key}.chunks[{i}]") for i, c in enumerate(raw))
-        start, end = chunks[0]
-    else:
-        start, end = _layer_range(d["layers"], f"{key}.layers")
-    recompute = d.get("recompute", False)
-    if not isinstance(recompute, (bool, np.bool_)):
+
+
+def _schedule_from_raw(value: Any, key: str) -> Schedule:
+    if not isinstance(value, str):
         raise PlanError(
-            f"{key}.recompute",
-            f"expected a bool, got {type(recompute).__name__} {recompute!r}",
+            key, f"got {value!r}; expected a string: one of {', '.join(schedule_names())}, or a schedule file"
         )
-    return StageSpec(
-        chip=chip,
-        layers=(start, end),
-        data=_as_int(d.get("data", 1), f"{key}.data"),
-        tensor=_as_int(d.get("tensor", 1), f"{key}.tensor"),
-        recompute=bool(recompute),
-        chunks=chunks,
-    )
+    try:
+        return as_schedule(value)
+    except ScheduleError as e:
+        raise PlanError(key, str(e)) from None
+
+
+VALUE_CHECKS[StageSpec] = _check_stage
+PARSERS[Schedule] = _schedule_from_raw
 
 
 # -- validation --------------------------------------------------------------------------

@@ -101,7 +101,10 @@ BAD_TRAIN = ["unknown_key", "too_many_devices", "missing_file"]
 
 # more cases through the same entry point, in-process (h2jax.cli.main), to spare subprocesses
 BAD_IN_PROCESS = {
-    "unknown_key_in_file": (["@unknown_stage_key.yaml"], ["plan.stages[1].dp: unknown key", "data, tensor"]),
+    "unknown_key_in_file": (
+        ["@unknown_stage_key.yaml"],
+        ["plan.stages[1].dp: unknown key", "'data', 'layers', 'recompute', 'tensor'"],
+    ),
     "unknown_key_markup": (["model.[bold]x=1"], ["model.[bold]x: unknown key"]),  # rich must not eat "[bold]"
     "string_for_int": (["model.n_layers=six"], ["model.n_layers: got 'six'; expected an integer"]),
     "list_for_mapping": (["optimizer=[1]"], ["optimizer: got [1]; expected a mapping"]),

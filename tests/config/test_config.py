@@ -159,11 +159,15 @@ def test_float_rejects(text, expected):
         ({"model": {"n_layer": 6}}, "model.n_layer", "'n_layers'"),
         ({"optimizer": {"learning_rate": 1.0}}, "optimizer.learning_rate", "'lr'"),
         ({"train": {"log": {"every": 1}}}, "train.log", "'log_every'"),
-        ({"plan": {"microbatches": 4}}, "plan.microbatches", "expected one of model, global_batch, num_microbatches"),
+        (
+            {"plan": {"microbatches": 4}},
+            "plan.microbatches",
+            "Plan has keys ['global_batch', 'model', 'num_microbatches'",
+        ),
         (
             {"plan": {"stages": [{"chip": "sim_a", "layers": [0, 6], "dp": 2}]}},
             "plan.stages[0].dp",
-            "expected one of chip, layers, data, tensor, recompute",
+            "StageSpec has keys ['chip', 'chunks', 'data', 'layers', 'recompute', 'tensor']",
         ),
         (
             {"cluster": {"chips": {"sim_a": {"nodes": 1, "memory": 4}}}},
@@ -202,12 +206,12 @@ def test_unknown_key_in_a_chip_profile_file(tmp_path):
         ({"train": {"timeline": 1}}, "train.timeline", "got 1; expected true or false"),
         ({"name": None}, "name", "got None; expected a string"),
         ({"data": {"token_file": 5}}, "data.token_file", "got 5; expected a string or null"),
-        ({"plan": {"global_batch": True}}, "plan.global_batch", "expected an int, got bool True"),
-        ({"plan": {"stages": {"chip": "sim_a"}}}, "plan.stages", "expected a list of stages"),
+        ({"plan": {"global_batch": True}}, "plan.global_batch", "got True; expected an integer"),
+        ({"plan": {"stages": {"chip": "sim_a"}}}, "plan.stages", "got {'chip': 'sim_a'}; expected a list"),
         (
             {"plan": {"stages": [{"chip": "sim_a", "layers": [0, 6.0]}]}},
             "plan.stages[0].layers[1]",
-            "expected an int, got float 6.0",
+            "got 6.0; expected an integer",
         ),
         (
             {"cluster": {"chips": {"sim_a": {"profile": 5}}}},
