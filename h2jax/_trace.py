@@ -269,6 +269,15 @@ def stage_busy(events: Iterable[TraceEvent], num_stages: int) -> list[float]:
     return busy
 
 
+def idle_share(busy: float, num_stages: int, window: float) -> float:
+    """The one definition of a pipeline's bubble: ``1 - busy / (num_stages x window)``, the share
+    of stage-time idle inside a window in which the stages computed `busy` in all (0.0 for an
+    empty window). The runtime's timeline, the schedules' grids, the simulator and the cost
+    model each count their busy time and window and ask this."""
+    total = num_stages * window
+    return max(0.0, 1.0 - busy / total) if total > 0 else 0.0
+
+
 def bubble_fraction(events: Iterable[TraceEvent], num_stages: int) -> float:
     """Share of stage-time spent idle inside the pipeline's compute window.
 
@@ -282,10 +291,7 @@ def bubble_fraction(events: Iterable[TraceEvent], num_stages: int) -> float:
     if not compute or num_stages <= 0:
         return 0.0
     window = max(ev.end_us for ev in compute) - min(ev.start_us for ev in compute)
-    if window <= 0.0:
-        return 0.0
-    busy = sum(stage_busy(compute, num_stages))
-    return 1.0 - busy / (num_stages * window)
+    return idle_share(sum(stage_busy(compute, num_stages)), num_stages, window)
 
 
 # ---------------------------------------------------------------------------- gantt

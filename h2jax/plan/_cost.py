@@ -124,6 +124,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from h2jax._trace import idle_share
 from h2jax.plan._plan import (
     Plan,
     PlanError,
@@ -209,8 +210,7 @@ class PlanCost:
         """1 - compute / (num_stages x pipeline time), the pipeline part of the iteration only."""
         m = self.plan.num_microbatches
         pipe = self.pipeline_s
-        busy = sum(m * s.t for s in self.stages)
-        return max(0.0, 1.0 - busy / (len(self.stages) * pipe)) if pipe > 0 else 0.0
+        return idle_share(sum(m * s.t for s in self.stages), len(self.stages), pipe)
 
     @property
     def pipeline_s(self) -> float:

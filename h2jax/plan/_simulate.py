@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from h2jax._trace import TraceEvent, chrome_trace, plot_gantt, sort_events, write_trace
+from h2jax._trace import TraceEvent, chrome_trace, idle_share, plot_gantt, sort_events, write_trace
 from h2jax.plan._cost import CostOptions, PlanCost, estimate
 from h2jax.plan._plan import Plan, PlanError
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
@@ -103,8 +103,8 @@ class SimResult:
 
     @property
     def bubble_fraction(self) -> float:
-        u = self.utilisation()
-        return 1.0 - sum(u) / len(u) if u else 0.0
+        busy = sum(e.end - e.start for e in self.events if e.kind in ("fwd", "bwd"))
+        return idle_share(busy, self.num_stages, self.pipeline_s) if busy else 0.0
 
     def stage_labels(self) -> list[str]:
         """``stage <s>``, with the chip type when known: the rows of the trace and the chart."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from h2jax._trace import idle_share
+
 FORWARD = "F"
 BACKWARD = "B"
 WEIGHT = "W"
@@ -149,10 +151,7 @@ def idle_fraction(events: Iterable[Event], num_stages: int) -> float:
     if not events:
         return 0.0
     t0, t1 = min(e[3] for e in events), max(e[4] for e in events)
-    total = num_stages * (t1 - t0)
-    if total <= 0:
-        return 0.0
-    return (total - sum(e[4] - e[3] for e in events)) / total
+    return idle_share(sum(e[4] - e[3] for e in events), num_stages, t1 - t0)
 
 
 def stage_tasks(grid: Grid, stage_idx: int) -> list[Task]:
@@ -175,11 +174,7 @@ def grid_events(grid: Grid) -> list[Event]:
 def bubble_fraction(grid: Grid) -> float:
     """Idle slots / all slots over the grid's makespan (num_stages x longest row)."""
     makespan = max((len(r) for r in grid), default=0)
-    total = len(grid) * makespan
-    if total == 0:
-        return 0.0
-    busy = sum(t is not None for r in grid for t in r)
-    return (total - busy) / total
+    return idle_share(sum(t is not None for r in grid for t in r), len(grid), makespan)
 
 
 def _fmt(x: float) -> str:
