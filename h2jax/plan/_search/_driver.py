@@ -145,6 +145,10 @@ def search(
             if kind == "exact":
                 exhaustive_ = opts.orders == "memory" or len(orders) == math.factorial(len(cluster.names))
                 stop = "exact" if exhaustive_ else f"exact over {len(orders)} stage orders"
+                replayed = [s.label for s in run.schedules if not s.closed_form]
+                if replayed:  # ranked by the one-range (t, tail) proxy, priced by replay
+                    exhaustive_ = False
+                    stop += f" on the proxy of {', '.join(replayed)} (priced by replay: its split not proven optimal)"
                 break
             if kind == "fixed beam":
                 stop = "every configuration of the fixed beam"
