@@ -247,10 +247,10 @@ def load_state_by_layer(
     new_params, new_opt = [], []  # every stage's trees first: a missing entry changes no stage
     for s, (st, spec) in enumerate(zip(stages, plan.stages)):
         names = [n for n, _ in param_names(st, spec, ties)]
-        new_params.append(_unflatten_like(params, st.params, names, f"stage {s}"))
+        new_params.append(_unflatten_like(st.params, names, params, f"stage {s}"))
         if not params_only:
             names = [n for n, _, _ in opt_names(st, spec, ties)]
-            new_opt.append(_unflatten_like(opt, st.opt_state, names, f"optimizer state of stage {s}"))
+            new_opt.append(_unflatten_like(st.opt_state, names, opt, f"optimizer state of stage {s}"))
     for s, (st, spec) in enumerate(zip(stages, plan.stages)):
         st.params = jax.device_put(new_params[s], st.param_shardings)
         if not params_only:
