@@ -24,6 +24,7 @@ import optax
 from h2jax.checkpoint import CheckpointError, CheckpointStore
 from h2jax.config import ExperimentConfig, config_to_dict
 from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
+from h2jax.runtime._world import MpiWorld, World
 
 
 class NonFiniteLossError(RuntimeError):
@@ -82,6 +83,28 @@ class StepStats:
 
 
 CHECKPOINT_FORMAT = 1
+
+
+def part_name(stage: int) -> str:
+    """The checkpoint part a stage writes when every process saves its own stage."""
+    return f"stage{stage}"
+
+
+def checkpoint_writer(cfg: ExperimentConfig, world: World, directory: Path) -> CheckpointStore:
+    """This process's writer of ``directory``: one part holding every stage in one process;
+    under mpirun its stage's part of every step (module docstring of h2jax.checkpoint._store)."""
+    c, w = cfg.checkpoint, world
+    kw: dict[str, Any] = dict(keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save)
+    if isinstance(w, MpiWorld):
+        n = cfg.plan.num_stages
+        group = w.group
+        kw.update(
+            part=part_name(w.stage_idx),
+            parts=[part_name(i) for i in range(n)],
+            lead=w.rank == 0,
+            shared=bool(group is not None and group.distributed),
+        )
+    return CheckpointStore(directory, **kw)
 
 
 def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from h2jax.runtime._stage import StageMemory, check_params_only
 from h2jax.runtime._state import (
     StepStats,
     checkpoint_meta,
+    checkpoint_writer,
     clip_scale,
     make_optimizer,
     nonfinite_error,
@@ -64,12 +65,7 @@ from h2jax.runtime._state import (
     truncate_metrics,
 )
 from h2jax.runtime._wiring import wire
-from h2jax.runtime._world import JobError, MpiWorld, World, make_world
-
-
-def part_name(stage: int) -> str:
-    """The checkpoint part a stage writes when every process saves its own stage."""
-    return f"stage{stage}"
+from h2jax.runtime._world import JobError, World, make_world
 
 
 @dataclass
@@ -425,18 +421,7 @@ class Trainer:
         """This process's writer: one part holding every stage in one process; under mpirun its
         stage's part of every step (module docstring of h2jax.checkpoint._store)."""
         if self._store is None:
-            c, w = self.cfg.checkpoint, self.world
-            kw = dict(keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save)
-            if isinstance(w, MpiWorld):
-                n = self.cfg.plan.num_stages
-                group = w.group
-                kw.update(
-                    part=part_name(w.stage_idx),
-                    parts=[part_name(i) for i in range(n)],
-                    lead=w.rank == 0,
-                    shared=bool(group is not None and group.distributed),
-                )
-            self._store = CheckpointStore(self.checkpoint_dir, **kw)
+            self._store = checkpoint_writer(self.cfg, self.world, self.checkpoint_dir)
         return self._store
 
     def close_checkpoints(self) -> None:
