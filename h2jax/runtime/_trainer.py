@@ -3,8 +3,9 @@
 One trainer for one process and for mpirun. ``Trainer(cfg)`` validates, finds its
 :class:`~h2jax.runtime._world.World` from the launcher (one process: every stage; under
 mpirun/srun: the stage of this rank), registers the chip types, cuts the model into
-stages, places each on its mesh, builds each stage's channel and runner, and checks
-memory; ``run()`` trains and writes the run folder (on the writer: ``config.yaml``,
+stages, places each on its mesh, builds each stage's channel and runner (all in
+h2jax.runtime._wiring), and checks memory (h2jax.runtime._memory); ``run()`` trains and
+writes the run folder (on the writer, h2jax.runtime._outputs: ``config.yaml``,
 ``plan.yaml``, ``metrics.jsonl``, ``tb/``, ``trace.json``, ``gantt.png``, ``summary.json``,
 ``ranks.json``). With checkpoints on, ``run()`` saves every ``checkpoint.every_steps`` steps
 and at the end, and on a stop signal saves at the next step boundary (every process
