@@ -1,9 +1,9 @@
 """Progress of long work, for people: a bar on a terminal, a periodic line in a log file.
 
-``h2jax profile --measure``, ``h2jax plan`` at scale, ``h2jax align`` and ``h2jax tokenize`` run
-for minutes. On a terminal (stderr is a TTY) they show a rich progress bar; when stderr goes
-to a file they print one line every ``every_s`` seconds (and at the end), so a log shows
-they are alive and how far they got::
+Training, ``h2jax profile --measure``, ``h2jax plan`` at scale, ``h2jax align`` and
+``h2jax tokenize`` run for minutes. When the console writes to a terminal (default: stderr)
+they show a rich progress bar; when it goes to a file they print one line every ``every_s``
+seconds (and at the end), so a log shows they are alive and how far they got::
 
     with Progress("profile sim_a", total=12) as p:
         for row in rows:
@@ -13,7 +13,6 @@ they are alive and how far they got::
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -21,6 +20,9 @@ from rich.console import Console
 
 
 class Progress:
+    """One piece of long work: ``done`` of ``total`` units, with a short ``note`` (e.g. the
+    loss and throughput of the last training step) on the bar and in every line."""
+
     def __init__(
         self,
         label: str,
@@ -39,19 +41,26 @@ class Progress:
 
     @property
     def tty(self) -> bool:
-        return sys.stderr.isatty()
+        """Whether the console writes to a terminal (then a bar, else lines)."""
+        isatty = getattr(self.console.file, "isatty", None)
+        try:
+            return bool(isatty is not None and isatty())
+        except ValueError:  # a closed file
+            return False
 
     def __enter__(self) -> Progress:
         if self.enabled and self.tty:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             from rich.progress import Progress as Bar
 
+            eta = (TextColumn("eta"), TimeRemainingColumn()) if self.total is not None else ()
             self._bar = Bar(
                 TextColumn(f"[bold]{self.label}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[note]}"),
                 TimeElapsedColumn(),
+                *eta,
                 console=self.console,
                 transient=False,
             )
@@ -80,11 +89,9 @@ class Progress:
         of = f"/{self.total}" if self.total is not None else ""
         note = f" ({self.note})" if self.note else ""
         state = "done" if end else "at"
-        print(
-            f"h2jax: {self.label}: {state} {self.done}{of}{note}, {time.monotonic() - self._t0:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+        f = self.console.file
+        f.write(f"h2jax: {self.label}: {state} {self.done}{of}{note}, {time.monotonic() - self._t0:.0f} s\n")
+        f.flush()
 
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:

@@ -48,7 +48,6 @@ _LAZY = {
     "StageLink": "h2jax.comm._channel",
     "TransferFailure": "h2jax.comm._channel",
     "make_channel": "h2jax.comm._channel",
-    "needs_launcher": "h2jax.comm._channel",
     "stage_links": "h2jax.comm._channel",
     "DEFAULT_TIMEOUT_S": "h2jax.comm._ffi",
     "FfiUnavailableError": "h2jax.comm._ffi",
@@ -79,7 +78,6 @@ if TYPE_CHECKING:
         StageLink,
         TransferFailure,
         make_channel,
-        needs_launcher,
         stage_links,
     )
     from h2jax.comm._ffi import (

@@ -153,6 +153,12 @@ class Channel(Protocol):
 
     def close(self) -> None: ...
 
+    # asked only of a channel whose transfers live inside the stage programs (``in_program``),
+    # while the programs are traced; ``base`` is the microbatch's tag base, a program argument
+    def recv_in_program(self, direction: int, base: Any) -> jax.Array: ...
+
+    def send_in_program(self, direction: int, y: jax.Array, base: Any) -> jax.Array: ...
+
 
 # -- one process ------------------------------------------------------------------------------------
 class _Mailbox:
@@ -461,10 +467,6 @@ class FfiChannel:
 
     def close(self) -> None:
         self.flush()
-
-
-def needs_launcher(transport: str) -> bool:
-    return transport in PROCESS_TRANSPORTS
 
 
 def make_channel(

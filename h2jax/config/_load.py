@@ -140,20 +140,35 @@ def check_model_values(values: dict[str, Any], key: str = "model") -> None:
 VALUE_CHECKS[GPTConfig] = check_model_values
 
 
-def _check_launcher(transport: str, num_stages: int) -> None:
-    """A transport between processes needs this process to be one of several started by a
-    launcher (h2jax.launch reads the launcher's environment variables; nothing is started)."""
-    from h2jax.launch import LauncherError, detect_launch
+def check_launcher(transport: str, num_stages: int, *, launched: bool | None = None) -> None:
+    """The launcher rule: a transport between processes (``PROCESS_TRANSPORTS``) needs this
+    process to be one of several started by a launcher (mpirun, srun), one per stage; 'local'
+    moves tensors inside one process. ``launched``: whether this process is one of several a
+    launcher started (the trainer knows it from its world); None reads the launcher's
+    environment variables (h2jax.launch; nothing is started) and checks a transport between
+    processes only."""
+    if launched is None:
+        if transport not in PROCESS_TRANSPORTS:
+            return
+        from h2jax.launch import LauncherError, detect_launch
 
-    try:
-        launch = detect_launch()
-    except LauncherError as e:
-        raise ConfigError("train.transport", f"{transport!r} needs a launcher h2jax recognises: {e}") from None
-    if launch is None or launch.size < 2:
+        try:
+            launch = detect_launch()
+        except LauncherError as e:
+            raise ConfigError("train.transport", f"{transport!r} needs a launcher h2jax recognises: {e}") from None
+        launched = launch is not None and launch.size >= 2
+    if transport in PROCESS_TRANSPORTS and not launched:
         raise ConfigError(
             "train.transport",
             f"{transport!r} moves tensors between processes; run one process per stage (mpirun -np "
             f"{num_stages} h2jax train ...) or use transport 'local'",
+        )
+    if transport not in PROCESS_TRANSPORTS and launched:
+        between = [repr(t) for t in PROCESS_TRANSPORTS]
+        raise ConfigError(
+            "train.transport",
+            f"{transport!r} moves tensors inside one process; under mpirun use "
+            f"{', '.join(between[:-1])} or {between[-1]}",
         )
 
 
@@ -186,8 +201,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("train.transfer_timeout_s", f"transfer_timeout_s={t.transfer_timeout_s}; expected > 0")
     if t.transport not in TRANSPORTS:
         raise ConfigError("train.transport", f"transport={t.transport!r}; expected one of {list(TRANSPORTS)}")
-    if t.transport in PROCESS_TRANSPORTS:
-        _check_launcher(t.transport, cfg.plan.num_stages)
+    check_launcher(t.transport, cfg.plan.num_stages)
     if t.gantt_step != -1 and not 0 <= t.gantt_step < t.steps:
         raise ConfigError("train.gantt_step", f"gantt_step={t.gantt_step}; expected -1 or 0..{t.steps - 1}")
     if t.nonfinite not in NONFINITE_POLICIES:

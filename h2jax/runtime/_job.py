@@ -68,7 +68,7 @@ def run_job(
         start = trainer.step
         history = trainer.run()
         trainer.close()
-        group = getattr(w, "group", None)
+        group = w.group
         w.barrier()
         if group is not None:
             group.close()  # leave the stage's jax.distributed cluster (collective over the stage)

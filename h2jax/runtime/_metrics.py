@@ -1,8 +1,9 @@
-"""Per-step training metrics: a JSON-lines file, TensorBoard scalars, a progress bar.
+"""Per-step training metrics: a JSON-lines file, TensorBoard scalars, progress.
 
 ``metrics.jsonl`` is the record of truth: one JSON object per :meth:`MetricsLogger.log`
 call, flushed at once so a crash loses nothing already logged. TensorBoard and the
-rich progress bar are views of the same numbers.
+progress report (h2jax._progress: a bar on a terminal, a line every few seconds in a log)
+are views of the same numbers.
 """
 
 from __future__ import annotations
@@ -17,15 +18,8 @@ from types import TracebackType
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+
+from h2jax._progress import Progress
 
 __all__ = ["METRICS_FILENAME", "TB_DIRNAME", "MetricsLogger", "read_metrics"]
 
@@ -61,13 +55,15 @@ class MetricsLogger:
             in append mode, so a resumed run continues the same file.
         total_steps: steps in the run; the progress bar's total.
         tensorboard: also write every numeric metric as a scalar under ``run_dir/tb``.
-        progress: show a rich progress bar (step/total, loss, tokens/s, times).
-            When ``False`` nothing is printed at all.
-        console: rich console for the bar; default: a new ``Console()`` on stdout.
-        loss_key: metric shown as "loss" on the bar.
-        throughput_key: metric shown as "tok/s" on the bar.
+        progress: report progress (step/total, loss, tokens/s, times): a rich bar when
+            ``console`` writes to a terminal, else a line every ``progress_every_s``
+            seconds and one at the end. When ``False`` nothing is printed at all.
+        console: rich console to report on; default: a new ``Console()`` on stdout.
+        loss_key: metric shown as "loss".
+        throughput_key: metric shown as "tok/s".
+        progress_every_s: seconds between two lines when not on a terminal.
 
-    ``step`` in :meth:`log` is the 0-based index of the step just finished; the bar
+    ``step`` in :meth:`log` is the 0-based index of the step just finished; the report
     then shows ``step + 1`` of ``total_steps`` done.
     """
 
@@ -81,6 +77,7 @@ class MetricsLogger:
         console: Console | None = None,
         loss_key: str = "loss",
         throughput_key: str = "tokens_per_s",
+        progress_every_s: float = 10.0,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,21 +95,10 @@ class MetricsLogger:
             self._writer = SummaryWriter(str(self.run_dir / TB_DIRNAME))
 
         self._progress: Progress | None = None
-        self._task: TaskID | None = None
         if progress:
-            self._progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss [cyan]{task.fields[loss]}"),
-                TextColumn("[green]{task.fields[tps]}[/] tok/s"),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
-                console=console if console is not None else Console(),
-            )
-            self._task = self._progress.add_task("train", total=self.total_steps, loss="-", tps="-")
-            self._progress.start()
+            console = console if console is not None else Console()
+            self._progress = Progress("train", total=self.total_steps, every_s=progress_every_s, console=console)
+            self._progress.__enter__()
 
     @property
     def path(self) -> Path:
@@ -120,7 +106,7 @@ class MetricsLogger:
         return self.run_dir / METRICS_FILENAME
 
     def log(self, step: int, metrics: Mapping[str, float | int | str]) -> None:
-        """Record ``metrics`` for ``step``: one JSONL line, TB scalars, progress bar.
+        """Record ``metrics`` for ``step``: one JSONL line, TB scalars, progress.
 
         Numeric values (including numpy / JAX scalars) become TensorBoard scalars under
         their key as tag (``"loss"``, ``"tgs/sim_a"``); strings go to the JSONL only.
@@ -145,22 +131,19 @@ class MetricsLogger:
                     if tag != "step" and _is_numeric(value):
                         self._writer.add_scalar(tag, float(value), int(step))
                 self._writer.flush()
-            if self._progress is not None and self._task is not None:
-                self._progress.update(
-                    self._task,
-                    completed=min(int(step) + 1, self.total_steps),
-                    loss=_fmt(record.get(self.loss_key), "{:.4f}"),
-                    tps=_fmt(record.get(self.throughput_key), "{:,.0f}"),
-                )
+            if self._progress is not None:
+                loss = _fmt(record.get(self.loss_key), "{:.4f}")
+                tps = _fmt(record.get(self.throughput_key), "{:,.0f}")
+                self._progress.set(min(int(step) + 1, self.total_steps), note=f"loss {loss}, {tps} tok/s")
 
     def close(self) -> None:
-        """Stop the bar and close the files; calling it again does nothing."""
+        """End the progress report and close the files; calling it again does nothing."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             if self._progress is not None:
-                self._progress.stop()
+                self._progress.__exit__(None, None, None)
             if self._writer is not None:
                 self._writer.close()
             self._file.close()

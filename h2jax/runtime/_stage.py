@@ -285,7 +285,7 @@ class StageProgram:
         send are traced into them (the tag base of the microbatch is an argument)."""
         from h2jax.comm import BWD, FWD
 
-        inside = channel is not None and getattr(channel, "in_program", False)
+        inside = channel is not None and channel.in_program
         self._in_program = inside
         self._lanes = channel.link.lanes if inside else 1
         recv_in = not self.first and not self.local_in  # a transfer arrives (else: the tokens, or a hand-over)

@@ -1,16 +1,12 @@
-"""What a checkpoint holds, and the optimizer: shared by every trainer of every world.
+"""What a checkpoint records besides its arrays, and the optimizer: shared by every trainer
+of every world.
 
-Checkpoint step N is the state after N optimizer steps: parameters, optimizer state,
-the data position (the next step; a batch is a pure function of (seed, step,
-microbatch)), the seed, and the count of skipped steps -- all keyed by model path, never
-by stage, so a checkpoint of any plan restores under any other. A parameter several stages
-hold (a tied embedding table) is one entry, under its path in the whole model, with its
-owner's optimizer state (h2jax.runtime._tied): the same entry a plan whose one stage holds
-every use writes.
-
-The helpers take the stages this process runs and the plan they belong to
-(:func:`local_plan`: every stage in one process, one stage under mpirun), so every world
-writes and reads the same plan-independent layout.
+Checkpoint step N is the state after N optimizer steps: parameters and optimizer state
+(keyed by model path, never by stage: h2jax.runtime._layout), the data position (the next
+step; a batch is a pure function of (seed, step, microbatch)), the seed, and the count of
+skipped steps, so a checkpoint of any plan restores under any other. Here: that meta
+(:func:`checkpoint_meta`), the checks of a checkpoint against this run, where its data
+stream continues, and the optimizer, clipping and non-finite policy every stage applies.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -28,9 +23,8 @@ import optax
 
 from h2jax.checkpoint import CheckpointError, CheckpointStore
 from h2jax.config import ExperimentConfig, config_to_dict
-from h2jax.runtime._layout import flatten, model_layout, opt_state_names, to_model_key
 from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
-from h2jax.runtime._stage import StageProgram
+from h2jax.runtime._world import MpiWorld, World
 
 
 class NonFiniteLossError(RuntimeError):
@@ -39,11 +33,6 @@ class NonFiniteLossError(RuntimeError):
     def __init__(self, message: str, *, step: int, stages: list[int]):
         super().__init__(message)
         self.step, self.stages = step, stages
-
-
-def local_plan(plan: Any, stages: Any) -> Any:
-    """A stand-in plan of the given stage indices, for mapping their trees to model paths."""
-    return SimpleNamespace(stages=tuple(plan.stages[s] for s in stages))
 
 
 @jax.jit
@@ -96,128 +85,26 @@ class StepStats:
 CHECKPOINT_FORMAT = 1
 
 
-def _no_ties(stage: int, key: str) -> tuple[str, bool]:
-    return key, True
+def part_name(stage: int) -> str:
+    """The checkpoint part a stage writes when every process saves its own stage."""
+    return f"stage{stage}"
 
 
-def _naming(ties: Any) -> Any:
-    """(stage, model key) -> (model path, owned): a tied parameter's copies are all named by
-    its path in the whole model, and one of them (its owner's) counts (h2jax.runtime._tied)."""
-    return ties.name if ties else _no_ties
-
-
-def param_names(stage: StageProgram, spec: Any, ties: Any = None) -> list[tuple[str, bool]]:
-    """(model path, owned) of every parameter leaf of ``stage``, in leaf order."""
-    name = _naming(ties)
-    return [name(stage.position, to_model_key(key, spec)) for key in flatten(stage.params)]
-
-
-def opt_names(stage: StageProgram, spec: Any, ties: Any = None) -> list[tuple[str, bool, bool]]:
-    """(model-layout name, per-parameter, owned) of every optimizer-state leaf of ``stage``, in
-    leaf order; stage-wide leaves (step counts) are not per-parameter."""
-    name = _naming(ties)
-    out = []
-    for leaf_name, param in opt_state_names(stage.opt_state, stage.params, spec):
-        if param is None:
-            out.append((leaf_name, False, True))
-            continue
-        path, owned = name(stage.position, param)
-        out.append((leaf_name[: len(leaf_name) - len(param)] + path, True, owned))
-    return out
-
-
-def by_model_path(stages: list[StageProgram], plan: Any, trees: list[Any], ties: Any = None) -> dict[str, Any]:
-    """Per-stage trees shaped like the stages' parameters (the parameters, their gradients)
-    as one dict keyed by model path; a tied parameter once, from its owner."""
-    out: dict[str, Any] = {}
-    for st, spec, tree in zip(stages, plan.stages, trees):
-        for (name, owned), leaf in zip(param_names(st, spec, ties), jax.tree.leaves(tree)):
-            if not owned:
-                continue
-            if name in out:
-                raise ValueError(f"parameter {name} appears in two stages")
-            out[name] = leaf
-    return out
-
-
-def stage_state_by_layer(
-    stages: list[StageProgram], plan: Any, *, stage_wide: bool = True, ties: Any = None
-) -> dict[str, jax.Array]:
-    """Parameters and optimizer state of ``stages`` (the stages of ``plan``, in order), keyed by
-    model path (plan-independent); a tied parameter and its optimizer state once, from its
-    owner. ``stage_wide=False`` leaves out the optimizer leaves every stage holds alike (step
-    counts): in a multi-process run stage 0 alone saves them."""
-    out = {f"params/{k}": v for k, v in by_model_path(stages, plan, [st.params for st in stages], ties).items()}
-    for st, spec in zip(stages, plan.stages):
-        for (name, per_param, owned), leaf in zip(opt_names(st, spec, ties), jax.tree.leaves(st.opt_state)):
-            key = f"opt_state/{name}"
-            if per_param and owned:
-                if key in out:
-                    raise ValueError(f"optimizer state {name} appears in two stages")
-                out[key] = leaf
-            elif not per_param and stage_wide:
-                out.setdefault(key, leaf)  # every stage updates on every step (or on none): they agree
-    return out
-
-
-def opt_state_shardings(stage: StageProgram, spec: Any) -> Any:
-    """Where a stage's optimizer state belongs: per-parameter leaves (mu, nu) with their
-    parameter's sharding, stage-wide leaves (counts) replicated over the stage mesh."""
-    by_param = model_layout([stage.param_shardings], SimpleNamespace(stages=(spec,)))
-    leaves = [
-        by_param[p] if p is not None else stage.scalar_sharding
-        for _, p in opt_state_names(stage.opt_state, stage.params, spec)
-    ]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stage.opt_state), leaves)
-
-
-def restore_targets(
-    stages: list[StageProgram], plan: Any, *, params_only: bool, ties: Any = None
-) -> dict[str, jax.ShapeDtypeStruct]:
-    """What a restore onto ``stages`` reads: every array with its shape, dtype and target
-    sharding. An array several of ``stages`` hold (stage-wide optimizer leaves, a tied
-    parameter's copies) is read once, onto the first of them; load_state_by_layer places it
-    on the others."""
-    out: dict[str, jax.ShapeDtypeStruct] = {}
-    for st, spec in zip(stages, plan.stages):
-        for (name, _), leaf, sh in zip(
-            param_names(st, spec, ties), jax.tree.leaves(st.params), jax.tree.leaves(st.param_shardings)
-        ):
-            out.setdefault(f"params/{name}", jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh))
-        if params_only:
-            continue
-        shardings = jax.tree.leaves(opt_state_shardings(st, spec))
-        for (name, _, _), leaf, sh in zip(opt_names(st, spec, ties), jax.tree.leaves(st.opt_state), shardings):
-            out.setdefault(f"opt_state/{name}", jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh))
-    return out
-
-
-def _tree_from(flat: dict[str, Any], template: Any, names: list[str], what: str) -> Any:
-    missing = [n for n in names if n not in flat]
-    if missing:
-        raise KeyError(f"{what}: {len(missing)} entries missing from the model layout, e.g. {missing[:3]}")
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), [flat[n] for n in names])
-
-
-def load_state_by_layer(
-    stages: list[StageProgram], plan: Any, flat: dict[str, jax.Array], *, params_only: bool = False, ties: Any = None
-) -> None:
-    """Place a model-layout state (``stage_state_by_layer``'s keys) onto ``stages`` (every
-    copy of a tied parameter gets the same values); the accumulated gradients start from zero."""
-    params = {k[len("params/") :]: v for k, v in flat.items() if k.startswith("params/")}
-    opt = {k[len("opt_state/") :]: v for k, v in flat.items() if k.startswith("opt_state/")}
-    new_params, new_opt = [], []  # every stage's trees first: a missing entry changes no stage
-    for s, (st, spec) in enumerate(zip(stages, plan.stages)):
-        names = [n for n, _ in param_names(st, spec, ties)]
-        new_params.append(_tree_from(params, st.params, names, f"stage {s}"))
-        if not params_only:
-            names = [n for n, _, _ in opt_names(st, spec, ties)]
-            new_opt.append(_tree_from(opt, st.opt_state, names, f"optimizer state of stage {s}"))
-    for s, (st, spec) in enumerate(zip(stages, plan.stages)):
-        st.params = jax.device_put(new_params[s], st.param_shardings)
-        if not params_only:
-            st.opt_state = jax.device_put(new_opt[s], opt_state_shardings(st, spec))
-        st.acc = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), out_shardings=st.param_shardings)(st.acc)
+def checkpoint_writer(cfg: ExperimentConfig, world: World, directory: Path) -> CheckpointStore:
+    """This process's writer of ``directory``: one part holding every stage in one process;
+    under mpirun its stage's part of every step (module docstring of h2jax.checkpoint._store)."""
+    c, w = cfg.checkpoint, world
+    kw: dict[str, Any] = dict(keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save)
+    if isinstance(w, MpiWorld):
+        n = cfg.plan.num_stages
+        group = w.group
+        kw.update(
+            part=part_name(w.stage_idx),
+            parts=[part_name(i) for i in range(n)],
+            lead=w.rank == 0,
+            shared=bool(group is not None and group.distributed),
+        )
+    return CheckpointStore(directory, **kw)
 
 
 def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int) -> dict[str, Any]:
@@ -281,6 +168,26 @@ def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tu
             f"step {step} but its batches differ"
         )
     return step, int(meta.get("skipped_steps", 0)), warning
+
+
+def read_plan(
+    directory: str | Path, step: int | None, cfg: ExperimentConfig, model_keys: Any, *, params_only: bool
+) -> dict[str, Any]:
+    """What a restore from ``directory`` reads, decided once: its step (``step``, or the latest
+    committed), checked against this run (:func:`check_checkpoint`), and for a full restore
+    where the run continues (:func:`data_position`)."""
+    store = CheckpointStore(directory)
+    try:
+        s = step if step is not None else store.latest_committed()
+        if s is None:
+            raise CheckpointError(f"{store.dir} holds no committed checkpoint")
+        meta = check_checkpoint(store, s, cfg, model_keys, params_only=params_only)
+    finally:
+        store.close()
+    out = {"dir": str(store.dir), "step": s, "params_only": params_only, "warning": None}
+    if not params_only:
+        out["next_step"], out["skipped_steps"], out["warning"] = data_position(meta, cfg, f"{store.dir} step {s}")
+    return out
 
 
 def truncate_metrics(run_dir: Path, step: int) -> tuple[int, Path | None]:

@@ -3,8 +3,9 @@
 One trainer for one process and for mpirun. ``Trainer(cfg)`` validates, finds its
 :class:`~h2jax.runtime._world.World` from the launcher (one process: every stage; under
 mpirun/srun: the stage of this rank), registers the chip types, cuts the model into
-stages, places each on its mesh, builds each stage's channel and runner, and checks
-memory; ``run()`` trains and writes the run folder (on the writer: ``config.yaml``,
+stages, places each on its mesh, builds each stage's channel and runner (all in
+h2jax.runtime._wiring), and checks memory (h2jax.runtime._memory); ``run()`` trains and
+writes the run folder (on the writer, h2jax.runtime._outputs: ``config.yaml``,
 ``plan.yaml``, ``metrics.jsonl``, ``tb/``, ``trace.json``, ``gantt.png``, ``summary.json``,
 ``ranks.json``). With checkpoints on, ``run()`` saves every ``checkpoint.every_steps`` steps
 and at the end, and on a stop signal saves at the next step boundary (every process
@@ -22,16 +23,13 @@ counted once by the global norm, and its copies stay bit-identical (h2jax.runtim
 from __future__ import annotations
 
 import gc
-import json
 import math
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -40,41 +38,31 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 
-from h2jax._units import GIB
 from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint
-from h2jax.comm import LocalHub, PipelineAborted, make_channel, needs_launcher, stage_links
-from h2jax.config import ConfigError, ExperimentConfig, check_inputs, format_bytes, save_config, validate
+from h2jax.comm import LocalHub, PipelineAborted
+from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
 from h2jax.data import load_dataset, step_batch
-from h2jax.models import StageModule, boundary_shapes, build_model, check_stageable, shared_parameters
-from h2jax.plan import stage_tasks
-from h2jax.runtime._layout import flatten
-from h2jax.runtime._metrics import METRICS_FILENAME, MetricsLogger, read_metrics
-from h2jax.runtime._procgroup import fetch, global_array, local_value, stage_label
-from h2jax.runtime._runner import StageFailure, StageRunner, run_stages
-from h2jax.runtime._stage import StageMemory, StageProgram, check_params_only
+from h2jax.models import build_model, check_stageable
+from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
+from h2jax.runtime._memory import check_memory
+from h2jax.runtime._metrics import MetricsLogger
+from h2jax.runtime._outputs import prepare_run_dir, step_metrics, write_outputs
+from h2jax.runtime._procgroup import fetch, global_array, local_value
+from h2jax.runtime._runner import StageFailure, run_stages
+from h2jax.runtime._stage import StageMemory, check_params_only
 from h2jax.runtime._state import (
     StepStats,
-    by_model_path,
-    check_checkpoint,
     checkpoint_meta,
+    checkpoint_writer,
     clip_scale,
-    data_position,
-    load_state_by_layer,
     make_optimizer,
     nonfinite_error,
     poison,
-    restore_targets,
-    stage_state_by_layer,
+    read_plan,
     truncate_metrics,
 )
-from h2jax.runtime._tied import TiedParams, check_tieable
-from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
-from h2jax.runtime._world import JobError, MpiWorld, World, make_world
-
-
-def part_name(stage: int) -> str:
-    """The checkpoint part a stage writes when every process saves its own stage."""
-    return f"stage{stage}"
+from h2jax.runtime._wiring import wire
+from h2jax.runtime._world import JobError, World, make_world
 
 
 @dataclass
@@ -109,22 +97,11 @@ class Trainer:
         plan = cfg.plan
         self.console = console or Console(stderr=True)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
-        self.world = world if world is not None else make_world(cfg, fail_fast=fail_fast)
-        self.fail_fast = getattr(self.world, "fail_fast", fail_fast)
-        w = self.world
+        self.world = w = world if world is not None else make_world(cfg, fail_fast=fail_fast)
+        self.fail_fast = w.fail_fast if w.fail_fast is not None else fail_fast
         transport = cfg.train.transport
-        if needs_launcher(transport) and not isinstance(w, MpiWorld):
-            raise ConfigError(
-                "train.transport",
-                f"{transport!r} moves tensors between processes; run one process per stage (mpirun -np "
-                f"{plan.num_stages} h2jax train ...) or use transport 'local'",
-            )
-        if transport == "local" and getattr(w, "group", None) is not None:
-            raise ConfigError(
-                "train.transport",
-                "'local' moves tensors inside one process; under mpirun use 'ffi', 'host' or 'ffi-call'",
-            )
-        group = getattr(w, "group", None)
+        group = w.group
+        check_launcher(transport, plan.num_stages, launched=group is not None)
         if group is None:  # chip types first: emulated backends must exist before JAX starts any
             from h2jax.runtime._cluster import setup_backends
 
@@ -146,107 +123,16 @@ class Trainer:
             model = model()
             _check_model(model, cfg)
         self.model = model
-        # the pipeline of model positions: one chunk each (a stage per position unless the schedule is chunked)
-        positions = plan.positions()
-        n_pos = len(positions)
         chunked = plan.schedule.chunks > 1  # interleaved may run v = 1 (one chunk each)
-        stage_of = [s for s, _ in positions]
-        self.loss_stage = stage_of[-1]  # the stage of the head (zb-v: stage 0)
-        by_position = SimpleNamespace(num_stages=n_pos, stages=plan.position_specs())
-        shared = shared_parameters(model, by_position)  # e.g. a head tied to the embedding: trained as one (_tied)
-        check_tieable(shared)
         n = plan.num_stages
-        mb = plan.microbatch_size
-        self.boundaries = boundary_shapes(model, by_position, (mb, cfg.model.seq_len))  # between positions
+        self.schedule = plan.schedule.bind(n, plan.num_microbatches)
         self.tx, self.lr_schedule = make_optimizer(cfg)
         self.local = w.local_stages
-        self.labels = [stage_label(i, st) for i, st in enumerate(plan.stages)]
-        if group is not None:
-            meshes = {group.stage_idx: group.mesh}
-            self.backends = {group.stage_idx: group.backend}
-            ranks = [group.layout.device_ranks(i) for i in range(n)]
-        else:
-            from h2jax.runtime._cluster import place_stages, stage_mesh
-
-            placements = place_stages(plan, cfg.cluster)
-            meshes = {
-                s: stage_mesh(placements[s], data=plan.stages[s].data, tensor=plan.stages[s].tensor) for s in self.local
-            }
-            self.backends = {s: placements[s].backend for s in self.local}
-            ranks = None
-        for name, chip in cfg.cluster.chips.items():
-            dtype = chip.numerics.compute_dtype
-            if dtype is not None and dtype != cfg.model.dtype:
-                raise ConfigError(
-                    f"cluster.chips.{name}.numerics.compute_dtype",
-                    f"compute_dtype={dtype!r} differs from model.dtype={cfg.model.dtype!r}; the runtime computes every "
-                    "stage in model.dtype (a per-chip compute dtype is measured by h2jax align only)",
-                )
-        # one program per (local stage, chunk), in stage then chunk order
-        self.stages: list[StageProgram] = []
-        for q, (s, c) in sorted(enumerate(positions), key=lambda item: item[1]):
-            if s not in self.local:
-                continue
-            spec = plan.stages[s].chunk_spec(c)
-            first, last = q == 0, q == n_pos - 1
-            module = StageModule(model, layers=spec.layers, first=first, last=last)
-            self.stages.append(
-                StageProgram(
-                    s,
-                    spec,
-                    meshes[s],
-                    module,
-                    self.tx,
-                    first=first,
-                    last=last,
-                    label=self.labels[s],
-                    numerics=cfg.cluster.chips[spec.chip].numerics,
-                    position=q,
-                    chunk=c,
-                    local_in=q > 0 and stage_of[q - 1] == s,
-                    local_out=q < n_pos - 1 and stage_of[q + 1] == s,
-                )
-            )
-        self.tied = TiedParams(shared, by_position, self.stages, w, stage_of=stage_of)
-        # this process's programs with their one-chunk specs, for naming their trees by model path
-        self._lp = SimpleNamespace(stages=tuple(st.spec for st in self.stages))
-        self.schedule = plan.schedule.bind(n, plan.num_microbatches)
-        grid = self.schedule.tasks()
-        # one time origin for every process's events (perf_counter is the host's monotonic clock)
-        t0 = w.from_stage(0, time.perf_counter()) if w.multiprocess else None
-        self.timeline = Timeline(stage_labels=self.labels, t0=t0) if cfg.train.timeline else None
-        self.hub = hub
-        if transport == "local" and self.hub is None:
-            self.hub = LocalHub(n_pos)
-        self._own_hub = hub is None
-        mesh_shapes = [(plan.stages[s].data, plan.stages[s].tensor) for s in stage_of]  # per position
-        comm = getattr(w, "comm", None)
-        record = group is None or group.is_leader  # a stage over several processes records once
-        self.runners: list[StageRunner] = []
-        for s in self.local:
-            programs = [st for st in self.stages if st.stage_idx == s]
-            channels, shared_comm = [], {}  # the chunks of a stage share one communicator (make_channel)
-            for st in programs:
-                link = stage_links(
-                    mesh_shapes,
-                    self.boundaries,
-                    stage_idx=st.position,
-                    mesh=st.mesh,
-                    sharding=st.act_sharding,
-                    ranks=None if ranks is None else [ranks[t] for t in stage_of],
-                    stages=stage_of if chunked else None,
-                    chunks=[c for _, c in positions] if chunked else None,
-                )
-                channel = self._channel(transport, link, comm, st.spec.chip, shared=shared_comm)
-                st.build(channel)
-                channels.append(channel)
-            last = next((st for st in programs if st.last), None)
-            dloss = global_array(np.float32(1.0 / plan.num_microbatches), last.scalar_sharding) if last else None
-            self.runners.append(
-                StageRunner(
-                    programs, channels, stage_tasks(grid, s), dloss=dloss, timeline=self.timeline, record=record
-                )
-            )
+        wiring = wire(cfg, model, w, self.schedule, tx=self.tx, chunked=chunked, hub=hub)
+        self.stages, self.runners, self.tied = wiring.stages, wiring.runners, wiring.tied
+        self.boundaries, self.labels, self.backends = wiring.boundaries, wiring.labels, wiring.backends
+        self.loss_stage, self._lp, self.timeline = wiring.loss_stage, wiring.lp, wiring.timeline
+        self.hub, self._own_hub = wiring.hub, wiring.own_hub
         self.tokens_per_step = plan.global_batch * cfg.model.seq_len
         self.step = 0
         self._first_step = 0  # run() sets it to the step it starts from; train_step() may run without it
@@ -259,22 +145,6 @@ class Trainer:
         self.memory: list[StageMemory] = []
         if cfg.train.memory_check:
             self.memory = w.all(self.check_memory, "config error")
-
-    def _channel(self, transport: str, link: Any, comm: Any, chip: str, *, shared: dict | None = None) -> Any:
-        from h2jax.comm import RoutingUnsupported
-
-        try:
-            return make_channel(
-                transport,
-                link,
-                comm=comm,
-                hub=self.hub,
-                chip=chip,
-                timeout_s=self.cfg.train.transfer_timeout_s,
-                shared=shared,
-            )
-        except RoutingUnsupported as e:
-            raise ConfigError("train.transport", f"{transport!r} cannot carry this plan's boundaries: {e}") from e
 
     # -- data ----------------------------------------------------------------------------------
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -294,51 +164,8 @@ class Trainer:
     # -- memory --------------------------------------------------------------------------------
     def check_memory(self) -> list[StageMemory]:
         """Per-device memory of this process's stages (one per runner, in stage order) against
-        their chips' declared memory. A stage of several chunks holds every chunk's parameters,
-        gradients and optimizer state, and at its peak the activations the schedule's order of
-        its tasks keeps alive (:func:`chunk_activation_peak`)."""
-        in_flight = self.schedule.max_in_flight()
-        mb, seq = self.cfg.plan.microbatch_size, self.cfg.model.seq_len
-        out, over = [], []
-        for runner in self.runners:
-            s = runner.stage_idx
-            mems = []
-            for st in runner.programs:
-                like = jax.ShapeDtypeStruct((mb, seq), jnp.int32) if st.first else self.boundaries[st.position - 1]
-                x = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=st.act_sharding)
-                t = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding) if st.last else None
-                mems.append(st.memory(x, t, in_flight=1 if runner.chunked else in_flight[s]))
-            if runner.chunked:
-                peak, count = chunk_activation_peak(
-                    self.schedule.stage_ops(s), [m.activations for m in mems], split=runner.split
-                )
-                mem = StageMemory(
-                    params=sum(m.params for m in mems),
-                    grads=sum(m.grads for m in mems),
-                    opt_state=sum(m.opt_state for m in mems),
-                    activations=peak,
-                    workspace=max(m.workspace for m in mems),
-                )
-                held = f"{count} in-flight (chunk, microbatch) activations at the peak"
-            else:
-                mem, held = mems[0], f"activations of {in_flight[s]} in-flight microbatches"
-            out.append(mem)
-            chip = runner.program.spec.chip
-            limit = self.cfg.cluster.chips[chip].memory_gib * GIB
-            if mem.total > limit:
-                b = format_bytes
-                over.append(
-                    (
-                        f"plan.stages[{s}]",
-                        f"needs {b(mem.total)} per device (params {b(mem.params)}, grads {b(mem.grads)}, optimizer "
-                        f"{b(mem.opt_state)}, {held} {b(mem.activations)}, workspace {b(mem.workspace)}); chip "
-                        f"{chip} has {b(limit)} (try recompute: true, more microbatches, or a larger tensor degree)",
-                    )
-                )
-        if over:  # every stage that does not fit, in stage order (as the processes of a job report them)
-            (key, first), rest = over[0], over[1:]
-            raise ConfigError(key, "; ".join([first, *(f"{k}: {m}" for k, m in rest)]))
-        return out
+        their chips' declared memory (h2jax.runtime._memory)."""
+        return check_memory(self.cfg, self.runners, self.schedule, self.boundaries)
 
     # -- one step ------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> jax.Array | None:
@@ -444,28 +271,8 @@ class Trainer:
     def step_metrics(self, stats: StepStats) -> dict[str, Any]:
         """The metrics of one step (collective: every process calls it at the same steps;
         the writer's dict is the one that counts)."""
-        devices_by_chip: dict[str, int] = {}
-        for spec in self.cfg.plan.stages:
-            devices_by_chip[spec.chip] = devices_by_chip.get(spec.chip, 0) + spec.num_devices
-        total = sum(devices_by_chip.values())
-        m: dict[str, Any] = {
-            "loss": stats.loss,
-            "grad_norm": stats.grad_norm,
-            "lr": stats.lr,
-            "step_time_s": stats.step_time_s,
-            "tokens_per_s": stats.tokens_per_s,
-            "tgs": stats.tokens_per_s / total,
-            "skipped": int(stats.skipped),
-            "skipped_steps": self.skipped_steps,
-        }
-        for chip, ndev in devices_by_chip.items():
-            m[f"tgs/{chip}"] = stats.tokens_per_s / ndev
         events = self.gather_events(stats.step)
-        if events is not None:
-            m["bubble_fraction"] = bubble_fraction(
-                [e for e in events if e.kind in ("fwd", "bwd")], self.cfg.plan.num_stages
-            )
-        return m
+        return step_metrics(self.cfg, stats, skipped_steps=self.skipped_steps, events=events)
 
     # -- the loop ------------------------------------------------------------------------------
     def _local_stop(self) -> str | None:
@@ -473,43 +280,12 @@ class Trainer:
             return self.fail_fast.stop_signal
         return self._stop_signal
 
-    def _prepare_run_dir(self) -> None:
-        """On the writer: the run folder, its config and plan, and the metrics of an earlier
-        run that this one would restart over (moved aside, said loudly; never deleted)."""
-        cfg, w = self.cfg, self.world
-        ranks = w.allgather(
-            {
-                "rank": w.rank,
-                "stages": list(self.local),
-                "pid": os.getpid(),
-                "host": os.uname().nodename,
-                "backend": [self.backends[s] for s in self.local],
-                "group_rank": getattr(getattr(w, "group", None), "group_rank", 0),
-            }
-        )
-        if not w.is_writer:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
-        cfg.plan.to_yaml(self.run_dir / "plan.yaml")
-        (self.run_dir / "ranks.json").write_text(json.dumps(ranks, indent=2))
-        metrics = self.run_dir / METRICS_FILENAME
-        if self.step == 0 and metrics.exists() and metrics.stat().st_size > 0:
-            rows = read_metrics(metrics)
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            aside = self.run_dir / f"metrics.{stamp}.jsonl"
-            metrics.rename(aside)
-            self.console.print(
-                f"[bold yellow]h2jax: starting from step 0 in {self.run_dir}, which holds {len(rows)} metric rows "
-                f"of an earlier run (no checkpoint to resume from): they are kept in {aside.name}[/]"
-            )
-
     def run(self, steps: int | None = None) -> list[StepStats]:
         """Train up to ``steps`` (default ``train.steps``) from ``self.step``; checkpoint as
         configured. Returns early, after saving, on a stop signal (see ``preempted``)."""
         cfg, w = self.cfg, self.world
         steps = cfg.train.steps if steps is None else steps
-        self._prepare_run_dir()
+        prepare_run_dir(cfg, w, self.run_dir, backends=self.backends, step=self.step, console=self.console)
         w.barrier()
         store = self.checkpoint_store() if cfg.checkpoint.enabled else None
         every = cfg.checkpoint.every_steps
@@ -614,56 +390,20 @@ class Trainer:
         return restore
 
     def _write_outputs(self, history: list[StepStats], wall_s: float) -> dict[str, Any]:
-        """The summary (and, when this call trained, trace.json, gantt.png and summary.json on
-        the writer). A call that trained nothing writes nothing: an earlier run's files stay."""
-        w, cfg = self.world, self.cfg
-        gstep = None
-        if history:
-            gstep = cfg.train.gantt_step if cfg.train.gantt_step >= 0 else history[-1].step
         events = self.gather_events()
-        mem = w.allgather({r.stage_idx: m.total / GIB for r, m in zip(self.runners, self.memory or [])})
-        memory = {s: g for d in mem for s, g in d.items()}
-        backends = {s: b for d in w.allgather(self.backends) for s, b in d.items()}
-        summary: dict[str, Any] = {
-            "steps": len(history),
-            "wall_s": wall_s,
-            "first_loss": history[0].loss if history else None,
-            "last_loss": history[-1].loss if history else None,
-            "losses": [h.loss for h in history],
-            # the first steps include compilation; the median excludes it
-            "median_step_time_s": float(np.median([h.step_time_s for h in history[1:] or history]))
-            if history
-            else None,
-            "tokens_per_step": self.tokens_per_step,
-            "processes": w.size,
-            "launcher": w.launcher,
-            "transport": cfg.train.transport,
-            "stages": [
-                {"label": self.labels[s], "backend": backends.get(s), "memory_gib": memory.get(s)}
-                for s in range(cfg.plan.num_stages)
-            ],
-        }
-        if not w.is_writer or not history:
-            return summary
-        if events is not None:
-            merged = Timeline(stage_labels=self.labels, t0=self.timeline.t0)
-            merged.extend(events)
-            merged.save(self.run_dir / "trace.json")
-            ev = merged.events(gstep)
-            if ev:
-                plot_gantt(
-                    ev,
-                    self.run_dir / "gantt.png",
-                    stage_labels=self.labels,
-                    title=f"{cfg.name}: step {gstep}, {cfg.plan.schedule}, {cfg.plan.num_microbatches} "
-                    f"microbatches, {w.size} process{'es' if w.size > 1 else ''}, {cfg.train.transport}",
-                )
-                summary["gantt_step"] = gstep
-                summary["bubble_fraction_gantt_step"] = bubble_fraction(
-                    [e for e in ev if e.kind in ("fwd", "bwd")], cfg.plan.num_stages
-                )
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
+        return write_outputs(
+            self.cfg,
+            self.world,
+            self.run_dir,
+            history,
+            wall_s,
+            events=events,
+            memory={r.stage_idx: m for r, m in zip(self.runners, self.memory or [])},
+            backends=self.backends,
+            labels=self.labels,
+            t0=self.timeline.t0 if self.timeline is not None else None,
+            tokens_per_step=self.tokens_per_step,
+        )
 
     # -- checkpoints ---------------------------------------------------------------------------
     @property
@@ -675,18 +415,7 @@ class Trainer:
         """This process's writer: one part holding every stage in one process; under mpirun its
         stage's part of every step (module docstring of h2jax.checkpoint._store)."""
         if self._store is None:
-            c, w = self.cfg.checkpoint, self.world
-            kw = dict(keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save)
-            if isinstance(w, MpiWorld):
-                n = self.cfg.plan.num_stages
-                group = getattr(w, "group", None)
-                kw.update(
-                    part=part_name(w.stage_idx),
-                    parts=[part_name(i) for i in range(n)],
-                    lead=w.rank == 0,
-                    shared=bool(group is not None and group.distributed),
-                )
-            self._store = CheckpointStore(self.checkpoint_dir, **kw)
+            self._store = checkpoint_writer(self.cfg, self.world, self.checkpoint_dir)
         return self._store
 
     def close_checkpoints(self) -> None:
@@ -732,23 +461,9 @@ class Trainer:
     def _lead_plan_read(self, directory: str | Path, step: int | None, *, params_only: bool) -> dict[str, Any]:
         model_keys = self._model_keys()
 
-        def decide() -> dict[str, Any]:
-            store = CheckpointStore(directory)
-            try:
-                s = step if step is not None else store.latest_committed()
-                if s is None:
-                    raise CheckpointError(f"{store.dir} holds no committed checkpoint")
-                meta = check_checkpoint(store, s, self.cfg, model_keys, params_only=params_only)
-            finally:
-                store.close()
-            out = {"dir": str(store.dir), "step": s, "params_only": params_only, "warning": None}
-            if not params_only:
-                out["next_step"], out["skipped_steps"], out["warning"] = data_position(
-                    meta, self.cfg, f"{store.dir} step {s}"
-                )
-            return out
-
-        return self.world.lead(decide, "checkpoint error")
+        return self.world.lead(
+            lambda: read_plan(directory, step, self.cfg, model_keys, params_only=params_only), "checkpoint error"
+        )
 
     def _read(self, plan: dict[str, Any]) -> None:
         lp = self._lp
@@ -857,7 +572,7 @@ class Trainer:
     def gathered_params(self) -> dict[str, np.ndarray]:
         """Every parameter of the model by model path, as numpy, on every process (collective)."""
         mine = fetch(self.params_by_layer())  # collective over a stage's processes
-        group = getattr(self.world, "group", None)
+        group = self.world.group
         share = mine if group is None or group.is_leader else {}
         out: dict[str, np.ndarray] = {}
         for part in self.world.allgather(share):
@@ -882,23 +597,6 @@ class Trainer:
             r.close()
         if self.hub is not None and self._own_hub:
             self.hub.close()
-
-
-def chunk_activation_peak(ops: Any, per_chunk: Any, *, split: bool) -> tuple[int, int]:
-    """(bytes, count) at the peak of the activations a stage of several chunks keeps, walking
-    its ops in order: chunk c's forward adds ``per_chunk[c]`` (one microbatch's), its last
-    backward task (W when ``split``, else B) frees it -- the schedule's in-flight count, each
-    entry weighed by its own chunk's size (chunks may be uneven)."""
-    freed_by = "W" if split else "B"
-    held = count = peak = peak_count = 0
-    for task in ops:
-        if task.kind == "F":
-            held, count = held + per_chunk[task.chunk], count + 1
-            if held > peak:
-                peak, peak_count = held, count
-        elif task.kind == freed_by:
-            held, count = held - per_chunk[task.chunk], count - 1
-    return peak, peak_count
 
 
 def _check_model(model: nnx.Module, cfg: ExperimentConfig) -> None:
@@ -932,7 +630,7 @@ def train(
         trained = trainer.trained_model()
     finally:
         trainer.close()
-    group = getattr(trainer.world, "group", None)
+    group = trainer.world.group
     if group is not None:
         trainer.world.barrier()
         group.close()

@@ -27,10 +27,14 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from h2jax.checkpoint import CheckpointCorruptError, CheckpointError
 from h2jax.config import ConfigError, ExperimentConfig
+
+if TYPE_CHECKING:
+    from h2jax.launch import FailFast
+    from h2jax.runtime._procgroup import StageGroup
 
 
 class JobError(Exception):
@@ -56,6 +60,9 @@ class World:
     num_stages: int
     local_stages: tuple[int, ...]
     is_writer: bool = True
+    comm: Any = None  # the mpi4py-like communicator of every process (MpiWorld); None in one process
+    group: StageGroup | None = None  # this process's stage group (jax.distributed cluster, mesh) under a launcher
+    fail_fast: FailFast | None = None  # the launcher's watchdog and stop-signal catcher (h2jax.launch)
 
     @property
     def multiprocess(self) -> bool:

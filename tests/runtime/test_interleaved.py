@@ -391,7 +391,7 @@ def test_chunk_activation_peak_weighs_each_chunk():
     last backward task of it (W split, B unsplit) frees it; uneven chunks weigh differently."""
     from h2jax.plan import Task
     from h2jax.plan.schedules import Interleaved, ZeroBubbleV
-    from h2jax.runtime._trainer import chunk_activation_peak
+    from h2jax.runtime._memory import chunk_activation_peak
 
     ops = [Task("F", 0, 0), Task("F", 0, 1), Task("B", 0, 1), Task("F", 1, 0), Task("B", 0, 0), Task("B", 1, 0)]
     assert chunk_activation_peak(ops, [10, 1], split=False) == (20, 2)  # two chunk-0 microbatches

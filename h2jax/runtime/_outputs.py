@@ -1,0 +1,151 @@
+"""What a run writes to its folder besides checkpoints, on the writer: ``config.yaml``,
+``plan.yaml`` and ``ranks.json`` before training (:func:`prepare_run_dir`), one row of
+metrics per logged step (:func:`step_metrics`), and ``summary.json``, ``trace.json`` and
+``gantt.png`` after it (:func:`write_outputs`). Each function is collective where it says
+so: every process calls it at the same point, and the writer's result is the one that counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+
+from h2jax.config import ExperimentConfig, save_config
+from h2jax.runtime._memory import GIB
+from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
+from h2jax.runtime._stage import StageMemory
+from h2jax.runtime._state import StepStats
+from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
+from h2jax.runtime._world import World
+
+
+def prepare_run_dir(
+    cfg: ExperimentConfig, world: World, run_dir: Path, *, backends: dict[int, str], step: int, console: Console
+) -> None:
+    """The run folder, its config, plan and ranks, and the metrics of an earlier run that
+    this one would restart over (moved aside, said loudly; never deleted). Collective; the
+    writer writes."""
+    w = world
+    ranks = w.allgather(
+        {
+            "rank": w.rank,
+            "stages": list(w.local_stages),
+            "pid": os.getpid(),
+            "host": os.uname().nodename,
+            "backend": [backends[s] for s in w.local_stages],
+            "group_rank": w.group.group_rank if w.group is not None else 0,
+        }
+    )
+    if not w.is_writer:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    cfg.plan.to_yaml(run_dir / "plan.yaml")
+    (run_dir / "ranks.json").write_text(json.dumps(ranks, indent=2))
+    metrics = run_dir / METRICS_FILENAME
+    if step == 0 and metrics.exists() and metrics.stat().st_size > 0:
+        rows = read_metrics(metrics)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = run_dir / f"metrics.{stamp}.jsonl"
+        metrics.rename(aside)
+        console.print(
+            f"[bold yellow]h2jax: starting from step 0 in {run_dir}, which holds {len(rows)} metric rows "
+            f"of an earlier run (no checkpoint to resume from): they are kept in {aside.name}[/]"
+        )
+
+
+def step_metrics(
+    cfg: ExperimentConfig, stats: StepStats, *, skipped_steps: int, events: list[Any] | None
+) -> dict[str, Any]:
+    """The metrics of one step: loss, norm, learning rate, times, throughput per chip type,
+    and the bubble fraction of ``events`` (every stage's timeline events of the step)."""
+    devices_by_chip: dict[str, int] = {}
+    for spec in cfg.plan.stages:
+        devices_by_chip[spec.chip] = devices_by_chip.get(spec.chip, 0) + spec.num_devices
+    total = sum(devices_by_chip.values())
+    m: dict[str, Any] = {
+        "loss": stats.loss,
+        "grad_norm": stats.grad_norm,
+        "lr": stats.lr,
+        "step_time_s": stats.step_time_s,
+        "tokens_per_s": stats.tokens_per_s,
+        "tgs": stats.tokens_per_s / total,
+        "skipped": int(stats.skipped),
+        "skipped_steps": skipped_steps,
+    }
+    for chip, ndev in devices_by_chip.items():
+        m[f"tgs/{chip}"] = stats.tokens_per_s / ndev
+    if events is not None:
+        m["bubble_fraction"] = bubble_fraction([e for e in events if e.kind in ("fwd", "bwd")], cfg.plan.num_stages)
+    return m
+
+
+def write_outputs(
+    cfg: ExperimentConfig,
+    world: World,
+    run_dir: Path,
+    history: list[StepStats],
+    wall_s: float,
+    *,
+    events: list[Any] | None,
+    memory: dict[int, StageMemory],
+    backends: dict[int, str],
+    labels: list[str],
+    t0: float | None,
+    tokens_per_step: int,
+) -> dict[str, Any]:
+    """The summary (and, when this call trained, trace.json, gantt.png and summary.json on
+    the writer). A call that trained nothing writes nothing: an earlier run's files stay.
+    ``events``: every stage's timeline events (on the writer); ``memory``, ``backends``: this
+    process's stages'. Collective."""
+    w = world
+    gstep = None
+    if history:
+        gstep = cfg.train.gantt_step if cfg.train.gantt_step >= 0 else history[-1].step
+    mem = w.allgather({s: m.total / GIB for s, m in memory.items()})
+    memory_gib = {s: g for d in mem for s, g in d.items()}
+    backends = {s: b for d in w.allgather(backends) for s, b in d.items()}
+    summary: dict[str, Any] = {
+        "steps": len(history),
+        "wall_s": wall_s,
+        "first_loss": history[0].loss if history else None,
+        "last_loss": history[-1].loss if history else None,
+        "losses": [h.loss for h in history],
+        # the first steps include compilation; the median excludes it
+        "median_step_time_s": float(np.median([h.step_time_s for h in history[1:] or history])) if history else None,
+        "tokens_per_step": tokens_per_step,
+        "processes": w.size,
+        "launcher": w.launcher,
+        "transport": cfg.train.transport,
+        "stages": [
+            {"label": labels[s], "backend": backends.get(s), "memory_gib": memory_gib.get(s)}
+            for s in range(cfg.plan.num_stages)
+        ],
+    }
+    if not w.is_writer or not history:
+        return summary
+    if events is not None:
+        merged = Timeline(stage_labels=labels, t0=t0)
+        merged.extend(events)
+        merged.save(run_dir / "trace.json")
+        ev = merged.events(gstep)
+        if ev:
+            plot_gantt(
+                ev,
+                run_dir / "gantt.png",
+                stage_labels=labels,
+                title=f"{cfg.name}: step {gstep}, {cfg.plan.schedule}, {cfg.plan.num_microbatches} "
+                f"microbatches, {w.size} process{'es' if w.size > 1 else ''}, {cfg.train.transport}",
+            )
+            summary["gantt_step"] = gstep
+            summary["bubble_fraction_gantt_step"] = bubble_fraction(
+                [e for e in ev if e.kind in ("fwd", "bwd")], cfg.plan.num_stages
+            )
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
