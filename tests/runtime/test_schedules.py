@@ -5,7 +5,7 @@
   and B does not secretly compute the weight gradient.
 - pipeline == sequential for zb-h1 exactly as tests/runtime/test_pipeline_equivalence.py
   checks gpipe and 1f1b (loss and every gradient within 1e-5 of ``jax.value_and_grad``,
-  parameters after 3 AdamW steps within 1e-5; its docstring explains eps=1e-3).
+  parameters after 3 AdamW steps within 1e-5; tests/_harness.py explains eps=1e-3).
 - the recorded timeline obeys the schedule: one F, B and W per (stage, microbatch), every
   dependency, and the in-flight bound.
 """

@@ -3,7 +3,7 @@
 stage -- on different chip types, with different tensor degrees -- both hold the table.
 
 pipeline == sequential as in test_pipeline_equivalence.py (its experiment, tolerance and
-optimizer, whose docstring explains eps): the loss and every gradient of each step within
+optimizer, which tests/_harness.py explains): the loss and every gradient of each step within
 1e-5 of ``jax.value_and_grad`` of the whole model (the table's gradient is the sum of both
 uses), the parameters after 3 steps within 1e-5 of a sequential optax loop, and after every
 update both copies of the table, and their optimizer moments, identical (``==``). Then the
