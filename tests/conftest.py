@@ -6,7 +6,15 @@ process can register backends only before JAX initialises them.
 
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
+
+# the tests' shared helpers are imported as ``tests._harness``: the repository root on the path
+# whether pytest runs as ``python -m pytest`` (which adds the working directory) or as ``pytest``
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
 
 # One persistent compilation cache for the whole run, this process and every process it starts
 # (mpirun jobs, CLI runs inherit the environment): the many end-to-end tests compile the same

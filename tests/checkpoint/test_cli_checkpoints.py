@@ -3,59 +3,30 @@ kills during a save, SIGTERM, non-finite steps, a checkpoint directory that cann
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 from h2jax.checkpoint import CheckpointStore
 from h2jax.runtime import read_metrics
+from tests._harness import QUIET, TINY, load_step
+from tests._harness import cli_env as _env
+from tests._harness import run_losses as _losses
+from tests._harness import train_cli as _run
 
 pytestmark = pytest.mark.slow  # end-to-end runs through the CLI: the full suite, not the fast lane
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs" / "tiny.yaml")
-QUIET = ["train.progress=false", "train.tensorboard=false", "train.timeline=false"]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    # a plain single-controller run: no launcher variables an MPI import in this process may have left
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "H2JAX_FAULT")
-        and not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))
-    }
-    env.update(extra)
-    return env
-
-
-def _run(args, cwd, *, env=None, max_file_kib: int | None = None):
-    cmd = [sys.executable, "-m", "h2jax.cli", "train", *args]
-    if max_file_kib is not None:  # files may not grow past this: writes fail with EFBIG, as on a full disk
-        cmd = ["bash", "-c", f'ulimit -f {max_file_kib} && exec "$@"', "bash", *cmd]
-    return subprocess.run(cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=600)
 
 
 def _load(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
     """Every array of a committed step, on the host."""
-    store = CheckpointStore(ckpt_dir)
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    targets = {
-        k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=cpu)
-        for k, (shape, dtype) in store.shapes(step).items()
-    }
-    return {k: np.asarray(v) for k, v in store.restore(step, targets).items()}
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    return load_step(ckpt_dir, step)
 
 
 def test_bit_exact_resume_after_sigkill(tmp_path):

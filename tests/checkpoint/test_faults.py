@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.test_cli_checkpoints import QUIET, TINY, _run
+from tests._harness import QUIET, TINY
+from tests._harness import train_cli as _run
 
 pytestmark = pytest.mark.slow  # end-to-end runs through the CLI: the full suite, not the fast lane
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.test_cli_checkpoints import QUIET, TINY, _load, _run
+from tests._harness import QUIET, TINY
+from tests._harness import load_step as _load
+from tests._harness import train_cli as _run
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +19,8 @@ pytest.importorskip("safetensors")
 
 from h2jax.convert import load_model  # noqa: E402
 from h2jax.models import GPTConfig  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_hf import _hand_made, _run  # noqa: E402
+from tests._harness import hand_made_hf as _hand_made  # noqa: E402
+from tests._harness import models_cli as _run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=256, seq_len=32, d_model=32, n_heads=4, n_layers=2, d_ff=128, n_kv_heads=2)

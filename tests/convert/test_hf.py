@@ -9,7 +9,6 @@ with torch's CUDA libraries) and skip cleanly without them; the rest needs only
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -20,9 +19,9 @@ from h2jax.models import GPTConfig, RopeScaling
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from h2jax import cli_models  # noqa: E402
-from h2jax.convert import config_to_hf, hf_tensor_names, load_model  # noqa: E402
-from h2jax.convert._hf import param_shapes  # noqa: E402
+from h2jax.convert import load_model  # noqa: E402
+from tests._harness import hand_made_hf  # noqa: E402
+from tests._harness import models_cli as _run  # noqa: E402
 
 SEQ = 24
 LLAMA3 = {
@@ -32,13 +31,6 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,  # head_dim 8: one blended, three divided frequencies
 }
-
-
-def _run(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="h2jax")
-    cli_models.add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(list(argv))
-    return args.func(args)
 
 
 def _hf_llama(tmp: Path, *, tied: bool, rope_scaling: dict | None) -> tuple[Path, object]:
@@ -116,24 +108,8 @@ def test_export_reimport_is_bit_identical(tmp_path):
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=24, n_kv_heads=2)
 
 
-def _hand_made(tmp: Path, cfg: GPTConfig = CFG, *, edit=None, config_edit=None, dtype=np.float32) -> Path:
-    rng = np.random.default_rng(0)
-    shapes = param_shapes(cfg)
-    tensors = {}
-    for path, (name, transposed) in hf_tensor_names(cfg).items():
-        shape = shapes[path][::-1] if transposed else shapes[path]
-        tensors[name] = rng.normal(size=shape).astype(dtype)
-    if edit:
-        edit(tensors)
-    out = tmp / "hf"
-    out.mkdir()
-    safetensors_numpy.save_file(tensors, str(out / "model.safetensors"))
-    hf = config_to_hf(cfg)
-    if config_edit:
-        config_edit(hf)
-    (out / "config.json").write_text(json.dumps(hf))
-    (out / "tokenizer.json").write_text("{}")
-    return out
+def _hand_made(tmp: Path, cfg: GPTConfig = CFG, **kw) -> Path:
+    return hand_made_hf(tmp, cfg, **kw)
 
 
 def test_hand_made_checkpoint_converts(tmp_path):

@@ -29,7 +29,23 @@ from jax.sharding import Mesh
 
 from h2jax.models import Dropout, GPTConfig, StageModule, build_model, dropout_step
 from h2jax.runtime import StageProgram, Trainer, flatten, reference_loss_and_grads
-from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg
+from tests._harness import (
+    MP_BASE,
+    MPIRUN,
+    QUIET,
+    TINY,
+    TOL,
+    S,
+    cli_env,
+    differing,
+    final_params,
+    load_step,
+    max_diff,
+    mpirun_train,
+    plan_cfg,
+    run_losses,
+    train_cli,
+)
 
 RATE = 0.1
 
@@ -42,10 +58,6 @@ PLANS = {
 CASES = [("2st-tp4-recompute", "1f1b"), ("3st-mixed", "1f1b"), ("2st-tp4-recompute", "zb-h1"), ("3st-mixed", "zb-h1")]
 FAST = ("2st-tp4-recompute", "1f1b")
 SLOW = ("3st-mixed", "zb-h1")
-
-
-def _bad(got, want):
-    return {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
 
 
 @pytest.mark.parametrize(
@@ -73,7 +85,7 @@ def test_dropout_pipeline_equals_sequential_with_the_same_masks(name, schedule, 
     plain_loss, plain_grads = reference_loss_and_grads(reference, tokens, targets)
     assert abs(plain_loss - masked_loss) > 10 * TOL, (plain_loss, masked_loss)
     masked, plain = flatten(masked_grads), flatten(plain_grads)
-    assert max(_max_diff(masked[k], plain[k]) / float(np.max(np.abs(plain[k]))) for k in plain) > 0.01
+    assert max(max_diff(masked[k], plain[k]) / float(np.max(np.abs(plain[k]))) for k in plain) > 0.01
     for step in (0, 1):  # same parameters, two steps: other batches and other masks
         tokens, targets = trainer.batch(step)
         if step == 0:
@@ -82,9 +94,8 @@ def test_dropout_pipeline_equals_sequential_with_the_same_masks(name, schedule, 
             ref_loss, ref_grads = reference_loss_and_grads(reference, tokens, targets, step=step)
         loss = float(trainer.forward_backward(step))
         assert abs(loss - ref_loss) <= TOL, (step, loss, ref_loss)
-        got, want = trainer.grads_by_layer(), flatten(ref_grads)
-        assert sorted(got) == sorted(want)
-        assert not _bad(got, want), f"gradients of step {step} differ: {_bad(got, want)}"
+        bad = differing(trainer.grads_by_layer(), flatten(ref_grads))
+        assert not bad, f"gradients of step {step} differ: {bad}"
         for st in trainer.stages:
             st.zero_grads()
     trainer.close()
@@ -217,21 +228,20 @@ def test_bit_exact_resume_after_sigkill_with_dropout(tmp_path):
     import signal
 
     from h2jax.checkpoint import CheckpointStore
-    from tests.checkpoint.test_cli_checkpoints import QUIET, TINY, _env, _load, _losses, _run
 
     args = [TINY, *QUIET, f"model.dropout={RATE}", "train.steps=6", "checkpoint.every_steps=3"]
-    straight = _run([*args, "--run-dir", "straight"], tmp_path)
+    straight = train_cli([*args, "--run-dir", "straight"], tmp_path)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = _run([*args, "--run-dir", "resumed"], tmp_path, env=_env(H2JAX_FAULT="kill:committed:3"))
+    killed = train_cli([*args, "--run-dir", "resumed"], tmp_path, env=cli_env(H2JAX_FAULT="kill:committed:3"))
     assert killed.returncode == -signal.SIGKILL
     assert CheckpointStore(tmp_path / "resumed" / "checkpoints").committed_steps() == [3]
-    resumed = _run([*args, "--run-dir", "resumed"], tmp_path)
+    resumed = train_cli([*args, "--run-dir", "resumed"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step 3" in resumed.stderr
-    a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+    a, b = run_losses(tmp_path / "straight"), run_losses(tmp_path / "resumed")
     assert sorted(b) == list(range(6))
     assert [a[s] for s in range(3, 6)] == [b[s] for s in range(3, 6)]  # ==, not approx
-    sa, sb = _load(tmp_path / "straight" / "checkpoints", 6), _load(tmp_path / "resumed" / "checkpoints", 6)
+    sa, sb = load_step(tmp_path / "straight" / "checkpoints", 6), load_step(tmp_path / "resumed" / "checkpoints", 6)
     assert sa.keys() == sb.keys() and any(k.startswith("opt_state/") for k in sa)
     for k in sa:
         assert np.array_equal(sa[k], sb[k]), k
@@ -245,7 +255,6 @@ def test_dropout_under_mpirun_with_in_program_transfers_equals_one_process(tmp_p
     import json
 
     from h2jax.config import load_config
-    from tests.runtime.test_multiproc import BASE, MPIRUN, _mpirun, final_params
 
     if MPIRUN is None:
         pytest.skip("mpirun not installed")
@@ -255,11 +264,11 @@ def test_dropout_under_mpirun_with_in_program_transfers_equals_one_process(tmp_p
         "plan.stages=[{chip: sim_a, data: 2, tensor: 2, layers: [0, 3]}, "
         "{chip: sim_b, data: 4, tensor: 1, layers: [3, 4], recompute: true}]",
     ]
-    trainer = Trainer(load_config(None, BASE + plan), run_dir=tmp_path / "single")
+    trainer = Trainer(load_config(None, MP_BASE + plan), run_dir=tmp_path / "single")
     want_losses = [h.loss for h in trainer.run()]
     want_params = {k: np.asarray(v) for k, v in trainer.params_by_layer().items()}
     trainer.close()
-    proc = _mpirun(2, [*BASE, *plan, "train.transport=ffi", "--run-dir", str(tmp_path / "run")], tmp_path)
+    proc = mpirun_train(2, [*MP_BASE, *plan, "train.transport=ffi", "--run-dir", str(tmp_path / "run")], tmp_path)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -14,6 +14,19 @@ import yaml
 from h2jax.config import ConfigError, load_config
 from h2jax.plan import Plan, PlanError, StageSpec, check_execution, check_plan
 from h2jax.runtime import Trainer
+from tests._harness import (
+    MP_BASE,
+    MPIRUN,
+    TOL,
+    C,
+    S,
+    Sequential,
+    assert_pipeline_equals_sequential,
+    differing,
+    final_params,
+    mpirun_train,
+    plan_cfg,
+)
 
 INTERLEAVED = {
     "global_batch": 8,
@@ -170,13 +183,9 @@ def test_config_validation_names_the_key():
 
 
 # -- pipeline == sequential ------------------------------------------------------------------
-# As tests/runtime/test_pipeline_equivalence.py checks gpipe and 1f1b (its docstring explains the
-# optimizer's eps=1e-3): the loss and every gradient of each step within 1e-5 of
+# As tests/runtime/test_pipeline_equivalence.py checks gpipe and 1f1b (tests/_harness.py explains
+# the optimizer's eps=1e-3): the loss and every gradient of each step within 1e-5 of
 # ``jax.value_and_grad`` of the whole model, the parameters after 3 AdamW steps within 1e-5.
-
-
-def C(chip, chunks, data=1, tensor=1, recompute=False):
-    return {"chip": chip, "chunks": [list(c) for c in chunks], "data": data, "tensor": tensor, "recompute": recompute}
 
 
 # name -> (n_layers, schedule, stages, overrides)
@@ -256,17 +265,8 @@ SMALL = {  # the fast lane: one step on one-device stages (compiling four chunk 
 
 
 def chunked_cfg(name: str, **extra: str):
-    from tests.runtime.test_pipeline_equivalence import plan_cfg
-
     n_layers, schedule, stages, overrides = CHUNKED_PLANS[name]
     return plan_cfg(n_layers, schedule, stages, **{**overrides, **extra})
-
-
-def _bad(got, want):
-    from tests.runtime.test_pipeline_equivalence import TOL, _max_diff
-
-    assert sorted(got) == sorted(want), "pipeline stages must hold exactly the model's parameters"
-    return {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
 
 
 @pytest.mark.parametrize("schedule", sorted(SMALL))
@@ -274,10 +274,6 @@ def test_one_chunked_step_equals_sequential(schedule, tmp_path):
     """The fast lane's check: the loss and every gradient of one step (the slow test below
     runs 3 steps with updates on 8 plans)."""
     import jax
-
-    from h2jax.models import build_model
-    from h2jax.runtime import flatten, reference_loss_and_grads
-    from tests.runtime.test_pipeline_equivalence import TOL, plan_cfg
 
     n_layers, stages = SMALL[schedule]
     cfg = plan_cfg(n_layers, schedule.removesuffix("-v1"), stages)
@@ -287,11 +283,10 @@ def test_one_chunked_step_equals_sequential(schedule, tmp_path):
     assert len(trainer.memory) == 2 and all(m.activations > 0 for m in trainer.memory)
     params = sum(m.params for m in trainer.memory)
     assert params == sum(x.nbytes for st in trainer.stages for x in jax.tree.leaves(st.params))
-    tokens, targets = trainer.batch(0)
-    ref_loss, ref_grads = reference_loss_and_grads(build_model(cfg.model, seed=cfg.seed), tokens, targets)
+    ref_loss, want = Sequential(cfg).grads(*trainer.batch(0))
     loss = float(trainer.forward_backward(0))
     assert abs(loss - ref_loss) <= TOL, (loss, ref_loss)
-    bad = _bad(trainer.grads_by_layer(), flatten(ref_grads))
+    bad = differing(trainer.grads_by_layer(), want)
     assert not bad, f"gradients differ: {bad}"
     trainer.close()
 
@@ -299,40 +294,18 @@ def test_one_chunked_step_equals_sequential(schedule, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CHUNKED_PLANS))
 def test_chunked_pipeline_equals_sequential(name, tmp_path):
-    import jax
-    import optax
-    from flax import nnx
-
-    from h2jax.models import build_model
-    from h2jax.runtime import Trainer, flatten, make_optimizer, reference_loss_and_grads
-    from tests.runtime.test_pipeline_equivalence import TOL, reference_update
-
     cfg = chunked_cfg(name)
     trainer = Trainer(cfg, run_dir=tmp_path)
     v = cfg.plan.num_chunks
     assert len(trainer.stages) == v * cfg.plan.num_stages and all(len(r.programs) == v for r in trainer.runners)
     assert all(r.split == cfg.plan.schedule.split_backward for r in trainer.runners)
-    reference_model = build_model(cfg.model, seed=cfg.seed)
-    tx, _ = make_optimizer(cfg)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)
-    graphdef, params = nnx.split(reference_model, nnx.Param)
-    params = jax.device_put(params, jax.devices("cpu")[0])
-    opt_state = tx.init(params)
-    update = reference_update(tx)
-    for step in range(3):
-        loss = float(trainer.forward_backward(step))
-        tokens, targets = trainer.batch(step)
-        ref_loss, ref_grads = reference_loss_and_grads(nnx.merge(graphdef, params), tokens, targets)
-        assert abs(loss - ref_loss) <= TOL, (step, loss, ref_loss)
-        bad = _bad(trainer.grads_by_layer(), flatten(ref_grads))
-        assert not bad, f"gradients of step {step} differ: {bad}"
-        trainer.finish_step()
-        params, opt_state = update(ref_grads, opt_state, params)
-        for path, copies in trainer.tied.copies().items():  # a tied table: one value on every holder
+
+    def one_tied_table(step):  # a tied table: one value on every holder
+        for path, copies in trainer.tied.copies().items():
             values = [np.asarray(a) for a in copies.values()]
             assert len(values) == 2 and all((x == values[0]).all() for x in values), path
-    bad = _bad(trainer.params_by_layer(), flatten(params))
-    assert not bad, f"parameters after 3 steps differ: {bad}"
+
+    assert_pipeline_equals_sequential(cfg, trainer, 3, after_update=one_tied_table)
     trainer.close()
 
 
@@ -413,8 +386,6 @@ def test_checkpoint_of_a_chunked_plan_restores_into_a_plain_one(tmp_path):
     trainer.run()
     want = {k: np.asarray(x) for k, x in trainer.params_by_layer().items()}
     trainer.close()
-    from tests.runtime.test_pipeline_equivalence import S, plan_cfg
-
     plain = plan_cfg(6, "1f1b", [S("sim_a", (0, 4), 2, 2), S("sim_b", (4, 6), 4, 1)])
     other = Trainer(plain, run_dir=tmp_path / "plain")
     assert other.restore(tmp_path / "zbv" / "checkpoints") == 1
@@ -445,16 +416,6 @@ MP_PLANS = {
 }
 
 
-def _mpirun_helpers():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import test_multiproc
-
-    return test_multiproc
-
-
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -473,25 +434,24 @@ def test_chunked_under_mpirun_equals_one_process(schedule, transport, tmp_path):
     timeline of the last step holds one F and one B (zb-v: and one W) per (chunk, microbatch)."""
     import json
 
-    mp = _mpirun_helpers()
-    if mp.MPIRUN is None:
+    if MPIRUN is None:
         pytest.skip("mpirun not installed")
-    cfg = load_config(None, mp.BASE + MP_PLANS[schedule])
+    cfg = load_config(None, MP_BASE + MP_PLANS[schedule])
     trainer = Trainer(cfg, run_dir=tmp_path / "single")
     want_losses = [h.loss for h in trainer.run()]
     want_params = {k: np.asarray(v) for k, v in trainer.params_by_layer().items()}
     trainer.close()
 
     run = tmp_path / "run"
-    proc = mp._mpirun(
-        2, [*mp.BASE, *MP_PLANS[schedule], f"train.transport={transport}", "--run-dir", str(run)], tmp_path
+    proc = mpirun_train(
+        2, [*MP_BASE, *MP_PLANS[schedule], f"train.transport={transport}", "--run-dir", str(run)], tmp_path
     )
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["transport"] == transport
     np.testing.assert_allclose(summary["losses"], want_losses, atol=1e-6, rtol=0)
-    got = mp.final_params(run)
+    got = final_params(run)
     assert sorted(got) == sorted(want_params)
     for k, v in want_params.items():
         np.testing.assert_allclose(got[k], v, atol=1e-6, rtol=0, err_msg=k)
@@ -519,7 +479,6 @@ def test_chunked_dropout_draws_the_sequential_masks(name, tmp_path):
     the unmasked one)."""
     from h2jax.models import build_model
     from h2jax.runtime import flatten, reference_loss_and_grads
-    from tests.runtime.test_pipeline_equivalence import TOL
 
     cfg = chunked_cfg(name, **{"model.dropout": 0.1})
     trainer = Trainer(cfg, run_dir=tmp_path)
@@ -532,7 +491,7 @@ def test_chunked_dropout_draws_the_sequential_masks(name, tmp_path):
         assert abs(plain_loss - ref_loss) > 10 * TOL
         loss = float(trainer.forward_backward(step))
         assert abs(loss - ref_loss) <= TOL, (step, loss, ref_loss)
-        bad = _bad(trainer.grads_by_layer(), flatten(ref_grads))
+        bad = differing(trainer.grads_by_layer(), flatten(ref_grads))
         assert not bad, f"gradients of step {step} differ: {bad}"
         for st in trainer.stages:
             st.zero_grads()

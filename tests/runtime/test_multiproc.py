@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,74 +12,16 @@ import numpy as np
 import pytest
 
 from h2jax.config import load_config
-from h2jax.launch import find_mpirun
 from h2jax.runtime import Trainer, read_metrics
+from tests._harness import MP_BASE as BASE
+from tests._harness import MP_PLANS as PLANS
+from tests._harness import MPIRUN, final_params
+from tests._harness import mpirun_train as _mpirun
 
 pytestmark = pytest.mark.multiproc
 
-MPIRUN = find_mpirun()
-BASE = [
-    "model.vocab_size=256",
-    "model.seq_len=16",
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.d_ff=64",
-    "model.n_layers=4",
-    "plan.global_batch=16",
-    "plan.num_microbatches=4",
-    "train.steps=3",
-    "train.gantt_step=2",
-    "train.progress=false",
-    "train.tensorboard=false",
-    "optimizer.warmup_steps=1",
-]
-PLANS = {
-    # 2 stages: 2x2 -> 4x1 (activations) and 4x1 -> 2x2 (gradients: pieces + all-gather)
-    "2st": [
-        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
-        "plan.stages=[{chip: sim_a, data: 2, tensor: 2, layers: [0, 3]}, "
-        "{chip: sim_b, data: 4, tensor: 1, layers: [3, 4]}]",
-    ],
-    # 3 stages, a middle stage that receives and sends in one program, recompute, GPipe
-    "3st": [
-        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}, sim_c: {nodes: 1}}",
-        "plan.schedule=gpipe",
-        "plan.stages=[{chip: sim_a, data: 1, tensor: 2, layers: [0, 1]}, "
-        "{chip: sim_b, data: 2, tensor: 1, layers: [1, 3], recompute: true}, "
-        "{chip: sim_c, data: 1, tensor: 4, layers: [3, 4]}]",
-    ],
-    # one process per device (-np 4): stage 0 (tensor 2) and stage 1 (data 2) each span two
-    # processes, each stage its own jax.distributed cluster
-    "2st-per-device": [
-        "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
-        "plan.stages=[{chip: sim_a, data: 1, tensor: 2, layers: [0, 2]}, "
-        "{chip: sim_b, data: 2, tensor: 1, layers: [2, 4]}]",
-    ],
-}
 NPROC = {"2st": 2, "3st": 3, "2st-per-device": 4}
 OVERRIDES = BASE + PLANS["2st"]
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _mpirun(np_: int, args: list[str], cwd: Path, **kw) -> subprocess.Popen:
-    cmd = [
-        MPIRUN,
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-np",
-        str(np_),
-        sys.executable,
-        "-m",
-        "h2jax.cli",
-        "train",
-        *args,
-    ]
-    return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def _rank_lines(err: str, head: str) -> list[str]:
@@ -92,30 +32,6 @@ def _rank_lines(err: str, head: str) -> list[str]:
 
 
 _SINGLE: dict[str, tuple] = {}
-
-
-def load_step(ckpt_dir: Path, step: int | None = None) -> dict[str, np.ndarray]:
-    """Every array of a committed step (default: the latest), on the host, from whichever
-    parts hold it: what any plan in any mode would restore."""
-    import jax
-
-    from h2jax.checkpoint import CheckpointStore
-
-    store = CheckpointStore(ckpt_dir)
-    step = store.latest_committed() if step is None else step
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    targets = {
-        k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=cpu)
-        for k, (shape, dtype) in store.shapes(step).items()
-    }
-    got = {k: np.asarray(v) for k, v in store.restore(step, targets).items()}
-    store.close()
-    return got
-
-
-def final_params(run_dir: Path) -> dict[str, np.ndarray]:
-    """The parameters a run ended with: its last checkpoint (saved at the end of every run)."""
-    return {k[len("params/") :]: v for k, v in load_step(run_dir / "checkpoints").items() if k.startswith("params/")}
 
 
 def single_process_run(plan: str, tmp_path: Path):

@@ -19,7 +19,10 @@ import pytest
 from h2jax.checkpoint import CheckpointStore
 from h2jax.config import load_config
 from h2jax.runtime import Trainer, read_metrics
-from tests.runtime.test_multiproc import BASE, MPIRUN, PLANS, _env, final_params, load_step
+from tests._harness import MP_BASE as BASE
+from tests._harness import MP_PLANS as PLANS
+from tests._harness import MPIRUN, final_params, load_step
+from tests._harness import cli_env as _env
 
 pytestmark = pytest.mark.multiproc
 needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")
@@ -51,7 +54,7 @@ def cache(tmp_path_factory) -> dict[str, str]:
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str], np_: int = 2) -> subprocess.Popen:
-    """test_multiproc's _mpirun (2 ranks), with extra environment variables for every rank."""
+    """mpirun -np 2 h2jax train ARGS, with extra environment variables for every rank."""
     cmd = [
         MPIRUN,
         "--allow-run-as-root",

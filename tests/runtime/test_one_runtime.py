@@ -4,7 +4,6 @@ the trained model back, and one process and mpirun refuse the same inputs with t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,8 @@ import numpy as np
 import pytest
 
 from h2jax.launch import find_mpirun
+from tests._harness import cli_env as _env
+from tests._harness import mpirun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.skipif(find_mpirun() is None, reason="mpirun not installed")]
 
@@ -20,16 +21,8 @@ JOB = Path(__file__).with_name("user_model_job.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = str(REPO)
-    return env
-
-
 def _mpirun(np_: int, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", str(np_), *argv]
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    return mpirun(np_, argv, cwd, timeout=600)
 
 
 def test_a_user_model_trains_under_mpirun_as_in_one_process(tmp_path):

@@ -14,7 +14,7 @@ import gc
 import jax
 
 from h2jax.runtime import Trainer
-from tests.runtime.test_schedules import make_cfg
+from tests._harness import split_cfg as make_cfg
 
 PROGRAMS = ("forward", "backward", "input_backward", "weight_backward")
 

@@ -5,7 +5,7 @@
   and B does not secretly compute the weight gradient.
 - pipeline == sequential for zb-h1 exactly as tests/runtime/test_pipeline_equivalence.py
   checks gpipe and 1f1b (loss and every gradient within 1e-5 of ``jax.value_and_grad``,
-  parameters after 3 AdamW steps within 1e-5; its docstring explains eps=1e-3).
+  parameters after 3 AdamW steps within 1e-5; tests/_harness.py explains eps=1e-3).
 - the recorded timeline obeys the schedule: one F, B and W per (stage, microbatch), every
   dependency, and the in-flight bound.
 """
@@ -13,42 +13,28 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from h2jax.config import load_config
 from h2jax.models import StageModule, build_model
 from h2jax.plan import StageSpec, check_execution
-from h2jax.runtime import StageProgram, Trainer, flatten, make_optimizer, reference_loss_and_grads
-from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg, reference_update
-
-PLANS = {
-    # 2 stages, uneven split, tensor into data parallel, no recompute
-    "2st-2x2-to-4x1": (4, [S("sim_a", (0, 3), 2, 2), S("sim_b", (3, 4), 4, 1)]),
-    # tensor parallel first stage with recompute, data parallel second
-    "2st-tp4-recompute": (4, [S("sim_a", (0, 1), 1, 4, True), S("sim_b", (1, 4), 2, 1)]),
-    # 3 stages, recompute in the middle, vocab-parallel head
-    "3st-mixed": (5, [S("sim_a", (0, 1), 2, 1), S("sim_b", (1, 3), 1, 2, True), S("sim_c", (3, 5), 2, 2)]),
-    # 3 stages, all recompute, uneven 1/1/3, two stages of one chip type
-    "3st-recompute": (5, [S("sim_c", (0, 1), 4, 1, True), S("sim_a", (1, 2), 1, 1, True), S("sim_a", (2, 5), 2, 2)]),
-}
-
-
-def make_cfg(name: str, schedule: str = "zb-h1", **extra: str):
-    n_layers, stages = PLANS[name]
-    return plan_cfg(n_layers, schedule, stages, **extra)
-
-
-def _bad(got, want):
-    return {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
-
+from h2jax.runtime import StageProgram, Trainer
+from tests._harness import (
+    MP_BASE,
+    MPIRUN,
+    TOL,
+    assert_pipeline_equals_sequential,
+    final_params,
+    max_diff,
+    mpirun_train,
+)
+from tests._harness import SPLIT_PLANS as PLANS
+from tests._harness import split_cfg as make_cfg
 
 # -- the split is real ------------------------------------------------------------------------
 
@@ -95,9 +81,9 @@ def test_split_backward_flops_from_xla_cost_analysis():
     # and B + W give exactly the unsplit backward's gradients
     acc_ref, dx_ref = jax.jit(st.backward_fn)(st.params, saved, None, dy, st.acc)
     acc, _ = w(st.params, kept, jax.tree.map(jnp.zeros_like, st.acc))
-    assert _max_diff(dx, dx_ref) <= TOL
+    assert max_diff(dx, dx_ref) <= TOL
     for a, r in zip(jax.tree.leaves(acc), jax.tree.leaves(acc_ref)):
-        assert _max_diff(a, r) <= TOL
+        assert max_diff(a, r) <= TOL
 
 
 # -- pipeline == sequential for zb-h1 -----------------------------------------------------------
@@ -108,36 +94,9 @@ def test_split_backward_flops_from_xla_cost_analysis():
 )
 def test_zb_h1_pipeline_equals_sequential(name, tmp_path):
     cfg = make_cfg(name)
-    reference_model = build_model(cfg.model, seed=cfg.seed)
     trainer = Trainer(cfg, run_dir=tmp_path)
     assert all(r.split for r in trainer.runners)
-
-    tokens, targets = trainer.batch(0)
-    ref_loss, ref_grads = reference_loss_and_grads(reference_model, tokens, targets)
-    loss = float(trainer.forward_backward(0))
-    assert abs(loss - ref_loss) <= TOL, (loss, ref_loss)
-    got, want = trainer.grads_by_layer(), flatten(ref_grads)
-    assert sorted(got) == sorted(want)
-    assert not _bad(got, want), f"gradients differ: {_bad(got, want)}"
-
-    tx, _ = make_optimizer(cfg)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)
-    graphdef, params = nnx.split(reference_model, nnx.Param)
-    params = jax.device_put(params, jax.devices("cpu")[0])
-    opt_state = tx.init(params)
-    update = reference_update(tx)
-    for step in range(3):
-        if step > 0:
-            loss = float(trainer.forward_backward(step))
-            tokens, targets = trainer.batch(step)
-            ref_loss, ref_grads = reference_loss_and_grads(nnx.merge(graphdef, params), tokens, targets)
-            assert abs(loss - ref_loss) <= TOL, (step, loss, ref_loss)
-            bad = _bad(trainer.grads_by_layer(), flatten(ref_grads))
-            assert not bad, f"gradients of step {step} differ: {bad}"
-        trainer.finish_step()
-        params, opt_state = update(ref_grads, opt_state, params)
-    bad = _bad(trainer.params_by_layer(), flatten(params))
-    assert not bad, f"parameters after 3 steps differ: {bad}"
+    assert_pipeline_equals_sequential(cfg, trainer, 3)
     trainer.close()
 
 
@@ -177,9 +136,6 @@ def test_zb_h1_recorded_timeline_obeys_the_schedule(tmp_path):
 
 # -- under mpirun -------------------------------------------------------------------------------
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_multiproc import BASE, MPIRUN, _mpirun, final_params  # noqa: E402
-
 MP_PLAN = [
     "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
     "plan.schedule=zb-h1",
@@ -196,13 +152,15 @@ def test_zb_h1_under_mpirun_equals_one_process(transport, tmp_path):
     """2 ranks, one stage each, 3 zb-h1 steps: the same losses and final parameters (<= 1e-6)
     as the one-process run (which equals the sequential model, above), and every rank's
     timeline holds one F, B and W per microbatch."""
-    cfg = load_config(None, BASE + MP_PLAN)
+    cfg = load_config(None, MP_BASE + MP_PLAN)
     trainer = Trainer(cfg, run_dir=tmp_path / "single")
     want_losses = [h.loss for h in trainer.run()]
     want_params = {k: np.asarray(v) for k, v in trainer.params_by_layer().items()}
     trainer.close()
 
-    proc = _mpirun(2, [*BASE, *MP_PLAN, f"train.transport={transport}", "--run-dir", str(tmp_path / "run")], tmp_path)
+    proc = mpirun_train(
+        2, [*MP_BASE, *MP_PLAN, f"train.transport={transport}", "--run-dir", str(tmp_path / "run")], tmp_path
+    )
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     run = tmp_path / "run"

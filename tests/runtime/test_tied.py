@@ -3,7 +3,7 @@
 stage -- on different chip types, with different tensor degrees -- both hold the table.
 
 pipeline == sequential as in test_pipeline_equivalence.py (its experiment, tolerance and
-optimizer, whose docstring explains eps): the loss and every gradient of each step within
+optimizer, which tests/_harness.py explains): the loss and every gradient of each step within
 1e-5 of ``jax.value_and_grad`` of the whole model (the table's gradient is the sum of both
 uses), the parameters after 3 steps within 1e-5 of a sequential optax loop, and after every
 update both copies of the table, and their optimizer moments, identical (``==``). Then the
@@ -16,36 +16,16 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from h2jax.comm import LocalHub
 from h2jax.config import ConfigError
 from h2jax.models import build_model, shared_parameters
-from h2jax.runtime import MpiWorld, ThreadGroup, Trainer, flatten, make_optimizer, reference_loss_and_grads
-from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg, reference_update
-from tests.runtime.test_world import on_thread_ranks
-
-TIED = {"model.n_kv_heads": "2", "model.tie_embeddings": "true"}
-TABLE = "embed/embedding"
-
-PLANS = {
-    # 2 stages: tensor 2 (x data 2) on sim_a, tensor 4 on sim_b (the kv heads replicated there):
-    # the copies of the table are split into 2 and into 4 vocabulary slices
-    "2st-1f1b": (4, "1f1b", [S("sim_a", (0, 3), 2, 2), S("sim_b", (3, 4), 1, 4)]),
-    # 3 stages on 3 chip types, recompute in the middle, GPipe; the table on sim_a (data 2) and sim_c (2x2)
-    "3st-gpipe": (5, "gpipe", [S("sim_a", (0, 1), 2, 1), S("sim_b", (1, 3), 1, 2, True), S("sim_c", (3, 5), 2, 2)]),
-    # zero-bubble: the table's gradient of the head accumulates in W tasks
-    "2st-zb-h1": (4, "zb-h1", [S("sim_c", (0, 2), 1, 2), S("sim_d", (2, 4), 2, 1)]),
-    # under mpirun one process per device (-np 4): each copy of the table sharded over two processes
-    "2st-per-device": (4, "1f1b", [S("sim_a", (0, 2), 1, 2), S("sim_b", (2, 4), 2, 1)]),
-}
-
-
-def make_cfg(name: str, **extra: str):
-    n_layers, schedule, stages = PLANS[name]
-    return plan_cfg(n_layers, schedule, stages, **TIED, **extra)
+from h2jax.runtime import MpiWorld, ThreadGroup, Trainer
+from tests._harness import TABLE, TIED, TOL, S, assert_pipeline_equals_sequential, on_thread_ranks, plan_cfg
+from tests._harness import TIED_PLANS as PLANS
+from tests._harness import tied_cfg as make_cfg
 
 
 def assert_copies_identical(trainers):
@@ -78,33 +58,18 @@ def test_the_tied_table_is_found_on_the_first_and_last_stage():
 def check_three_steps(cfg, trainer):
     """Each of 3 steps against the sequential model: loss, every gradient, the global norm;
     after each update both copies (and moments) identical; then the parameters."""
-    reference_model = build_model(cfg.model, seed=cfg.seed)
-    tx, _ = make_optimizer(cfg)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)
-    graphdef, params = nnx.split(reference_model, nnx.Param)
-    params = jax.device_put(params, jax.devices("cpu")[0])
-    opt_state = tx.init(params)
-    update = reference_update(tx)
-    for step in range(3):
-        loss = float(trainer.forward_backward(step))
-        tokens, targets = trainer.batch(step)
-        ref_loss, ref_grads = reference_loss_and_grads(nnx.merge(graphdef, params), tokens, targets)
-        assert abs(loss - ref_loss) <= TOL, (step, loss, ref_loss)
-        got, want = trainer.grads_by_layer(), flatten(ref_grads)
-        assert sorted(got) == sorted(want), "the pipeline must hold the model's parameters, the table once"
-        bad = {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
-        assert not bad, f"gradients of step {step} differ: {bad}"
-        # the table's gradient is the sum of both uses: neither use alone is within tolerance
+
+    def both_uses_summed(step, want):  # the table's gradient is the sum of both uses: neither alone is within TOL
         assert float(np.max(np.abs(np.asarray(want[TABLE])))) > 100 * TOL
-        # the global norm counts the table once, with its summed gradient
-        ref_norm = float(optax.tree.norm(ref_grads))
-        grad_norm = trainer.finish_step()
-        assert abs(grad_norm - ref_norm) <= TOL * max(1.0, ref_norm), (step, grad_norm, ref_norm)
-        params, opt_state = update(ref_grads, opt_state, params)
-        assert_copies_identical([trainer])
-    got, want = trainer.params_by_layer(), flatten(params)
-    bad = {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
-    assert not bad, f"parameters after 3 steps differ: {bad}"
+
+    assert_pipeline_equals_sequential(
+        cfg,
+        trainer,
+        3,
+        check_norm=True,
+        on_grads=both_uses_summed,
+        after_update=lambda step: assert_copies_identical([trainer]),
+    )
 
 
 @pytest.mark.parametrize(

@@ -11,49 +11,27 @@ process, under a plan whose single stage holds the embedding and the head.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
-from h2jax.data import load_dataset, step_batch
-from h2jax.launch import find_mpirun
-from h2jax.models import build_model
-from h2jax.runtime import Trainer, flatten, make_optimizer, reference_loss_and_grads
-from tests.runtime.test_one_runtime import _env
-from tests.runtime.test_pipeline_equivalence import TOL, S, _max_diff, plan_cfg, reference_update
-from tests.runtime.test_tied import TABLE, TIED, make_cfg
+from h2jax.runtime import Trainer
+from tests._harness import (
+    MPIRUN,
+    TABLE,
+    TIED,
+    S,
+    assert_recorded_equals_sequential,
+    mpirun,
+    plan_cfg,
+)
+from tests._harness import tied_cfg as make_cfg
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.skipif(find_mpirun() is None, reason="mpirun not installed")]
+pytestmark = [pytest.mark.multiproc, pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")]
 
 JOB = Path(__file__).with_name("tied_job.py")
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _reference(cfg):
-    """Per step (loss, flat gradients) and the flat parameters after 3 steps, sequentially."""
-    data = cfg.data
-    dataset = load_dataset(
-        corpus=data.corpus, token_file=data.token_file, tokenizer=data.tokenizer, token_dtype=data.token_dtype
-    )
-    tx, _ = make_optimizer(cfg)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.optimizer.clip_norm), tx)
-    graphdef, params = nnx.split(build_model(cfg.model, seed=cfg.seed), nnx.Param)
-    params = jax.device_put(params, jax.devices("cpu")[0])
-    opt_state = tx.init(params)
-    update = reference_update(tx)
-    steps = []
-    for step in range(3):
-        tokens, targets = step_batch(dataset, cfg, step)
-        loss, grads = reference_loss_and_grads(nnx.merge(graphdef, params), tokens, targets)
-        steps.append((loss, flatten(grads)))
-        params, opt_state = update(grads, opt_state, params)
-    return steps, flatten(params)
 
 
 @pytest.mark.parametrize(
@@ -65,27 +43,18 @@ def _reference(cfg):
     ],
 )
 def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
-    cmd = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", str(nproc)]
-    cmd += [sys.executable, str(JOB), str(tmp_path), plan, f"train.transport={transport}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    proc = mpirun(nproc, [sys.executable, str(JOB), str(tmp_path), plan, f"train.transport={transport}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(nproc)]
 
     cfg = make_cfg(plan)
-    steps, want_params = _reference(cfg)
-    for r, got in enumerate(ranks):  # every process knows the loss and the global norm
-        np.testing.assert_allclose(got["losses"], [loss for loss, _ in steps], atol=TOL, rtol=0, err_msg=f"rank {r}")
-        want_norms = [float(optax.tree.norm(g)) for _, g in steps]
-        np.testing.assert_allclose(got["norms"], want_norms, atol=TOL, rtol=TOL, err_msg=f"rank {r}")
-    for step, (_, want) in enumerate(steps):
-        got = {k.split("/", 2)[2]: v for rk in ranks for k, v in rk.items() if k.startswith(f"grads/{step}/")}
-        assert sorted(got) == sorted(want), "the processes hold the model's parameters, the table once"
-        bad = {k: _max_diff(got[k], want[k]) for k in want if _max_diff(got[k], want[k]) > TOL}
-        assert not bad, f"gradients of step {step} differ: {bad}"
+    grads = [
+        {k.split("/", 2)[2]: v for rk in ranks for k, v in rk.items() if k.startswith(f"grads/{step}/")}
+        for step in range(3)
+    ]
     got = {k[len("params/") :]: v for rk in ranks for k, v in rk.items() if k.startswith("params/")}
-    assert sorted(got) == sorted(want_params)
-    bad = {k: _max_diff(got[k], want_params[k]) for k in want_params if _max_diff(got[k], want_params[k]) > TOL}
-    assert not bad, f"parameters after 3 steps differ: {bad}"
+    # the gradients and parameters of all processes together hold the model once (the table once)
+    assert_recorded_equals_sequential(cfg, grads, got, [(rk["losses"], rk["norms"]) for rk in ranks])
 
     # both copies of the table, and of its moments, equal bit for bit across the processes
     copies = {k: v for rk in ranks for k, v in rk.items() if k.startswith("copy/")}

@@ -7,14 +7,13 @@ What mpirun adds on top (processes, launchers, MPI transports) is tested in test
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from h2jax.comm import LocalHub
 from h2jax.config import load_config
 from h2jax.runtime import MpiWorld, ThreadGroup, Trainer
+from tests._harness import on_thread_ranks
 
 BASE = [
     "model.vocab_size=256",
@@ -31,26 +30,6 @@ BASE = [
     "cluster.chips={sim_a: {nodes: 1}, sim_b: {nodes: 1}}",
     "plan.stages=[{chip: sim_a, data: 2, tensor: 1, layers: [0, 2]}, {chip: sim_b, data: 1, tensor: 2, layers: [2, 4]}]",
 ]
-
-
-def on_thread_ranks(rank, hub: LocalHub, n: int = 2) -> None:
-    """``rank(r)`` for r = 0..n-1, each on its own thread (the ranks of a job); then closes the
-    hub they share and fails with every rank's exception, if any raised."""
-    errors: list = []
-
-    def run(r: int) -> None:
-        try:
-            rank(r)
-        except BaseException as e:  # noqa: BLE001 -- reported below
-            errors.append((r, e))
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    hub.close()
-    assert not errors, errors
 
 
 def run_ranks(cfg, run_dir, *, before=None, steps_fn=None):

@@ -1,5 +1,5 @@
 """One tied-embedding run for test_tied_mpirun.py: ``python tied_job.py OUT PLAN [key=value ...]``,
-under ``mpirun`` (one process per stage or per device). 3 steps of test_tied.py's experiment
+under ``mpirun`` (one process per stage or per device). 3 steps of the tied experiment
 ``PLAN`` with checkpoints on; every process writes ``OUT/rank<r>.npz``: the loss and global norm
 of each step, the gradients of its stages before each update (``grads/<step>/<path>``), its
 parameters after the run (``params/<path>``), and its copies of the tied table and of their
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from h2jax.runtime._procgroup import fetch
-from tests.runtime.test_tied import make_cfg
+from tests._harness import tied_cfg as make_cfg
 
 
 def main() -> None:
