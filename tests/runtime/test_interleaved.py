@@ -160,7 +160,7 @@ def test_layers_and_chunks_are_exclusive():
     raw = {**INTERLEAVED, "stages": [{**INTERLEAVED["stages"][0], "layers": [0, 2]}, INTERLEAVED["stages"][1]]}
     with pytest.raises(PlanError, match=r"plan.stages\[0\].layers: give exactly one of layers"):
         Plan.from_dict(raw)
-    with pytest.raises(PlanError, match=r"plan.stages\[0\].chunks\[1\]: expected \[start, end\]"):
+    with pytest.raises(PlanError, match=r"plan.stages\[0\].chunks\[1\]: got \[4\]; expected 2 items"):
         Plan.from_dict({**INTERLEAVED, "stages": [{"chip": "sim_a", "chunks": [[0, 2], [4]]}]})
 
 
