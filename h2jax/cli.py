@@ -106,7 +106,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     fail_fast = None
     if launch is not None and launch.size > 1:
         fail_fast = FailFast(launch)
-        fail_fast.start()  # first: every thread created later inherits the blocked stop signals
+        fail_fast.start()  # main() blocked the stop signals before any thread started; wait for them
     cfg = _load(args)
     from h2jax.config import ConfigError, config_to_dict, model_factory
 
@@ -198,9 +198,29 @@ def _quiet_libraries() -> None:
             asyncio_log.addFilter(_drop_unretrieved_task_errors)
 
 
+def _block_stop_signals() -> bool:
+    """Under a launcher with more than one process: block the stop signals before any import
+    starts a thread (h2jax.launch.FailFast.block). Returns whether it did."""
+    from h2jax.launch import FailFast, LauncherError, detect_launch
+
+    try:
+        launch = detect_launch()
+    except LauncherError:  # reported by the command that needs the launcher
+        return False
+    if launch is None or launch.size < 2:
+        return False
+    FailFast.block()
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    blocked = _block_stop_signals()
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if blocked and args.func is not cmd_train:  # only `train` waits for the stop signals in a thread
+        from h2jax.launch import FailFast
+
+        FailFast.unblock()
     # `h2jax train exp.yaml --init-from DIR key=value`: overrides may also follow the options
     if rest and hasattr(args, "config") and not any(a.startswith("-") for a in rest):
         args.config = [*args.config, *rest]

@@ -131,6 +131,24 @@ def stop_grace_s(env: Mapping[str, str] | None = None) -> float:
     return value
 
 
+def threads_taking(signals: set) -> list[int]:
+    """The threads of this process (Linux thread ids) that do not block every one of ``signals``:
+    the kernel may deliver a process-directed signal to any of them. Empty where /proc is absent."""
+    from pathlib import Path
+
+    want = sum(1 << (int(s) - 1) for s in signals)
+    out = []
+    for status in Path("/proc/self/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except OSError:  # the thread ended
+            continue
+        blocked = next((int(ln.split()[1], 16) for ln in text.splitlines() if ln.startswith("SigBlk:")), want)
+        if blocked & want != want:
+            out.append(int(status.parent.name))
+    return out
+
+
 class FailFast:
     """One line and a non-zero exit when the launcher ends this process (SIGTERM).
 
@@ -180,12 +198,35 @@ class FailFast:
 
         return {getattr(signal, name) for name in STOP_SIGNALS}
 
-    def start(self) -> None:
+    @classmethod
+    def block(cls) -> None:
+        """Block the stop signals in the calling thread and in every thread it starts later.
+        The CLI calls this first thing under a launcher: a thread that exists before (numpy's
+        BLAS pool starts at import) would otherwise take a SIGTERM and end the process
+        without its line."""
         import signal
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, cls.signals())
+
+    @classmethod
+    def unblock(cls) -> None:
+        """The calling thread takes the stop signals again (a command that starts no FailFast)."""
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, cls.signals())
+
+    def start(self) -> None:
+        import sys
         import threading
 
-        signal.pthread_sigmask(signal.SIG_BLOCK, self.signals())
+        self.block()
+        exposed = threads_taking(self.signals())
         threading.Thread(target=self._wait, name="h2jax-failfast", daemon=True).start()
+        if exposed:
+            sys.stderr.write(
+                f"h2jax: warning: {len(exposed)} thread(s) started before the stop signals were blocked; "
+                "a stop signal may end this process without its line\n"
+            )
 
     def allow_graceful_stop(self, grace_s: float) -> None:
         """From now on the first stop signal asks for a save at the next step boundary

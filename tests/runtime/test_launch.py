@@ -51,3 +51,36 @@ def test_unrecognised_launcher_lists_what_was_looked_for():
 def test_bad_rank_value_is_named():
     with pytest.raises(LauncherError, match="OMPI_COMM_WORLD_SIZE"):
         detect_launch({**OMPI5, "OMPI_COMM_WORLD_SIZE": "x"})
+
+
+STOP_GUARD_JOB = """
+import os, sys
+from h2jax import cli, launch
+
+def load(args):  # stand in for the config load right after FailFast.start: report and leave
+    threads = len(os.listdir("/proc/self/task"))
+    print("threads", threads, "taking", launch.threads_taking(launch.FailFast.signals()))
+    raise SystemExit(0)
+
+cli._load = load
+cli.main(["train"])
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_train_under_a_launcher_blocks_the_stop_signals_before_any_thread_starts(tmp_path):
+    """Seen in CI: numpy's BLAS pool, started by an import while the CLI built its parser,
+    took the launcher's SIGTERM and ended a rank without its line. Every thread but the
+    FailFast waiter (in sigwait, which unblocks what it waits for) blocks the stop signals."""
+    import subprocess
+    import sys
+
+    from tests._harness import cli_env
+
+    env = cli_env(**{k: v for k, v in OMPI5.items()}, OPENBLAS_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", STOP_GUARD_JOB], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "warning" not in out.stderr, out.stderr
+    threads, taking = out.stdout.split("taking")
+    assert int(threads.split()[1]) >= 3, out.stdout  # main, the waiter and the BLAS pool: the guard matters
+    assert len(eval(taking)) == 1, out.stdout  # the waiter only
