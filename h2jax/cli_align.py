@@ -11,7 +11,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from h2jax._errors import EXIT_FAIL, EXIT_OK, fail
+from h2jax._errors import EXIT_FAIL, EXIT_OK, fail, say
+from h2jax._paths import keep_aside
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -95,6 +96,11 @@ def cmd_align(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         out = Path(args.out) if args.out else Path(cfg.train.out_dir) / cfg.name / "align"
+        if out.exists() and not out.is_dir():
+            raise ConfigError("--out", f"{out} is a file; expected a folder for the report")
+        if out.is_dir() and any(out.iterdir()):  # an earlier report: kept whole, beside it
+            kept = keep_aside(out)
+            say(None, f"the earlier report in {out} is kept in {kept}", style="bold yellow", prog="h2jax align")
         from h2jax.align import align
 
         report = align(

@@ -5,6 +5,8 @@
   --init-from OUT``), with OUT/model.yaml holding the experiment's ``model:`` section; or SRC
   an h2jax checkpoint directory -> OUT a Hugging Face directory (config.json +
   model.safetensors). Unconvertible input exits 2 with one line naming the tensor or key.
+  OUT must be new or empty: ``--overwrite`` moves a folder that holds files aside
+  (``OUT.<time>``, with a line), never into the new one.
 - ``h2jax tokenize FILES... --tokenizer tokenizer.json --out tokens.bin``: text or jsonl
   files -> the flat token file ``data.token_file`` reads (nanoGPT layout).
 """
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from h2jax._errors import fail
+from h2jax._errors import fail, say
+from h2jax._paths import claim_folder
+from h2jax._strict import ConfigError
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +36,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         default="float32",
         choices=("float32", "bfloat16", "float16"),
         help="import: model.dtype (compute); export: the dtype of the written tensors (float32 is exact)",
+    )
+    c.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="OUT may hold files: the old folder is moved aside (OUT.<time>) with a line, never deleted",
     )
     c.set_defaults(func=cmd_convert)
 
@@ -64,6 +73,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     src = Path(args.src)
     try:
+        if (src / "config.json").is_file() or (src / "commits").is_dir():
+            if Path(args.out).resolve() == src.resolve():
+                raise ConfigError("OUT", f"{args.out} is SRC itself; expected a new folder")
+            kept = claim_folder(args.out, key="OUT", overwrite=args.overwrite)
+            if kept is not None:
+                say(None, f"{args.out} held files: they are kept in {kept}", style="bold yellow", prog="h2jax convert")
         if (src / "config.json").is_file():
             cfg = import_hf(src, args.out, seq_len=args.seq_len, dtype=args.dtype)
             print(
@@ -80,13 +95,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise ConvertError(
                 f"{src}: neither a Hugging Face model directory (config.json) nor an h2jax checkpoint (commits/)"
             )
+    except ConfigError as e:
+        return fail("convert", str(e))
     except ConvertError as e:
         return fail("convert error", str(e))
     return 0
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from h2jax._strict import ConfigError
     from h2jax.data import tokenize_files
 
     try:

@@ -9,6 +9,7 @@ from h2jax.runtime._cluster import StagePlacement, place_stages, setup_backends,
 from h2jax.runtime._job import run_job
 from h2jax.runtime._layout import flatten, model_layout
 from h2jax.runtime._metrics import MetricsLogger, read_metrics
+from h2jax.runtime._outputs import LOCK_FILENAME, RunLock
 from h2jax.runtime._profile import profile_chip, profile_driver
 from h2jax.runtime._reference import reference_loss_and_grads
 from h2jax.runtime._runner import StageFailure, StageRunner
@@ -19,11 +20,13 @@ from h2jax.runtime._trainer import Trainer, TrainResult, train
 from h2jax.runtime._world import JobError, LocalWorld, MpiWorld, ThreadGroup, World
 
 __all__ = [
+    "LOCK_FILENAME",
     "JobError",
     "LocalWorld",
     "MetricsLogger",
     "MpiWorld",
     "NonFiniteLossError",
+    "RunLock",
     "StageFailure",
     "StageMemory",
     "StagePlacement",

@@ -3,6 +3,7 @@
 metrics per logged step (:func:`step_metrics`), and ``summary.json``, ``trace.json`` and
 ``gantt.png`` after it (:func:`write_outputs`). Each function is collective where it says
 so: every process calls it at the same point, and the writer's result is the one that counts.
+The writer holds the folder's :class:`RunLock` while it writes there.
 """
 
 from __future__ import annotations
@@ -16,13 +17,84 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from h2jax.config import ExperimentConfig, save_config
+from h2jax._paths import keep_aside
+from h2jax.config import ConfigError, ExperimentConfig, save_config
 from h2jax.runtime._memory import GIB
 from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
 from h2jax.runtime._stage import StageMemory
 from h2jax.runtime._state import StepStats
 from h2jax.runtime._timeline import Timeline, bubble_fraction, plot_gantt
 from h2jax.runtime._world import World
+
+LOCK_FILENAME = ".h2jax-run.lock"
+
+
+class RunLock:
+    """One job writes a run folder at a time: the writer holds ``<run folder>/.h2jax-run.lock``
+    (an advisory ``flock``) from the first thing it writes there until the trainer closes.
+
+    The kernel drops the lock when its process ends, however it ends, so a lock file left
+    behind by a killed job is not a lock: the next job takes it (the file only names the last
+    holder, and may be deleted by hand). A second job finds the lock held and stops with one
+    line naming the holder (pid, host, start time, command), before it writes anything."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILENAME
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock (a no-op when held); ConfigError naming the holder when another job has it."""
+        import fcntl
+        import sys
+
+        if self._fd is not None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(
+                "train.out_dir", f"run folder {self.path.parent} cannot be written ({e.strerror or e})"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = json.loads(os.read(fd, 1 << 16) or b"{}")
+            except ValueError:
+                holder = {}
+            os.close(fd)
+            who = (
+                f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started {holder.get('started', '?')}"
+                f" ({holder.get('command', '?')})"
+            )
+            raise ConfigError(
+                "name",
+                f"run folder {self.path.parent} is in use by another h2jax job: {who}; wait for it to end, "
+                f"or give this run another name= (or --run-dir)",
+            ) from None
+        os.ftruncate(fd, 0)
+        holder = {
+            "pid": os.getpid(),
+            "host": os.uname().nodename,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv)[:200],
+        }
+        os.write(fd, (json.dumps(holder) + "\n").encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Drop the lock (the file stays: removing it would race with a job taking it)."""
+        import fcntl
+
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 def prepare_run_dir(
@@ -51,9 +123,7 @@ def prepare_run_dir(
     metrics = run_dir / METRICS_FILENAME
     if step == 0 and metrics.exists() and metrics.stat().st_size > 0:
         rows = read_metrics(metrics)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        aside = run_dir / f"metrics.{stamp}.jsonl"
-        metrics.rename(aside)
+        aside = keep_aside(metrics)
         console.print(
             f"[bold yellow]h2jax: starting from step 0 in {run_dir}, which holds {len(rows)} metric rows "
             f"of an earlier run (no checkpoint to resume from): they are kept in {aside.name}[/]"

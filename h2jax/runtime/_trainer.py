@@ -46,7 +46,7 @@ from h2jax.models import build_model, check_stageable
 from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
 from h2jax.runtime._memory import check_memory
 from h2jax.runtime._metrics import MetricsLogger
-from h2jax.runtime._outputs import prepare_run_dir, step_metrics, write_outputs
+from h2jax.runtime._outputs import RunLock, prepare_run_dir, step_metrics, write_outputs
 from h2jax.runtime._procgroup import fetch, global_array, local_value
 from h2jax.runtime._runner import StageFailure, run_stages
 from h2jax.runtime._stage import StageMemory, check_params_only
@@ -97,6 +97,7 @@ class Trainer:
         plan = cfg.plan
         self.console = console or Console(stderr=True)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
+        self.run_lock = RunLock(self.run_dir)  # taken by resume() or run(), the first to write there
         self.world = w = world if world is not None else make_world(cfg, fail_fast=fail_fast)
         self.fail_fast = w.fail_fast if w.fail_fast is not None else fail_fast
         transport = cfg.train.transport
@@ -285,6 +286,7 @@ class Trainer:
         configured. Returns early, after saving, on a stop signal (see ``preempted``)."""
         cfg, w = self.cfg, self.world
         steps = cfg.train.steps if steps is None else steps
+        self._hold_run_dir()
         prepare_run_dir(cfg, w, self.run_dir, backends=self.backends, step=self.step, console=self.console)
         w.barrier()
         store = self.checkpoint_store() if cfg.checkpoint.enabled else None
@@ -491,6 +493,7 @@ class Trainer:
         decides; every process reads its own layers. Returns a line saying what happened
         (the same on every process), or None."""
         cfg, w = self.cfg, self.world
+        self._hold_run_dir()
         if init_from is not None:
             plan = self._lead_plan_read(init_from, restore_step, params_only=True)
             if cfg.checkpoint.enabled:
@@ -591,12 +594,20 @@ class Trainer:
         nnx.update(self.model, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), leaves))
         return self.model
 
+    def _hold_run_dir(self) -> None:
+        """The writer takes the run folder's lock (collective; one line and exit 2 on every
+        process when another job holds it)."""
+        if not self.run_lock.held:
+            self.world.lead(self.run_lock.acquire, "run folder")
+
     def close(self) -> None:
-        """Stop the runners' helper threads (and the local hub this trainer owns)."""
+        """Stop the runners' helper threads (and the local hub this trainer owns); release the
+        run folder."""
         for r in self.runners:
             r.close()
         if self.hub is not None and self._own_hub:
             self.hub.close()
+        self.run_lock.release()
 
 
 def _check_model(model: nnx.Module, cfg: ExperimentConfig) -> None:

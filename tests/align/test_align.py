@@ -70,10 +70,19 @@ def test_bf16_matmul_inputs_are_reported_as_the_divergent_matmuls(differing):
     assert report["layer_level"]["first_divergent"]["sim_b"] == {"fwd": "blocks.0", "bwd": "head"}
 
 
-def test_the_same_chip_with_an_fp32_policy_passes(tmp_path):
-    argv = [CONFIG, "--chips", "sim_a", "sim_b", "--out", str(tmp_path), "--levels", "op"]
+def test_the_same_chip_with_an_fp32_policy_passes(tmp_path, capsys):
+    """... into a folder holding an earlier report, which is kept beside it with a line (it was
+    replaced without one)."""
+    out = tmp_path / "align"
+    out.mkdir()
+    (out / "align.json").write_text('{"earlier": true}')
+    argv = [CONFIG, "--chips", "sim_a", "sim_b", "--out", str(out), "--levels", "op"]
     argv += ["--numerics", "sim_b.matmul_input_rounding=none", "sim_b.matmul_precision=highest"]
     assert main(argv) == 0
+    (kept,) = [p for p in tmp_path.iterdir() if p.name.startswith("align.")]
+    assert json.loads((kept / "align.json").read_text()) == {"earlier": True}
+    assert "op_level" in json.loads((out / "align.json").read_text())
+    assert f"the earlier report in {out} is kept in {kept}" in capsys.readouterr().err
 
 
 def test_the_host_itself_is_a_chip_to_compare(tmp_path):

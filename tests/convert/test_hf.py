@@ -184,3 +184,26 @@ def test_mistral_without_a_short_window_converts(tmp_path):
 def test_neither_kind_of_directory_exits_2(tmp_path, capsys):
     assert _run("convert", str(tmp_path), str(tmp_path / "out")) == 2
     assert "neither a Hugging Face model directory" in capsys.readouterr().err
+
+
+def test_convert_refuses_a_folder_that_holds_files_and_overwrite_keeps_it_aside(tmp_path, capsys):
+    """Export into an existing Hugging Face folder used to overwrite its weights and config and
+    leave the old tokenizer mixed in (exit 0, no line); import and export refuse it now."""
+    src = _hand_made(tmp_path)
+    assert _run("convert", str(src), str(tmp_path / "ckpt"), "--seq-len", "8") == 0
+    old = tmp_path / "hf_existing"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"theirs")
+    (old / "tokenizer.json").write_text("{}")
+    capsys.readouterr()
+    for args in ((str(tmp_path / "ckpt"), str(old)), (str(src), str(old))):  # export, then import
+        assert _run("convert", *args) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "OUT" in err and "not empty" in err and "--overwrite" in err
+        assert (old / "model.safetensors").read_bytes() == b"theirs"
+    assert _run("convert", str(tmp_path / "ckpt"), str(old), "--overwrite") == 0
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("hf_existing.")]
+    assert len(kept) == 1 and (kept[0] / "model.safetensors").read_bytes() == b"theirs"
+    assert f"kept in {kept[0]}" in capsys.readouterr().err
+    assert sorted(p.name for p in old.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert json.loads((old / "tokenizer.json").read_text()) == json.loads((src / "tokenizer.json").read_text())
