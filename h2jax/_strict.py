@@ -33,6 +33,29 @@ class ConfigError(ValueError):
         return (type(self), (self.key, self.message))
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, name: Any, line: int):
+        self.name, self.line = name, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, except that a key given twice in one mapping is an error (PyYAML
+    keeps the last: a config with the same section twice would lose the first, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            name = self.construct_object(key_node, deep=deep)
+            if not isinstance(name, (str, int, float, bool)):
+                continue  # an unhashable key: the base class says what is wrong with it
+            if name in seen:
+                raise _DuplicateKey(name, key_node.start_mark.line + 1)
+            seen.add(name)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path, *, key: str) -> Any:
     """The YAML data of file ``path``; ConfigError under ``key`` when the file cannot be read,
     is not UTF-8 (with the byte offset) or is not valid YAML (with its line and column)."""
@@ -44,7 +67,9 @@ def read_yaml(path: str | Path, *, key: str) -> Any:
     except OSError as e:
         raise ConfigError(key, f"{p} cannot be read ({e.strerror or e}); expected a readable YAML file") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(key, f"{p}:{e.line}: {e.name!r} is given twice in one mapping; expected it once") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)

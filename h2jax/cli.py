@@ -17,13 +17,14 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from h2jax._errors import debug, fail
+from h2jax._errors import EXIT_CONFIG, debug, fail, say
 
 
 def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -85,6 +86,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if args.print:
         console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
     console.print(_plan_table(cfg))
+    from h2jax.config import config_warnings
+
+    for line in config_warnings(cfg):
+        say("warning", line, style="bold yellow", console=Console(stderr=True))
     console.print(
         f"[green]config ok[/]: {cfg.name}, model {cfg.model.n_layers} layers x d_model "
         f"{cfg.model.d_model} ({format_count(cfg.model.num_params())} parameters)"
@@ -116,10 +121,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         return fail("config error", str(e), console=console)
 
     writer = launch is None or launch.rank == 0
+    from h2jax.checkpoint import check_start
+
+    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.train.out_dir) / cfg.name
+    try:  # the checkpoint to start from, on the disk, before any device
+        check_start(
+            cfg.checkpoint.dir or run_dir / "checkpoints", restore_step=args.restore_step, init_from=args.init_from
+        )
+    except ConfigError as e:
+        return fail("config error", str(e), console=console) if writer else EXIT_CONFIG
     if writer:
         console.rule(f"h2jax train: {cfg.name}")
         console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)
         console.print(_plan_table(cfg))
+        from h2jax.config import config_warnings
+
+        for line in config_warnings(cfg):
+            say("warning", line, style="bold yellow", console=console)
         if launch is not None and launch.size > 1:
             console.print(f"{launch.size} processes ({launch.launcher}), transport {cfg.train.transport}")
         from h2jax import _compile_cache

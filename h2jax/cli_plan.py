@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from h2jax._errors import fail
+from h2jax._errors import fail, say
+from h2jax._paths import keep_aside
 from h2jax.plan import DEFAULT_TIME_BUDGET_S, INTERLEAVED_CHUNKS, schedule_names
 
 
@@ -81,7 +82,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--model", default=None, help="model YAML (default: the cluster file's or the experiment's)")
     s.add_argument("--profiles", nargs="*", default=())
     s.add_argument("--grad-sync", default="step", choices=("step", "microbatch"))
-    s.add_argument("--out", default=None, help="folder for trace.json and gantt.png")
+    s.add_argument(
+        "--out",
+        default="runs/simulate",
+        help="folder for trace.json and gantt.png (default: runs/simulate; an earlier one is kept aside, with a line)",
+    )
     s.set_defaults(func=cmd_simulate)
     f = subparsers.add_parser(
         "profile", help="per-layer costs of a chip type: measured on its devices (--measure) or a roofline estimate"
@@ -124,8 +129,9 @@ def _fail(e: Exception) -> SystemExit:
     return SystemExit(fail("config error", str(err)))
 
 
-def _read_yaml(path: str) -> Any:
+def _read_yaml(path: str, key: str) -> Any:
     from h2jax._paths import find_config
+    from h2jax._strict import read_yaml
     from h2jax.plan import ProfileError
 
     p = Path(path)
@@ -133,13 +139,16 @@ def _read_yaml(path: str) -> Any:
         p = find_config("clusters", path) or p
     if not p.is_file():
         raise ProfileError(f"file {path!r} not found")
-    return yaml.safe_load(p.read_text()) or {}
+    data = read_yaml(p, key=key) or {}  # not YAML: one line with its line and column
+    if not isinstance(data, dict):
+        raise ProfileError(f"{p}: holds a {type(data).__name__}; expected a mapping")
+    return data
 
 
 def _model(path: str | None, fallback: Any):
     from h2jax.plan import ModelShape, ProfileError
 
-    raw = _read_yaml(path) if path else fallback
+    raw = _read_yaml(path, "--model") if path else fallback
     if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
         raw = raw["model"]
     need = ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "seq_len")
@@ -319,7 +328,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from h2jax.plan import Cluster, PlanError, ProfileError, search
 
     try:
-        raw = _read_yaml(args.cluster)
+        raw = _read_yaml(args.cluster, "cluster")
         cluster = Cluster.from_dict(raw, name=Path(args.cluster).stem)
         model, model_raw = _model(args.model, raw.get("model") if isinstance(raw, dict) else None)
         gb = args.global_batch or raw.get("global_batch")
@@ -481,8 +490,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from h2jax.plan import Cluster, CostOptions, Plan, PlanError, ProfileError, simulate_plan
 
     try:
-        raw_plan = _read_yaml(args.plan)
-        craw = _read_yaml(args.cluster)
+        if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+            raise PlanError("--out", f"{args.out} is a file; expected a folder for trace.json and gantt.png")
+        raw_plan = _read_yaml(args.plan, "plan")
+        craw = _read_yaml(args.cluster, "--cluster")
         cluster = Cluster.from_dict(craw, name=Path(args.cluster).stem)
         fallback = raw_plan.get("model") if isinstance(raw_plan.get("model"), dict) else craw.get("model")
         model, _ = _model(args.model, fallback)
@@ -512,6 +523,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         console.print("[yellow]the plan does not fit:[/] " + "; ".join(cost.reasons))
     if args.out:
         out = Path(args.out)
+        if out.is_dir() and any(out.iterdir()):  # an earlier simulation: kept whole, beside it
+            say(
+                None,
+                f"the earlier output in {out} is kept in {keep_aside(out)}",
+                style="bold yellow",
+                prog="h2jax simulate",
+            )
         sim.save_trace(out / "trace.json")
         sim.plot(out / "gantt.png", title=f"{Path(args.plan).name} on {cluster.name}")
         console.print(f"wrote {out / 'trace.json'} and {out / 'gantt.png'}")
@@ -532,6 +550,19 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
     except (ConfigError, ValueError) as e:
         raise _fail(e) from None
     if not chip.emulated:
+        import jax
+
+        try:
+            jax.devices(chip.platform)
+        except RuntimeError:
+            raise _fail(
+                ConfigError(
+                    "--chip",
+                    f"{args.chip}: --measure times the chip's own devices ({chip.platform}), and this host has "
+                    f"none (its backends: {', '.join(sorted({d.platform for d in jax.devices()}))}); "
+                    f"drop --measure for a roofline estimate, or measure on a host with the chip",
+                )
+            ) from None
         print(f"measuring on the local {chip.platform} backend")
     from h2jax.plan import local_cores
     from h2jax.runtime import profile_chip

@@ -198,6 +198,44 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def listed_steps(directory: str | Path) -> list[int]:
+    """The steps ``directory``'s ``commits/`` lists, read from the file names alone (no JAX, no
+    orbax: usable before any device); a listed step may still lack a part's commit."""
+    d = Path(directory) / COMMITS_DIR
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def check_start(checkpoint_dir: str | Path, *, restore_step: int | None, init_from: str | Path | None) -> None:
+    """The checkpoint ``h2jax train`` is told to start from, checked on the disk before any
+    device: ConfigError naming the option, the path and the fix (a run folder given for its
+    ``checkpoints/``, a Hugging Face folder not converted yet, a step that is not there)."""
+    from h2jax._strict import ConfigError
+
+    if init_from is not None:
+        d = Path(init_from)
+        if not d.is_dir():
+            raise ConfigError(
+                "--init-from", f"{d} is not a folder; expected an h2jax checkpoint folder (a run's checkpoints/)"
+            )
+        if not (d / COMMITS_DIR).is_dir():
+            if (d / "checkpoints" / COMMITS_DIR).is_dir():
+                fix = f"it is a run folder: --init-from {d / 'checkpoints'}"
+            elif (d / "config.json").is_file():
+                fix = f"it is a Hugging Face model folder: convert it first (h2jax convert {d} CKPT), then --init-from CKPT"
+            else:
+                fix = "expected a run's checkpoints/ folder or the output of h2jax convert"
+            raise ConfigError("--init-from", f"{d} holds no h2jax checkpoint (no {COMMITS_DIR}/); {fix}")
+    where, option = (Path(init_from), "--init-from") if init_from is not None else (Path(checkpoint_dir), "")
+    if restore_step is not None:
+        steps = listed_steps(where)
+        if restore_step not in steps:
+            raise ConfigError(
+                "--restore-step",
+                f"step {restore_step} is not among the checkpoints of {where}{' (' + option + ')' if option else ''}; "
+                f"expected one of {steps or 'none: it holds no checkpoint'}",
+            )
+
+
 class CheckpointStore:
     """Save, commit, list, restore and clean up the checkpoints of one directory.
 

@@ -10,7 +10,15 @@ from h2jax.config._chips import resolve_chip
 from h2jax.config._errors import ConfigError
 from h2jax.config._gin import model_factory, read_gin
 from h2jax.config._inputs import check_inputs, format_bytes, format_count
-from h2jax.config._load import check_launcher, config_to_dict, load_config, load_raw, save_config, validate
+from h2jax.config._load import (
+    check_launcher,
+    config_to_dict,
+    config_warnings,
+    load_config,
+    load_raw,
+    save_config,
+    validate,
+)
 from h2jax.config._schema import (
     CheckpointConfig,
     ChipSpec,
@@ -42,4 +50,5 @@ __all__ = [
     "save_config",
     "validate",
     "check_launcher",
+    "config_warnings",
 ]

@@ -99,6 +99,12 @@ def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str
             user = read_yaml(p, key="config") or {}
         if not isinstance(user, dict):
             raise ConfigError("config", f"{p} must hold a mapping at the top, got {type(user).__name__}")
+        if "stages" in user and "plan" not in user:  # a plan file (h2jax plan's plan.yaml, a run's record)
+            raise ConfigError(
+                "config",
+                f"{p} is a plan (top-level stages:), not an experiment; expected an experiment file: train "
+                f"the experiment.yaml `h2jax plan --out` writes beside it, or put this file under `plan:`",
+            )
         raw = _merge(raw, user)
     raw = copy.deepcopy(raw)
     for text in overrides:
@@ -174,6 +180,12 @@ def check_launcher(transport: str, num_stages: int, *, launched: bool | None = N
 
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     """Cross-field checks; raises ConfigError naming the key and the numbers."""
+    if cfg.name in ("", ".", "..") or "/" in cfg.name or "\\" in cfg.name or "\0" in cfg.name:
+        raise ConfigError(
+            "name",
+            f"name={cfg.name!r}; expected one folder name (no '/', not '.' or '..'): the run folder is "
+            f"<train.out_dir>/<name>",
+        )
     m = cfg.model
     check_model_values(dataclasses.asdict(m))
     chips = cfg.cluster.chips
@@ -231,6 +243,19 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     if d.token_dtype not in TOKEN_DTYPES:
         raise ConfigError("data.token_dtype", f"token_dtype={d.token_dtype!r}; expected one of {list(TOKEN_DTYPES)}")
     return cfg
+
+
+def config_warnings(cfg: ExperimentConfig) -> list[str]:
+    """What a valid config says that is probably not meant: one line each, naming the keys
+    (``h2jax check-config`` and ``h2jax train`` print them; nothing is refused)."""
+    out = []
+    o, t = cfg.optimizer, cfg.train
+    if o.warmup_steps > t.steps:
+        out.append(
+            f"optimizer.warmup_steps={o.warmup_steps} is longer than train.steps={t.steps}: the learning rate "
+            f"rises to {t.steps / o.warmup_steps:.0%} of optimizer.lr={o.lr:g} and never decays"
+        )
+    return out
 
 
 def load_config(

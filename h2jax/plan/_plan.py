@@ -197,7 +197,8 @@ class Plan:
         total_layers = sum(s.num_layers for s in self.stages)
         total_devices = sum(s.num_devices for s in self.stages)
         lines = [
-            "# h2jax plan: written by `h2jax plan`, read by `h2jax train`; editable by hand.",
+            "# h2jax plan: an experiment's `plan:` section (`h2jax train` reads it there: the experiment.yaml",
+            "# `h2jax plan --out` writes beside it); `h2jax simulate` reads this file. Editable by hand.",
             f"# {self.num_stages} stages, {total_layers} layers, {total_devices} devices.",
             "# stages[i].layers is half-open [start, end); data x tensor = devices of the stage.",
         ]

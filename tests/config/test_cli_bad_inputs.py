@@ -89,6 +89,14 @@ def inputs(tmp_path_factory) -> Path:
     (d / "a_file").write_text("not a folder")
     (d / "latin1.yaml").write_bytes("name: caf\u00e9\n".encode("latin-1"))
     (d / "syntax.yaml").write_text("name: x\nmodel:\n  n_layers: [2\ntrain:\n  steps: 3\n")
+    (d / "twice.yaml").write_text("train:\n  steps: 3\nmodel:\n  n_layers: 2\ntrain:\n  log_every: 2\n")
+    (d / "model.yaml").write_text(
+        "model: {n_layers: 2, d_model: 32, n_heads: 4, d_ff: 64, vocab_size: 256, seq_len: 16}\n"
+    )
+    (d / "plan.yaml").write_text("global_batch: 8\nschedule: 1f1b\nstages:\n  - {chip: sim_a, layers: [0, 6]}\n")
+    (d / "run" / "checkpoints" / "commits" / "3").mkdir(parents=True)  # a run folder, not its checkpoints/
+    (d / "hf").mkdir()
+    (d / "hf" / "config.json").write_text("{}")  # a Hugging Face folder, not converted
     (d / "configs" / "chips").mkdir(parents=True)
     (d / "configs" / "chips" / "sim_q.yaml").write_text("memory_gib: 8\nplatform: {cpu\n")
     return d
@@ -239,6 +247,29 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
     "train_corpus_not_utf8": ("train", ["data.corpus=@latin1.txt"], ["data.corpus: '", "latin1.txt' is not UTF-8"]),
     "train_out_dir_under_a_file": ("train", ["train.out_dir=@a_file/runs"], ["train.out_dir: '", "a_file is a file"]),
     "train_transport_ffi": ("train", ["train.transport=ffi"], ["train.transport: 'ffi' moves tensors"]),
+    "train_name_leaves_out_dir": ("train", ["name=../../escape"], ["name: name='../../escape'; expected one folder"]),
+    # -- the checkpoint a run starts from, before any device, naming the fix
+    "init_from_a_run_folder": ("train", ["--init-from", "@run"], ["run holds no h2jax checkpoint", "/run/checkpoints"]),
+    "init_from_hf_unconverted": ("train", ["--init-from", "@hf"], ["Hugging Face model folder: convert it first"]),
+    "init_from_nothing": ("train", ["--init-from", "@nope"], ["--init-from: ", "nope is not a folder"]),
+    "restore_step_not_there": (
+        "train",
+        ["--init-from", "@run/checkpoints", "--restore-step", "7"],
+        ["--restore-step: step 7 is not among the checkpoints of", "expected one of [3]"],
+    ),
+    "train_a_plan_file": ("train", ["@plan.yaml"], ["plan.yaml is a plan (top-level stages:), not an experiment"]),
+    "config_section_twice": ("check-config", ["@twice.yaml"], ["twice.yaml:5: 'train' is given twice"]),
+    # -- the planner's commands read YAML and chips as train does
+    "simulate_plan_not_yaml": (
+        "simulate",
+        ["@syntax.yaml", "--cluster", "sim_mix"],
+        ["plan: ", "syntax.yaml:4:6: not valid YAML"],
+    ),
+    "profile_measure_without_the_chip": (
+        "profile",
+        ["--chip", "h100_sxm", "--model", "@model.yaml", "--measure"],
+        ["--chip: h100_sxm: --measure times the chip's own devices (cuda), and this host has none"],
+    ),
     "train_tokenizer_vocab": (
         "train",
         ["data.tokenizer=@tokenizer.json", "model.vocab_size=16"],
@@ -279,6 +310,8 @@ def test_enough_cases():
 def test_bad_input_is_one_line_and_exit_2(results, name):
     if name == "out_dir_not_writable" and _sys_is_writable():
         pytest.skip("/sys is writable here")
+    if name == "profile_measure_without_the_chip" and _has_cuda():
+        pytest.skip("this host has a CUDA device: --measure would time it")
     r, cwd = results[name]
     command, _, expected = CASES[name]
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
@@ -291,6 +324,15 @@ def test_bad_input_is_one_line_and_exit_2(results, name):
     if command == "train":
         assert r.seconds < TRAIN_FAST_EXIT_S, f"train took {r.seconds:.1f} s to refuse a bad input"
         assert "h2jax train:" not in r.stderr  # the run banner comes after validation
+
+
+def _has_cuda() -> bool:
+    import jax
+
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
 
 
 def _sys_is_writable() -> bool:

@@ -79,6 +79,16 @@ def test_yaml_file_merges_with_defaults(tmp_path):
     assert cfg.plan == ExperimentConfig().plan
 
 
+def test_a_section_given_twice_is_refused_naming_the_line(tmp_path):
+    """PyYAML keeps the last of two equal keys: the first section was dropped without a word."""
+    p = _write(tmp_path, "train:\n  steps: 7\noptimizer:\n  lr: 1e-3\ntrain:\n  log_every: 2\n")
+    with pytest.raises(ConfigError, match=r"exp.yaml:5: 'train' is given twice in one mapping; expected it once"):
+        load_config(p)
+    p = _write(tmp_path, "optimizer:\n  lr: 1e-3\n  lr: 2e-3\n")
+    with pytest.raises(ConfigError, match=r":3: 'lr' is given twice"):
+        load_config(p)
+
+
 def test_named_config_is_found_in_configs_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the repository: found via the package's configs/
     assert load_config("tiny").name == "tiny"
@@ -406,3 +416,12 @@ def test_four_chips():
     assert [s.chip for s in stages] == ["sim_a", "sim_b", "sim_c", "sim_d"]
     assert len({s.num_layers for s in stages}) > 1  # uneven
     assert len({s.recompute for s in stages}) == 2  # mixed
+
+
+def test_a_warmup_longer_than_the_run_is_said_once():
+    """warmup_steps=100 with steps=5 was accepted silently: the rate never passed 5 % of its peak."""
+    from h2jax.config import config_warnings
+
+    (line,) = config_warnings(load_config(None, ["optimizer.warmup_steps=100", "train.steps=5"], check_files=False))
+    assert "optimizer.warmup_steps=100 is longer than train.steps=5" in line and "rises to 5% of" in line
+    assert config_warnings(load_config(None, check_files=False)) == []

@@ -20,6 +20,7 @@ from h2jax.plan import (  # noqa: I001
     simulate_plan,
     stage_tasks,
 )
+from tests._harness import REPO
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -125,8 +126,10 @@ def test_plan_that_does_not_fit_is_rejected_with_numbers():
     assert not c.fits and "stage 1" in c.reasons[0] and "GiB" in c.reasons[0]
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "h2jax.cli", *args], capture_output=True, text=True, timeout=300)
+def _cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "h2jax.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def test_cli_plan_writes_a_trainable_experiment(tmp_path):
@@ -135,16 +138,17 @@ def test_cli_plan_writes_a_trainable_experiment(tmp_path):
     assert "HeteroSpeedupRatio at the same global batch (32 hetero, 32 homogeneous)" in r.stdout.replace("\n", " ")
     ok = _cli("check-config", str(tmp_path / "experiment.yaml"))
     assert ok.returncode == 0, ok.stderr
-    sim = _cli(
-        "simulate",
-        str(tmp_path / "plan.yaml"),
-        "--cluster",
-        "configs/clusters/sim_mix.yaml",
-        "--out",
-        str(tmp_path / "sim"),
-    )
-    assert sim.returncode == 0, sim.stderr
-    assert (tmp_path / "sim" / "trace.json").is_file() and (tmp_path / "sim" / "gantt.png").is_file()
+    # simulate writes its trace and picture by default (it wrote nothing without --out), and a
+    # second run keeps the first one's beside them, with a line
+    cluster = str(REPO / "configs" / "clusters" / "sim_mix.yaml")
+    for _ in range(2):
+        sim = _cli("simulate", str(tmp_path / "plan.yaml"), "--cluster", cluster, cwd=tmp_path)
+        assert sim.returncode == 0, sim.stderr
+        out = tmp_path / "runs" / "simulate"
+        assert (out / "trace.json").is_file() and (out / "gantt.png").is_file()
+    (kept,) = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("simulate.")]
+    assert sorted(p.name for p in kept.iterdir()) == ["gantt.png", "trace.json"]
+    assert f"the earlier output in runs/simulate is kept in runs/{kept.name}" in " ".join(sim.stderr.split())
 
 
 def test_cli_plan_bad_input_exits_2(tmp_path):
