@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -70,11 +71,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be read, or does not fit the model."""
 
 
+_REPR = re.compile(r"<[^<>]*(?:bound method |function | object at 0x)[^<>]*>")
+
+
+def _without_reprs(text: str) -> str:
+    """``text`` without Python object reprs (``<bound method X.read of <... at 0x7f..>>``, which
+    tensorstore's errors quote): they name nothing a user can act on."""
+    while (shorter := _REPR.sub("...", text)) != text:
+        text = shorter
+    return text
+
+
 class CheckpointCorruptError(CheckpointError):
     """A committed step whose files cannot be read (truncated or damaged)."""
 
     def __init__(self, directory: Path, step: int, cause: BaseException):
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        first = _without_reprs(first)
         super().__init__(
             f"{directory} step {step} is damaged: its files cannot be read ({type(cause).__name__}: {first[:300]})"
         )
@@ -198,6 +211,24 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+_ASIDE_NAME = re.compile(r"^.+-step(\d+)-\d{8}-\d{6}")  # <part>-step<N>-<YYYYmmdd-HHMMSS>
+
+
+def leftover_steps(removed: Sequence[str]) -> list[int]:
+    """The steps whose leftovers :meth:`CheckpointStore.cleanup` removed: orbax's temporary
+    ``<step>.orbax-checkpoint-tmp-<n>``, an uncommitted ``<step>`` folder, a marker
+    ``commits/<step>/<part>.json``."""
+    steps = set()
+    for r in removed:
+        p = Path(r)
+        m = re.match(r"^(\d+)(\.|$)", p.name)
+        if m:
+            steps.add(int(m.group(1)))
+        elif p.parent.name.isdigit():
+            steps.add(int(p.parent.name))
+    return sorted(steps)
+
+
 def listed_steps(directory: str | Path) -> list[int]:
     """The steps ``directory``'s ``commits/`` lists, read from the file names alone (no JAX, no
     orbax: usable before any device); a listed step may still lack a part's commit."""
@@ -282,6 +313,7 @@ class CheckpointStore:
         self._readers: dict[str, ocp.CheckpointManager] = {}
         self.last_commit_s = 0.0  # time the last commit waited for the background write
         self.kept_aside: list[str] = []  # what cleanup() moved to <dir>/aside, one line each
+        self.pruned_aside: list[str] = []  # what cleanup() deleted from <dir>/aside, one line each
 
     # -- paths ------------------------------------------------------------------------------
     def part_dir(self, part: str | None = None) -> Path:
@@ -414,8 +446,26 @@ class CheckpointStore:
                         removed.append(str(marker))
                     (d / f"{part}.json.tmp").unlink(missing_ok=True)
                 _rmdir_if_empty(d)
+        if self.lead:
+            self._prune_aside()
         self._mgr = None  # orbax caches the step list; reopen after the files changed
         return removed
+
+    def _prune_aside(self) -> None:
+        """``aside/`` under the retention of the committed steps: the parts of the ``keep_last``
+        newest steps kept aside stay; older ones are deleted, each with a line
+        (``pruned_aside``)."""
+        d = self.dir / ASIDE_DIR
+        if not d.is_dir():
+            return
+        entries = [(int(m.group(1)), e) for e in d.iterdir() if (m := _ASIDE_NAME.match(e.name))]
+        keep = set(sorted({step for step, _ in entries})[-self.keep_last :])
+        for step, e in sorted(entries, key=lambda x: (x[0], x[1].name)):
+            if step not in keep:
+                shutil.rmtree(e, ignore_errors=True)
+                self.pruned_aside.append(
+                    f"{e} (uncommitted step {step}: aside/ keeps the {self.keep_last} newest, as checkpoint.keep_last)"
+                )
 
     def save(self, step: int, state: Mapping[str, jax.Array], meta: Mapping[str, Any]) -> None:
         """Start saving ``state`` (flat dict keyed by model path) and ``meta`` as ``step``.

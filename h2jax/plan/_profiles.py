@@ -402,6 +402,19 @@ class ModelShape:
     def num_params(self) -> int:
         return self.embed_params + self.n_layers * self.block_params + self.head_params
 
+    def train_flops_per_token(self) -> dict[str, float]:
+        """Model FLOPs of one token's forward and backward (3x the forward's matmul FLOPs), per
+        part: ``block`` (its weight matmuls plus attention's q.k^T and p.v over all seq_len keys,
+        as PaLM's MFU counts them, 6N + 12 L d s), ``head`` (the logits matmul), ``embed`` (a
+        lookup: 0). What MFU divides by peak; recomputation is not counted (model FLOPs)."""
+        d, kv = self.d_model, self.kv_heads * self.head_dim
+        weights = 2 * d * d + 2 * d * kv + 3 * d * self.d_ff
+        return {
+            "embed": 0.0,
+            "block": 3.0 * (2 * weights + 4 * self.seq_len * d),
+            "head": 3.0 * 2 * d * self.vocab_size,
+        }
+
     def tensor_degrees(self, limit: int) -> list[int]:
         """Tensor degrees up to `limit` that divide heads, d_ff and vocab (as check_plan requires)."""
         return [

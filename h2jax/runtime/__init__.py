@@ -9,7 +9,7 @@ from h2jax.runtime._cluster import StagePlacement, place_stages, setup_backends,
 from h2jax.runtime._job import run_job
 from h2jax.runtime._layout import flatten, model_layout
 from h2jax.runtime._metrics import MetricsLogger, read_metrics
-from h2jax.runtime._outputs import LOCK_FILENAME, RunLock
+from h2jax.runtime._outputs import LOCK_FILENAME, RunLock, mfu
 from h2jax.runtime._profile import profile_chip, profile_driver
 from h2jax.runtime._reference import reference_loss_and_grads
 from h2jax.runtime._runner import StageFailure, StageRunner
@@ -44,6 +44,7 @@ __all__ = [
     "flatten",
     "load_trace",
     "make_optimizer",
+    "mfu",
     "model_layout",
     "place_stages",
     "plot_gantt",

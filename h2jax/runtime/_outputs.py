@@ -130,11 +130,40 @@ def prepare_run_dir(
         )
 
 
+def mfu(cfg: ExperimentConfig, tokens_per_s: float) -> dict[str, float]:
+    """Model FLOPs utilisation at ``tokens_per_s``: ``mfu`` (the model's FLOPs per second over
+    the summed peak of every device of the plan) and ``mfu/<chip>`` (the FLOPs of the layers
+    that chip type's stages hold over its devices' peak). Peaks are the chip profiles'
+    ``peak_tflops``; an emulated chip's is the profile's declared number, not a property of
+    this host, so its MFU says how the run compares with that declaration only."""
+    from h2jax.plan import ModelShape
+
+    plan = cfg.plan
+    per_token = ModelShape.from_config(cfg.model).train_flops_per_token()
+    head = plan.schedule.head_stage(plan.num_stages)
+    done: dict[str, float] = {}
+    peak: dict[str, float] = {}
+    for s, spec in enumerate(plan.stages):
+        flops = spec.num_layers * per_token["block"] + (per_token["head"] if s == head else 0.0)
+        done[spec.chip] = done.get(spec.chip, 0.0) + flops * tokens_per_s
+        peak[spec.chip] = peak.get(spec.chip, 0.0) + spec.num_devices * cfg.cluster.chips[spec.chip].peak_tflops * 1e12
+    out = {"mfu": sum(done.values()) / sum(peak.values())}
+    out.update({f"mfu/{chip}": done[chip] / peak[chip] for chip in done})
+    return out
+
+
 def step_metrics(
-    cfg: ExperimentConfig, stats: StepStats, *, skipped_steps: int, events: list[Any] | None
+    cfg: ExperimentConfig,
+    stats: StepStats,
+    *,
+    skipped_steps: int,
+    events: list[Any] | None,
+    with_mfu: bool = True,
 ) -> dict[str, Any]:
     """The metrics of one step: loss, norm, learning rate, times, throughput per chip type,
-    and the bubble fraction of ``events`` (every stage's timeline events of the step)."""
+    and the bubble fraction of ``events`` (every stage's timeline events of the step);
+    ``with_mfu``: the model is ``cfg.model``'s (a user's own model's FLOPs are not known here,
+    so its rows carry no MFU rather than a wrong one)."""
     devices_by_chip: dict[str, int] = {}
     for spec in cfg.plan.stages:
         devices_by_chip[spec.chip] = devices_by_chip.get(spec.chip, 0) + spec.num_devices
@@ -151,6 +180,8 @@ def step_metrics(
     }
     for chip, ndev in devices_by_chip.items():
         m[f"tgs/{chip}"] = stats.tokens_per_s / ndev
+    if with_mfu:
+        m.update(mfu(cfg, stats.tokens_per_s))
     if events is not None:
         m["bubble_fraction"] = bubble_fraction([e for e in events if e.kind in ("fwd", "bwd")], cfg.plan.num_stages)
     return m

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 
-from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint
+from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftover_steps
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
 from h2jax.data import load_dataset, step_batch
@@ -118,6 +118,7 @@ class Trainer:
                 "model.vocab_size",
                 f"vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {self.dataset.vocab_size}",
             )
+        self.builtin_model = model is None  # its FLOPs are cfg.model's: the metrics carry MFU
         if model is None:
             model = build_model(cfg.model, seed=cfg.seed)
         elif not isinstance(model, nnx.Module):  # a builder (e.g. a gin-selected class): the chip types exist now
@@ -273,7 +274,9 @@ class Trainer:
         """The metrics of one step (collective: every process calls it at the same steps;
         the writer's dict is the one that counts)."""
         events = self.gather_events(stats.step)
-        return step_metrics(self.cfg, stats, skipped_steps=self.skipped_steps, events=events)
+        return step_metrics(
+            self.cfg, stats, skipped_steps=self.skipped_steps, events=events, with_mfu=self.builtin_model
+        )
 
     # -- the loop ------------------------------------------------------------------------------
     def _local_stop(self) -> str | None:
@@ -506,11 +509,16 @@ class Trainer:
             if restore_step is not None:
                 raise JobError("checkpoint error", "--restore-step needs checkpoint.enabled=true")
             return None
-        removed = sum(w.allgather(len(w.all(lambda: self.checkpoint_store().cleanup(), "checkpoint error"))))
-        aside = [a for part in w.allgather(self.checkpoint_store().kept_aside) for a in part]
-        if aside and w.is_writer:
+        mine = w.all(lambda: self.checkpoint_store().cleanup(), "checkpoint error")
+        removed = [r for part in w.allgather(mine) for r in part]
+        store = self.checkpoint_store()
+        aside = [a for part in w.allgather(store.kept_aside) for a in part]
+        pruned = [a for part in w.allgather(store.pruned_aside) for a in part]
+        if w.is_writer:
             for a in aside:
                 self.console.print(f"[bold yellow]h2jax: kept aside {a}[/]", highlight=False, soft_wrap=True)
+            for a in pruned:
+                self.console.print(f"[bold yellow]h2jax: removed {a}[/]", highlight=False, soft_wrap=True)
         committed = w.lead(lambda: self.checkpoint_store().committed_steps(), "checkpoint error")
         store_dir = self.checkpoint_store().dir
         if not committed:
@@ -518,7 +526,7 @@ class Trainer:
                 raise JobError(
                     "checkpoint error", f"--restore-step {restore_step}: {store_dir} holds no committed checkpoint"
                 )
-            return f"cleaned up {removed} leftovers of an interrupted save" if removed else None
+            return _leftovers_line(removed) if removed else None
         latest = committed[-1]
         # the newest intact committed step: a damaged one is named and the one before it tried
         candidates = [restore_step] if restore_step is not None else committed[::-1]
@@ -545,7 +553,7 @@ class Trainer:
         if damaged:
             msg += " (the newest intact step; the damaged newer step(s) are replaced as this run reaches them)"
         if removed:
-            msg += f" (cleaned up {removed} leftovers of an interrupted save)"
+            msg += f" ({_leftovers_line(removed)})"
         if aside:
             msg += f" ({len(aside)} uncommitted step(s) kept aside in {store_dir / 'aside'})"
         if step != latest and not damaged:
@@ -608,6 +616,16 @@ class Trainer:
         if self.hub is not None and self._own_hub:
             self.hub.close()
         self.run_lock.release()
+
+
+def _leftovers_line(removed: list[str]) -> str:
+    """What cleanup removed, by step: a save cut off before every part was written."""
+    steps = leftover_steps(removed)
+    which = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" if steps else "a step"
+    return (
+        f"removed the unfinished save of {which} ({len(removed)} leftover file(s): it was cut off before "
+        f"every part was written, so it had never been committed)"
+    )
 
 
 def _check_model(model: nnx.Module, cfg: ExperimentConfig) -> None:

@@ -22,7 +22,13 @@ CASES = [
     ("nothing to train", ["train.steps=4"], 0, "nothing to train", False),
     ("negative steps", ["train.steps=-1"], 2, "train.steps", False),
     ("missing corpus", ["train.steps=6", "data.corpus=no_such_corpus.txt"], 2, "data.corpus", False),
-    ("uncommitted restore step", ["train.steps=6", "--restore-step", "3"], 1, "step 3 is not a committed", False),
+    (
+        "uncommitted restore step",
+        ["train.steps=6", "--restore-step", "3"],
+        2,
+        "step 3 is not among the checkpoints",
+        False,
+    ),
     (
         "init over checkpoints",
         ["train.steps=6", "--init-from", "run/checkpoints"],

@@ -9,7 +9,15 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from h2jax.checkpoint import CheckpointError, CheckpointStore, nest, retained, unnest
+from h2jax.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointStore,
+    leftover_steps,
+    nest,
+    retained,
+    unnest,
+)
 
 
 def _state(v: float) -> dict[str, jax.Array]:
@@ -92,7 +100,11 @@ def test_leftovers_of_a_killed_save_are_removed(tmp_path):
     (tmp_path / "commits" / "4").mkdir()
     (tmp_path / "commits" / "4" / "main.json").write_text('{"parts": ["main"]}')
     assert store.committed_steps() == [1]
-    store.cleanup()
+    removed = store.cleanup()
+    # what the resume line names (it used to say "3 leftovers"); step 2, newer than anything
+    # committed, is kept aside rather than removed
+    assert leftover_steps(removed) == [3, 4]
+    assert [line.split()[1] for line in store.kept_aside] == ["2"]
     assert sorted(p.name for p in (tmp_path / "parts" / "main").iterdir() if p.name[0].isdigit()) == ["1"]
     assert sorted(p.name for p in (tmp_path / "commits").iterdir()) == ["1"]
     store.save(2, _state(2.5), {})  # the step number is free again
@@ -160,3 +172,26 @@ def test_the_lead_replaces_what_another_writer_set_left(tmp_path):
     a.apply_retention()
     assert a.committed_steps() == [3, 4] and _on_disk(tmp_path, "main") == [3]
     assert _on_disk(tmp_path, "p0") == [3, 4] and _on_disk(tmp_path, "p1") == [3, 4]
+
+
+def test_steps_kept_aside_are_under_the_retention_of_committed_steps(tmp_path):
+    """aside/ was never emptied (5 full stage parts after 8 kills): it keeps the keep_last newest
+    uncommitted steps, and each one it deletes is named."""
+    store = CheckpointStore(tmp_path, async_save=False, keep_last=2)
+    store.save(1, _state(1.0), {})
+    for step in (2, 3, 4):  # three kills, each after a save finished and before its commit
+        (tmp_path / "parts" / "main" / str(step)).mkdir()
+        store.cleanup()
+    kept = sorted(p.name.split("-")[1] for p in (tmp_path / "aside").iterdir())
+    assert kept == ["step3", "step4"]
+    assert len(store.pruned_aside) == 1 and "uncommitted step 2" in store.pruned_aside[0]
+
+
+def test_a_damaged_step_is_named_without_python_reprs(tmp_path):
+    cause = ValueError("DATA_LOSS: reading <bound method Reader.read of <ts.Reader object at 0x7f12>>: truncated")
+    text = str(CheckpointCorruptError(tmp_path, 3, cause))
+    assert "<bound method" not in text and "0x7f12" not in text
+    assert (
+        text
+        == f"{tmp_path} step 3 is damaged: its files cannot be read (ValueError: DATA_LOSS: reading ...: truncated)"
+    )

@@ -47,6 +47,9 @@ def test_train_tiny_through_the_cli(tmp_path):
             "tgs/sim_a",
             "tgs/sim_b",
             "bubble_fraction",
+            "mfu",
+            "mfu/sim_a",
+            "mfu/sim_b",
         ):
             assert key in r and math.isfinite(r[key]), key
         assert 0.0 <= r["bubble_fraction"] < 1.0
