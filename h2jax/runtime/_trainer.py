@@ -98,6 +98,7 @@ class Trainer:
         self.console = console or Console(stderr=True)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
         self.run_lock = RunLock(self.run_dir)  # taken by resume() or run(), the first to write there
+        self._run_dir_held = False  # on every process alike (the lock itself is the writer's)
         self.world = w = world if world is not None else make_world(cfg, fail_fast=fail_fast)
         self.fail_fast = w.fail_fast if w.fail_fast is not None else fail_fast
         transport = cfg.train.transport
@@ -604,9 +605,12 @@ class Trainer:
 
     def _hold_run_dir(self) -> None:
         """The writer takes the run folder's lock (collective; one line and exit 2 on every
-        process when another job holds it)."""
-        if not self.run_lock.held:
+        process when another job holds it). Whether it is taken already is asked of a flag every
+        process keeps alike, never of the lock, which only the writer holds: one process
+        skipping the collective that another enters would hang the job."""
+        if not self._run_dir_held:
             self.world.lead(self.run_lock.acquire, "run folder")
+            self._run_dir_held = True
 
     def close(self) -> None:
         """Stop the runners' helper threads (and the local hub this trainer owns); release the
@@ -616,6 +620,7 @@ class Trainer:
         if self.hub is not None and self._own_hub:
             self.hub.close()
         self.run_lock.release()
+        self._run_dir_held = False
 
 
 def _leftovers_line(removed: list[str]) -> str:
