@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from h2jax._console import make_console
+
 EXIT_OK = 0
 EXIT_FAIL = 1  # anything else failed (training, a checkpoint, an align gate)
 EXIT_CONFIG = 2  # bad input: a config key, a file, an argument -- before any device is touched
@@ -26,12 +28,13 @@ def say(what: str | None, message: str, *, console: Any = None, style: str = "bo
 
     ``what`` None leaves the line ``<prog>: <message>``.
     """
-    from rich.console import Console
     from rich.markup import escape
 
     head = f"{prog}: {what}:" if what else f"{prog}:"
     # escape: keys and values come from the user, and rich would read "[red]" as markup
-    (console or Console(stderr=True)).print(f"[{style}]{head}[/] {escape(message)}", highlight=False, soft_wrap=True)
+    (console or make_console(stderr=True)).print(
+        f"[{style}]{head}[/] {escape(message)}", highlight=False, soft_wrap=True
+    )
 
 
 def fail(what: str | None, message: str, *, console: Any = None, prog: str = "h2jax") -> int:

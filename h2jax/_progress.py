@@ -18,6 +18,8 @@ from typing import Any
 
 from rich.console import Console
 
+from h2jax._console import make_console
+
 
 class Progress:
     """One piece of long work: ``done`` of ``total`` units, with a short ``note`` (e.g. the
@@ -33,7 +35,7 @@ class Progress:
         enabled: bool = True,
     ):
         self.label, self.total, self.every_s, self.enabled = label, total, every_s, enabled
-        self.console = console or Console(stderr=True)
+        self.console = console or make_console(stderr=True)
         self.done = 0
         self.note = ""
         self._bar: Any = None
@@ -89,8 +91,12 @@ class Progress:
         of = f"/{self.total}" if self.total is not None else ""
         note = f" ({self.note})" if self.note else ""
         state = "done" if end else "at"
+        elapsed = time.monotonic() - self._t0
+        eta = ""
+        if not end and self.total is not None and 0 < self.done < self.total:
+            eta = f", eta {elapsed / self.done * (self.total - self.done):.0f} s"
         f = self.console.file
-        f.write(f"h2jax: {self.label}: {state} {self.done}{of}{note}, {time.monotonic() - self._t0:.0f} s\n")
+        f.write(f"h2jax: {self.label}: {state} {self.done}{of}{note}, {elapsed:.0f} s{eta}\n")
         f.flush()
 
     def __exit__(self, *exc: Any) -> None:

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from h2jax._console import make_console
 from h2jax._errors import EXIT_CONFIG, debug, fail, say
 
 
@@ -80,7 +80,7 @@ def _load(args: argparse.Namespace):
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    console = Console()
+    console = make_console()
     from h2jax.config import config_to_dict, format_count
 
     if args.print:
@@ -89,7 +89,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from h2jax.config import config_warnings
 
     for line in config_warnings(cfg):
-        say("warning", line, style="bold yellow", console=Console(stderr=True))
+        say("warning", line, style="bold yellow", console=make_console(stderr=True))
     console.print(
         f"[green]config ok[/]: {cfg.name}, model {cfg.model.n_layers} layers x d_model "
         f"{cfg.model.d_model} ({format_count(cfg.model.num_params())} parameters)"
@@ -101,7 +101,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     from h2jax.launch import FailFast, LauncherError, detect_launch
 
     try:
@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _, note = _compile_cache.enable()
     if note:
-        Console(stderr=True).print(f"[dim]h2jax: {escape(note)}[/]", highlight=False, soft_wrap=True)
+        make_console(stderr=True).print(f"[dim]h2jax: {escape(note)}[/]", highlight=False, soft_wrap=True)
     return args.func(args)
 
 

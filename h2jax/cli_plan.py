@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from h2jax._console import make_console
 from h2jax._errors import fail, say
 from h2jax._paths import keep_aside
 from h2jax.plan import DEFAULT_TIME_BUDGET_S, INTERLEAVED_CHUNKS, schedule_names
@@ -321,7 +322,6 @@ def _search_line(res) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from h2jax._units import GIB
@@ -357,7 +357,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise _fail(e) from None
     from h2jax.config import format_count
 
-    console = Console()
+    console = make_console()
     res = search(cluster, model, global_batch=gb, table=table, opts=opts)
     if res.plan is None:
         more = (
@@ -485,7 +485,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from h2jax.plan import Cluster, CostOptions, Plan, PlanError, ProfileError, simulate_plan
 
@@ -511,7 +510,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sim, cost = simulate_plan(plan, model, cluster, table=table, opts=CostOptions(grad_sync=args.grad_sync))
     except (ProfileError, PlanError, ValueError, KeyError) as e:
         raise _fail(e) from None
-    console = Console()
+    console = make_console()
     console.print(
         f"simulated iteration {_fmt_s(sim.iteration_s)}; analytic estimate {_fmt_s(cost.iteration_s)} "
         f"({100 * (cost.iteration_s / sim.iteration_s - 1):+.1f} %); bubble {100 * sim.bubble_fraction:.1f} %; "

@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from h2jax._console import make_console
 from h2jax.align._levels import LayerLevel, OpLevel, layer_status
 from h2jax.align._runlevel import RunLevel
 
@@ -97,7 +98,7 @@ class AlignReport:
         return path
 
     def print(self, console: Console | None = None, *, top: int = 12) -> None:
-        console = console or Console(width=None if _is_tty() else 160)
+        console = console or make_console()
         t = Table(title="chip types under test (reference: host CPU, float64)")
         for col in ("chip", "policy", *[f"{k} level" for k in self.gates()]):
             t.add_column(col)
@@ -125,12 +126,6 @@ class AlignReport:
         verdict = "[green]every gate passes[/]" if self.passed() else "[bold red]some gate fails[/]"
         where = f"; report in {self.out_dir}" if self.out_dir else ""
         console.print(f"align: {verdict}{where}")
-
-
-def _is_tty() -> bool:
-    import sys
-
-    return sys.stdout.isatty()
 
 
 def _counts(statuses: list[str]) -> dict[str, int]:

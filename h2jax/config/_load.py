@@ -146,6 +146,22 @@ def check_model_values(values: dict[str, Any], key: str = "model") -> None:
 VALUE_CHECKS[GPTConfig] = check_model_values
 
 
+AUTO_TRANSPORT = "auto"
+
+
+def auto_transport() -> str:
+    """What ``train.transport: auto`` stands for in this process: 'local' in one process, 'ffi'
+    (the transfers inside the stage programs) in one of several a launcher started. Reads the
+    launcher's environment variables only (h2jax.launch); nothing is started."""
+    from h2jax.launch import LauncherError, detect_launch
+
+    try:
+        launch = detect_launch()
+    except LauncherError as e:
+        raise ConfigError("train.transport", f"'auto' reads the launcher's environment: {e}") from None
+    return "ffi" if launch is not None and launch.size >= 2 else "local"
+
+
 def check_launcher(transport: str, num_stages: int, *, launched: bool | None = None) -> None:
     """The launcher rule: a transport between processes (``PROCESS_TRANSPORTS``) needs this
     process to be one of several started by a launcher (mpirun, srun), one per stage; 'local'
@@ -211,8 +227,13 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         raise ConfigError("train.log_every", f"log_every={t.log_every}; expected >= 1")
     if not t.transfer_timeout_s > 0:
         raise ConfigError("train.transfer_timeout_s", f"transfer_timeout_s={t.transfer_timeout_s}; expected > 0")
+    if t.transport == AUTO_TRANSPORT:
+        cfg = replace(cfg, train=dataclasses.replace(t, transport=auto_transport()))
+        t = cfg.train
     if t.transport not in TRANSPORTS:
-        raise ConfigError("train.transport", f"transport={t.transport!r}; expected one of {list(TRANSPORTS)}")
+        raise ConfigError(
+            "train.transport", f"transport={t.transport!r}; expected one of {[AUTO_TRANSPORT, *TRANSPORTS]}"
+        )
     check_launcher(t.transport, cfg.plan.num_stages)
     if t.gantt_step != -1 and not 0 <= t.gantt_step < t.steps:
         raise ConfigError("train.gantt_step", f"gantt_step={t.gantt_step}; expected -1 or 0..{t.steps - 1}")

@@ -97,10 +97,12 @@ class TrainConfig:
     """Write metrics every N steps (the loss is fetched only then)."""
     out_dir: str = "runs"
     """Parent folder of the run folder runs/<name>/ (relative to the current directory)."""
-    transport: str = "local"
+    transport: str = "auto"
     """How boundary tensors cross stages: "local" (jax.device_put; one process), or between processes
     (mpirun/srun): "ffi" (XLA FFI send/recv inside the stage programs), "ffi-call" (the same handlers,
-    one small program per transfer) or "host" (numpy + mpi4py: the CPU-mediated baseline)."""
+    one small program per transfer) or "host" (numpy + mpi4py: the CPU-mediated baseline). "auto"
+    (the default) is "local" in one process and "ffi" under a launcher; the run's config.yaml
+    records the one chosen."""
     transfer_timeout_s: float = 60.0
     """Seconds a process waits for one boundary tensor from another before it fails naming the peer
     (between processes only). Longer than the slowest stage's step part; a peer that hangs (or is

@@ -55,6 +55,7 @@ _LAZY = {
     "boundary_shapes": "h2jax.models._stage",
     "shared_parameters": "h2jax.models._stage",
     "check_stageable": "h2jax.models._stage",
+    "check_calls": "h2jax.models._stage",
     "partition_specs": "h2jax.models._stage",
 }
 
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
         SharedParam,
         StageModule,
         boundary_shapes,
+        check_calls,
         check_stageable,
         partition_specs,
         shared_parameters,

@@ -44,6 +44,46 @@ def check_stageable(model: object) -> None:
             raise TypeError(f"{name}.blocks[{i}] is not callable ({type(block).__name__})")
 
 
+def check_calls(model: nnx.Module, seq_len: int) -> None:
+    """Raise TypeError, naming the part, where the model cannot run as h2jax runs it, before any
+    step: an ``nnx.Dropout`` without rngs (a stream kept in the model is refused elsewhere;
+    h2jax.models.Dropout draws its masks from (seed, step, microbatch, layer)), and a head that
+    does not return one scalar loss (a per-token loss would fail only in step 0's backward,
+    with JAX's message). The shapes come from ``jax.eval_shape`` of embed, the first block and
+    the head on one sequence of ``seq_len`` tokens: nothing is computed."""
+    from h2jax.models._dropout import Dropout
+
+    name = type(model).__name__
+    for path, m in nnx.iter_modules(model):
+        if (
+            isinstance(m, nnx.Dropout)
+            and not isinstance(m, Dropout)
+            and m.rngs is None
+            and m.rate > 0
+            and not m.deterministic
+        ):
+            where = ".".join(map(str, path))
+            raise TypeError(
+                f"{name}.{where} is an nnx.Dropout without rngs, which cannot draw a mask; use "
+                f"h2jax.models.Dropout(rate, seed=..., layer=..., site=...), whose masks the pipeline "
+                f"draws as the sequential model does"
+            )
+    graphdef, state = nnx.split(model)
+
+    def loss(state, tokens):
+        m = nnx.merge(graphdef, state)
+        return m.head(m.blocks[0](m.embed(tokens)), tokens)
+
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    out = jax.eval_shape(loss, state, tokens)
+    if not hasattr(out, "shape") or out.shape != ():
+        got = f"shape {tuple(out.shape)}" if hasattr(out, "shape") else type(out).__name__
+        raise TypeError(
+            f"{name}.head(h, targets) returned {got}; expected one scalar loss, the mean over the "
+            f"tokens (e.g. optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean())"
+        )
+
+
 class StageModule(nnx.Module):
     """The part of a stageable model that one pipeline stage runs.
 

@@ -5,7 +5,7 @@ One runtime for one process and for mpirun: :class:`Trainer` over a World
 channel per stage (h2jax.comm). See docs/ARCHITECTURE.md.
 """
 
-from h2jax.runtime._cluster import StagePlacement, place_stages, setup_backends, stage_mesh
+from h2jax.runtime._cluster import StagePlacement, place_stages, stage_mesh
 from h2jax.runtime._job import run_job
 from h2jax.runtime._layout import flatten, model_layout
 from h2jax.runtime._metrics import MetricsLogger, read_metrics
@@ -17,7 +17,7 @@ from h2jax.runtime._stage import StageMemory, StageProgram
 from h2jax.runtime._state import NonFiniteLossError, StepStats, clip_scale, make_optimizer
 from h2jax.runtime._timeline import Timeline, TraceEvent, bubble_fraction, load_trace, plot_gantt
 from h2jax.runtime._trainer import Trainer, TrainResult, train
-from h2jax.runtime._world import JobError, LocalWorld, MpiWorld, ThreadGroup, World
+from h2jax.runtime._world import JobError, LocalWorld, MpiWorld, ThreadGroup, World, setup_backends
 
 __all__ = [
     "LOCK_FILENAME",

@@ -26,8 +26,9 @@ class StagePlacement:
         return f"{self.chip} node {self.node}"
 
 
-def setup_backends(cluster: ClusterConfig) -> dict[str, list[str]]:
-    """Make every chip type of the cluster available; chip type -> backend name per node.
+def register_backends(cluster: ClusterConfig) -> dict[str, list[str]]:
+    """Make every chip type of the cluster available in this one process; chip type -> backend
+    name per node (the public entry is :func:`h2jax.setup_backends`).
 
     Emulated chips are registered as CPU clients (one per node). A real chip type uses
     its vendor's backend, which JAX discovers by itself; in one process it is one node.
@@ -46,7 +47,7 @@ def place_stages(plan: Plan, cluster: ClusterConfig) -> list[StagePlacement]:
     """Devices of every stage (touches JAX backends: call after validation)."""
     import jax
 
-    backends = setup_backends(cluster)
+    backends = register_backends(cluster)
     assignment = assign_devices(
         plan,
         nodes={n: (c.nodes if c.emulated else 1) for n, c in cluster.chips.items()},

@@ -19,6 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from h2jax._console import make_console
 from h2jax._errors import EXIT_CONFIG, EXIT_FAIL, EXIT_INTERRUPTED, debug, say
 from h2jax._units import MIB
 from h2jax.checkpoint import CheckpointError, CheckpointSaveError
@@ -44,7 +45,7 @@ def run_job(
 
     ``model``: a user's stageable nnx model (e.g. the class a gin file selects); None: the built-in model.
     """
-    console = console or Console(stderr=True)
+    console = console or make_console(stderr=True)
     multi = launch is not None and launch.size > 1
     trainer = None
     try:

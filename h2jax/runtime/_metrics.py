@@ -19,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
+from h2jax._console import make_console
 from h2jax._progress import Progress
 
 __all__ = ["METRICS_FILENAME", "TB_DIRNAME", "MetricsLogger", "read_metrics"]
@@ -58,7 +59,7 @@ class MetricsLogger:
         progress: report progress (step/total, loss, tokens/s, times): a rich bar when
             ``console`` writes to a terminal, else a line every ``progress_every_s``
             seconds and one at the end. When ``False`` nothing is printed at all.
-        console: rich console to report on; default: a new ``Console()`` on stdout.
+        console: rich console to report on; default: a new ``make_console()`` on stdout.
         loss_key: metric shown as "loss".
         throughput_key: metric shown as "tok/s".
         progress_every_s: seconds between two lines when not on a terminal.
@@ -96,7 +97,7 @@ class MetricsLogger:
 
         self._progress: Progress | None = None
         if progress:
-            console = console if console is not None else Console()
+            console = console if console is not None else make_console()
             self._progress = Progress("train", total=self.total_steps, every_s=progress_every_s, console=console)
             self._progress.__enter__()
 
@@ -134,7 +135,16 @@ class MetricsLogger:
             if self._progress is not None:
                 loss = _fmt(record.get(self.loss_key), "{:.4f}")
                 tps = _fmt(record.get(self.throughput_key), "{:,.0f}")
-                self._progress.set(min(int(step) + 1, self.total_steps), note=f"loss {loss}, {tps} tok/s")
+                note = f"loss {loss}, {tps} tok/s"
+                if _is_numeric(record.get("mfu")):  # the model's FLOPs over the devices' declared peak
+                    per_chip = [
+                        f"{k.split('/', 1)[1]} {100 * float(v):.1f} %"
+                        for k, v in record.items()
+                        if k.startswith("mfu/") and _is_numeric(v)
+                    ]
+                    note += f", MFU {100 * float(record['mfu']):.1f} %"
+                    note += f" ({', '.join(per_chip)})" if per_chip else ""
+                self._progress.set(min(int(step) + 1, self.total_steps), note=note)
 
     def close(self) -> None:
         """End the progress report and close the files; calling it again does nothing."""

@@ -38,11 +38,12 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 
+from h2jax._console import make_console
 from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftover_steps
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
 from h2jax.data import load_dataset, step_batch
-from h2jax.models import build_model, check_stageable
+from h2jax.models import build_model, check_calls, check_stageable
 from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
 from h2jax.runtime._memory import check_memory
 from h2jax.runtime._metrics import MetricsLogger
@@ -62,7 +63,7 @@ from h2jax.runtime._state import (
     truncate_metrics,
 )
 from h2jax.runtime._wiring import wire
-from h2jax.runtime._world import JobError, World, make_world
+from h2jax.runtime._world import JobError, World, make_world, take_prepared_world
 
 
 @dataclass
@@ -95,19 +96,21 @@ class Trainer:
             _check_model(model, cfg)
         self.cfg = cfg
         plan = cfg.plan
-        self.console = console or Console(stderr=True)
+        self.console = console or make_console(stderr=True)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
         self.run_lock = RunLock(self.run_dir)  # taken by resume() or run(), the first to write there
         self._run_dir_held = False  # on every process alike (the lock itself is the writer's)
-        self.world = w = world if world is not None else make_world(cfg, fail_fast=fail_fast)
+        if world is None:  # the world h2jax.setup_backends(cfg) built under a launcher, else a new one
+            world = take_prepared_world(cfg) or make_world(cfg, fail_fast=fail_fast)
+        self.world = w = world
         self.fail_fast = w.fail_fast if w.fail_fast is not None else fail_fast
         transport = cfg.train.transport
         group = w.group
         check_launcher(transport, plan.num_stages, launched=group is not None)
         if group is None:  # chip types first: emulated backends must exist before JAX starts any
-            from h2jax.runtime._cluster import setup_backends
+            from h2jax.runtime._cluster import register_backends
 
-            setup_backends(cfg.cluster)
+            register_backends(cfg.cluster)
         self.dataset = load_dataset(
             corpus=cfg.data.corpus,
             token_file=cfg.data.token_file,
@@ -640,6 +643,7 @@ def _check_model(model: nnx.Module, cfg: ExperimentConfig) -> None:
         raise ConfigError(
             "model.n_layers", f"n_layers={cfg.model.n_layers} but the model has {len(model.blocks)} blocks"
         )
+    check_calls(model, cfg.model.seq_len)  # a dropout that cannot draw, a head that is not one loss
 
 
 def train(

@@ -316,3 +316,61 @@ def make_world(cfg: ExperimentConfig, *, fail_fast: Any = None) -> World:
 
     fail_fast.peers = world.allgather((world.rank, group.stage_idx, os.getpid(), socket.gethostname()))
     return world
+
+
+_prepared: list[tuple[Any, World]] = []  # (the plan, the world) setup_backends built for train()
+
+
+def setup_backends(target: ExperimentConfig | Any) -> dict[str, list[str]]:
+    """Make the chip types available before anything starts JAX (a model built at a script's
+    top level does); chip type -> backend name per node.
+
+    Given the experiment config, it works in one process and under a launcher alike: in one
+    process every chip type of the cluster is registered (emulated ones as CPU clients, one
+    per node); under mpirun/srun this process's world is built now -- its stage's chip type
+    with its stage's devices, and jax.distributed where a stage spans processes -- and
+    :func:`h2jax.train` of the same plan takes it over. Given the cluster alone, one process
+    only: under a launcher the plan decides which chip type each process holds."""
+    from h2jax.config import ClusterConfig, validate
+    from h2jax.launch import LauncherError, detect_launch
+    from h2jax.runtime._cluster import register_backends
+
+    try:
+        launch = detect_launch()
+    except LauncherError as e:
+        raise ConfigError("launcher", str(e)) from None
+    launched = launch is not None and launch.size > 1
+    if isinstance(target, ClusterConfig):
+        if launched:
+            raise ConfigError(
+                "setup_backends",
+                f"under {launch.launcher} ({launch.size} processes) each process holds its stage's chip "
+                "type only, which the plan decides: pass the experiment config (h2jax.setup_backends(cfg))",
+            )
+        return register_backends(target)
+    if not isinstance(target, ExperimentConfig):
+        raise TypeError(f"setup_backends: expected an ExperimentConfig or a ClusterConfig, got {type(target).__name__}")
+    cfg = validate(target)
+    if not launched:
+        return register_backends(cfg.cluster)
+    if _prepared and _prepared[0][0] != cfg.plan:
+        raise ConfigError("setup_backends", "called twice with different plans; one process runs one plan's stage")
+    if not _prepared:
+        _prepared.append((cfg.plan, make_world(cfg)))
+    group = _prepared[0][1].group
+    return {group.spec.chip: [group.backend]}
+
+
+def take_prepared_world(cfg: ExperimentConfig) -> World | None:
+    """The world :func:`setup_backends` built for ``cfg``'s plan (handed over once), or None."""
+    if not _prepared:
+        return None
+    plan, world = _prepared[0]
+    if plan != cfg.plan:
+        raise ConfigError(
+            "plan",
+            "h2jax.setup_backends(cfg) prepared this process for another plan than the one train() was "
+            "given; pass the same config to both",
+        )
+    _prepared.clear()
+    return world

@@ -45,7 +45,10 @@ def _write(tmp_path: Path, data, name: str = "exp.yaml") -> Path:
 
 def test_default_job():
     cfg = load_config()
-    assert cfg == ExperimentConfig()
+    assert cfg.train.transport == "local"  # 'auto' in one process
+    default = ExperimentConfig()
+    assert default.train.transport == "auto"
+    assert cfg == dataclasses.replace(default, train=dataclasses.replace(default.train, transport="local"))
     assert set(cfg.cluster.chips) == {"sim_a", "sim_b"}
     assert cfg.plan.stages == (
         StageSpec(chip="sim_a", data=2, tensor=2, layers=(0, 4)),
@@ -388,6 +391,7 @@ def test_default_yaml_is_the_embedded_default():
     written = yaml.safe_load(path.read_text())
     resolved = config_to_dict(load_config())
     resolved["cluster"]["chips"] = {name: {"nodes": 1} for name in resolved["cluster"]["chips"]}
+    resolved["train"]["transport"] = "auto"  # the file keeps the default; loading resolves it
     assert written == resolved
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 
 import h2jax
 from h2jax.runtime import Trainer, flatten
-from tests.runtime.user_model_job import Block, Embed, MyModel
+from tests.runtime.user_model_job import WIDTH, Block, Embed, MyModel
 
 
 # the README's own-model example (its classes live in the job script that mpirun runs too)
@@ -111,3 +111,41 @@ def test_a_model_with_batch_statistics_is_refused_in_one_line(tmp_path):
         h2jax.train(cfg, model=model, run_dir=tmp_path)
     msg = str(e.value)
     assert "\n" not in msg and "non-Param state norm/mean" in msg, msg
+
+
+class PerTokenHead(nnx.Module):
+    """A head that forgot the mean: a loss per token."""
+
+    def __init__(self, rngs):
+        self.out = nnx.Linear(WIDTH, 256, use_bias=False, rngs=rngs)
+
+    def __call__(self, h, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(self.out(h).astype(jnp.float32), targets)
+
+
+class DropoutBlock(Block):
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.drop = nnx.Dropout(0.1)  # no rngs: it cannot draw a mask
+
+    def __call__(self, h):
+        return self.drop(super().__call__(h))
+
+
+def test_a_model_that_cannot_run_is_refused_before_the_first_step(tmp_path):
+    """A per-token loss and an nnx.Dropout without rngs: one line naming the part and the fix,
+    before any stage is built (not JAX's VJP message in step 0's backward, not flax's own)."""
+    cfg = h2jax.load_config(None, OVERRIDES)
+    model = MyModel(nnx.Rngs(0))
+    model.head = PerTokenHead(nnx.Rngs(1))
+    with pytest.raises(TypeError) as e:
+        h2jax.train(cfg, model=model, run_dir=tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "MyModel.head(h, targets) returned shape (1, 32)" in msg and ".mean()" in msg, msg
+    model = MyModel(nnx.Rngs(0))
+    model.blocks[2] = DropoutBlock(nnx.Rngs(2))
+    with pytest.raises(TypeError) as e:
+        h2jax.train(cfg, model=model, run_dir=tmp_path)
+    msg = str(e.value)
+    assert "MyModel.blocks.2.drop is an nnx.Dropout without rngs" in msg and "h2jax.models.Dropout" in msg, msg
+    assert not any(tmp_path.iterdir())  # refused before the run folder was written

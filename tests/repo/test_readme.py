@@ -12,6 +12,9 @@ What is adjusted, and why (the table ``ADJUST`` below, each with its reason):
   installed in the environment running this test (the fresh-clone install itself is what CI's
   ``.ci/run`` does);
 - the test commands are skipped: they are this suite;
+- a Python block that starts with ``# <name>.py`` is written to that file (the commands that
+  follow run it by name, in one process and under ``mpirun``); ``python`` is this
+  environment's interpreter;
 - ``srun`` lines run only where SLURM is installed;
 - benchmark scripts run with ``--help`` (each takes minutes on a quiet machine; their
   numbers are measured by hand and logged in docs/LOG.md).
@@ -70,6 +73,7 @@ def adjust(cmd: str) -> tuple[list[str] | None, str]:
         argv[0] = find_mpirun() or "mpirun"
     if argv[0] == "python" and argv[1].startswith("benchmarks/"):
         return [sys.executable, argv[1], "--help"], "benchmark: --help only"
+    argv = [sys.executable if w == "python" else w for w in argv]  # this environment's interpreter
     if "h2jax" in argv and argv[argv.index("h2jax") + 1] == "train":
         argv.append("train.steps=2")
         why.append("2 steps")
@@ -95,7 +99,11 @@ def steps() -> list[tuple[str, list[str] | None, str, int]]:
                 argv, why = adjust(cmd)
                 out.append((cmd, argv, why, code))
         elif lang == "python":
-            out.append(("python block", [sys.executable, "-c", body], "", 0))
+            name = re.match(r"# (\w+\.py)\n", body)
+            if name:  # a script the README runs by its name: written where the commands run
+                out.append((f"python block {name.group(1)}", ["write", name.group(1), body], "", 0))
+            else:
+                out.append(("python block", [sys.executable, "-c", body], "", 0))
     return out
 
 
@@ -118,6 +126,9 @@ def test_every_readme_command_runs_in_order(tmp_path):
     ran = 0
     for cmd, argv, why, code in steps():
         if argv is None:
+            continue
+        if argv[0] == "write":
+            (tmp_path / argv[1]).write_text(argv[2])
             continue
         if argv[0] == "h2jax":
             argv = [sys.executable, "-m", "h2jax.cli", *argv[1:]]

@@ -54,12 +54,17 @@ def test_bad_rank_value_is_named():
 
 
 STOP_GUARD_JOB = """
-import os, sys
+import os, sys, time
 from h2jax import cli, launch
 
 def load(args):  # stand in for the config load right after FailFast.start: report and leave
     threads = len(os.listdir("/proc/self/task"))
-    print("threads", threads, "taking", launch.threads_taking(launch.FailFast.signals()))
+    for _ in range(500):  # the waiter takes the signals once it sits in sigwait (it may not yet)
+        taking = launch.threads_taking(launch.FailFast.signals())
+        if taking:
+            break
+        time.sleep(0.01)
+    print("threads", threads, "taking", taking)
     raise SystemExit(0)
 
 cli._load = load
@@ -84,3 +89,28 @@ def test_train_under_a_launcher_blocks_the_stop_signals_before_any_thread_starts
     threads, taking = out.stdout.split("taking")
     assert int(threads.split()[1]) >= 3, out.stdout  # main, the waiter and the BLAS pool: the guard matters
     assert len(eval(taking)) == 1, out.stdout  # the waiter only
+
+
+def test_the_default_transport_is_local_alone_and_ffi_under_a_launcher(monkeypatch):
+    from h2jax import load_config
+
+    for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    assert load_config(None, []).train.transport == "local"
+    for k, v in OMPI5.items():
+        monkeypatch.setenv(k, v)
+    assert load_config(None, []).train.transport == "ffi"  # what config.yaml records
+    assert load_config(None, ["train.transport=host"]).train.transport == "host"
+
+
+def test_setup_backends_of_a_cluster_alone_is_refused_under_a_launcher(monkeypatch):
+    """Under mpirun each process holds its stage's chip type only: registering every chip type
+    of the cluster (the one-process form) would give the stage's backend the wrong devices."""
+    from h2jax import load_config, setup_backends
+    from h2jax.config import ConfigError
+
+    cfg = load_config(None, [])
+    for k, v in OMPI5.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=r"setup_backends.*pass the experiment config"):
+        setup_backends(cfg.cluster)

@@ -81,6 +81,22 @@ def test_progress_bar_shows_step_loss_and_throughput(tmp_path) -> None:
     assert "123,456" in out
 
 
+def test_a_log_gets_a_line_per_period_with_mfu_per_chip_and_eta(tmp_path) -> None:
+    """Not on a terminal (nohup, SLURM, CI): one line per period, naming the step, the loss,
+    tokens/s, MFU (and per chip type) and the time left."""
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=False, width=140)
+    with MetricsLogger(tmp_path, total_steps=4, tensorboard=False, console=console, progress_every_s=0) as logger:
+        for step in range(4):
+            logger.log(step, {"loss": 1.5, "tokens_per_s": 2000.0, "mfu": 0.125, "mfu/sim_a": 0.2, "mfu/sim_b": 0.05})
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith(
+        "h2jax: train: at 1/4 (loss 1.5000, 2,000 tok/s, MFU 12.5 % (sim_a 20.0 %, sim_b 5.0 %))"
+    )
+    assert ", eta " in lines[0]
+    assert lines[-1].startswith("h2jax: train: done 4/4") and "eta" not in lines[-1]
+
+
 def test_close_is_idempotent_and_log_after_close_fails(tmp_path) -> None:
     logger = MetricsLogger(tmp_path, total_steps=1, progress=False)
     logger.log(0, {"loss": 1.0})
@@ -116,3 +132,15 @@ def test_concurrent_logging(tmp_path) -> None:
         for t in threads:
             t.join()
     assert sorted(r["step"] for r in read_metrics(tmp_path)) == list(range(400))
+
+
+def test_a_console_to_a_file_is_wide_enough_for_the_tables(monkeypatch) -> None:
+    """rich cuts tables at 80 columns when not on a terminal (``h100_s…``); h2jax's consoles are
+    160 wide there, and a user's COLUMNS still wins."""
+    from h2jax._console import LOG_WIDTH, make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    assert make_console().width == LOG_WIDTH == 160
+    monkeypatch.setenv("COLUMNS", "100")
+    assert make_console().width == 100

@@ -66,7 +66,7 @@ def main() -> None:
             *sys.argv[2:],
         ],
     )
-    h2jax.setup_backends(cfg.cluster)
+    h2jax.setup_backends(cfg)
     result = h2jax.train(cfg, model=MyModel(nnx.Rngs(0)), run_dir=out / "run")
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     params = {k: np.asarray(v) for k, v in flatten(nnx.state(result.model, nnx.Param)).items()}
