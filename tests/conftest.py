@@ -30,6 +30,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 else:
     _CACHE_DIR = None
 
+# The suite runs in two xdist workers (pyproject's addopts), so an mpirun job may share the two
+# cores with the other worker's test. Open MPI binds each rank of a job of at most two ranks to
+# its own core, knowing nothing of the other processes: two ranks from two jobs then sit on one
+# core, each spinning in MPI's progress loop while the other computes. Unbound ranks that yield
+# when idle share the cores fairly. Only the tests' jobs: a user's mpirun keeps its defaults.
+os.environ.setdefault("PRTE_MCA_hwloc_default_binding_policy", "none")
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
@@ -41,6 +49,7 @@ TEST_CLUSTER = {"sim_a": (2, 4), "sim_b": (2, 4), "sim_c": (1, 4), "sim_d": (1, 
 register_emulated_chips(TEST_CLUSTER)
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -49,3 +58,12 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def pytest_sessionfinish(session, exitstatus):
     if _CACHE_DIR is not None:
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist's ``--dist loadgroup``: one group per test file (a module's shared compiles
+    and fixtures stay in one worker), except that every mpirun test joins one group, so at most
+    one mpirun job runs at a time beside the other worker's in-process tests."""
+    for item in items:
+        group = "mpirun" if item.get_closest_marker("multiproc") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
