@@ -60,6 +60,7 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under xdist's ``--dist loadgroup``: one group per test file (a module's shared compiles
     and fixtures stay in one worker), except that every mpirun test joins one group, so at most
