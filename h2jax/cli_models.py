@@ -89,8 +89,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 f"model section: {Path(args.out) / 'model.yaml'}; train with: h2jax train EXP.yaml --init-from {args.out}"
             )
         elif (src / "commits").is_dir():
-            cfg = export_hf(src, args.out, step=args.step, dtype=args.dtype)
-            print(f"exported {src} -> {args.out} (config.json, model.safetensors in {args.dtype})")
+            cfg, files = export_hf(src, args.out, step=args.step, dtype=args.dtype)
+            print(f"exported {src} -> {args.out} ({', '.join(files)}; weights in {args.dtype})")
+            if "tokenizer.json" not in files:
+                say(
+                    None,
+                    f"no tokenizer found beside {src} or the run's data.tokenizer: {args.out} loads as a "
+                    "model; copy the tokenizer files in for AutoTokenizer",
+                    style="bold yellow",
+                    prog="h2jax convert",
+                )
         else:
             raise ConvertError(
                 f"{src}: neither a Hugging Face model directory (config.json) nor an h2jax checkpoint (commits/)"

@@ -296,6 +296,31 @@ def _to_f32(array: np.ndarray, name: str) -> np.ndarray:
     raise ConvertError(f"tensor {name} has dtype {array.dtype}; expected float32, bfloat16 or float16")
 
 
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+"""A Hugging Face folder's files besides the weights and config.json that ``AutoTokenizer`` and
+``generate`` read: import keeps them beside the checkpoint, export writes them back."""
+HF_SOURCE_CONFIG = "hf_config.json"  # the source's config.json, kept by import for export
+_FROM_SOURCE = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _side_dir(ckpt_dir: Path) -> Path | None:
+    """Where a checkpoint's Hugging Face side files are: beside it (a converted checkpoint), or
+    beside the tokenizer its run trained with (the run folder's config.yaml ``data.tokenizer``:
+    a fine-tuning run of a converted checkpoint)."""
+    import yaml
+
+    if any((ckpt_dir / n).is_file() for n in (*HF_SIDE_FILES, HF_SOURCE_CONFIG)):
+        return ckpt_dir
+    run_config = ckpt_dir.parent / "config.yaml"
+    try:
+        tokenizer = ((yaml.safe_load(run_config.read_text()) or {}).get("data") or {}).get("tokenizer")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    if tokenizer and Path(tokenizer).is_file():
+        return Path(tokenizer).parent
+    return None
+
+
 def import_hf(
     hf_dir: str | Path, out_dir: str | Path, *, seq_len: int | None = None, dtype: str = "float32"
 ) -> GPTConfig:
@@ -329,8 +354,11 @@ def import_hf(
     store.save(0, state, {"step": 0, "model": model, "source": {"huggingface": str(hf_dir.absolute())}})
     store.close()
     experiment: dict[str, Any] = {"model": model}
+    for name in HF_SIDE_FILES:  # what an export needs to make a usable model folder again
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, out_dir / name)
+    (out_dir / HF_SOURCE_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
     if (hf_dir / "tokenizer.json").is_file():
-        shutil.copyfile(hf_dir / "tokenizer.json", out_dir / "tokenizer.json")
         experiment["data"] = {"tokenizer": str((out_dir / "tokenizer.json").absolute())}
     (out_dir / "model.yaml").write_text(yaml.safe_dump(experiment, sort_keys=False))
     return cfg
@@ -354,9 +382,12 @@ def _model_from_meta(raw: Mapping[str, Any], where: str) -> GPTConfig:
 
 def export_hf(
     ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None = None, dtype: str = "float32"
-) -> GPTConfig:
-    """Write a committed step of an h2jax checkpoint directory as a Hugging Face LLaMA directory
-    (config.json, model.safetensors, and tokenizer.json when the checkpoint directory has one)."""
+) -> tuple[GPTConfig, list[str]]:
+    """Write a committed step of an h2jax checkpoint directory as a Hugging Face LLaMA directory:
+    config.json, model.safetensors, and the side files (``HF_SIDE_FILES``) found beside the
+    checkpoint or beside the tokenizer its run trained with; the source model's context length
+    and special token ids come back from the config import kept. Returns the model config and
+    the files written."""
     import jax
 
     from h2jax.checkpoint import CheckpointError, CheckpointStore
@@ -399,11 +430,23 @@ def export_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stn.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config_to_hf(cfg, torch_dtype=dtype), indent=2) + "\n")
-    tok = Path(ckpt_dir) / "tokenizer.json"
-    if tok.is_file():
-        shutil.copyfile(tok, out / "tokenizer.json")
-    return cfg
+    hf = config_to_hf(cfg, torch_dtype=dtype)
+    side = _side_dir(Path(ckpt_dir))
+    copied: list[str] = []
+    if side is not None:
+        source = side / HF_SOURCE_CONFIG
+        if source.is_file():  # the source model's context and special tokens, which training keeps
+            src = json.loads(source.read_text())
+            hf["max_position_embeddings"] = max(
+                hf["max_position_embeddings"], int(src.get("max_position_embeddings", 0))
+            )
+            hf.update({k: src[k] for k in _FROM_SOURCE if k in src})
+        for name in HF_SIDE_FILES:
+            if (side / name).is_file():
+                shutil.copyfile(side / name, out / name)
+                copied.append(name)
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return cfg, ["config.json", "model.safetensors", *copied]
 
 
 def load_model(ckpt_dir: str | Path, *, step: int | None = None):

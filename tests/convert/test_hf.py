@@ -207,3 +207,41 @@ def test_convert_refuses_a_folder_that_holds_files_and_overwrite_keeps_it_aside(
     assert f"kept in {kept[0]}" in capsys.readouterr().err
     assert sorted(p.name for p in old.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert json.loads((old / "tokenizer.json").read_text()) == json.loads((src / "tokenizer.json").read_text())
+
+
+def test_an_export_is_a_model_folder_transformers_loads_whole(tmp_path):
+    """The export of a converted checkpoint -- and of a run trained from it -- carries the
+    source's tokenizer and generation files, context length and special token ids (it used to
+    drop the tokenizer files, write the training seq_len as max_position_embeddings, and lose
+    bos/eos)."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    import yaml
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    def source(hf):
+        hf.update(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+
+    hf_dir = _hand_made(tmp_path, config_edit=source)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 32)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"})
+    )
+    (hf_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    assert _run("convert", str(hf_dir), str(tmp_path / "ckpt")) == 0
+    # a run folder trained from it: its checkpoints/ beside a config.yaml naming the tokenizer
+    run = tmp_path / "runs" / "ft"
+    top = str(tmp_path / "ckpt")  # the checkpoint alone: not the files import keeps beside it
+    shutil.copytree(top, run / "checkpoints", ignore=lambda d, names: [n for n in names if d == top and "." in n])
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": str(tmp_path / "ckpt" / "tokenizer.json")}}))
+    for src, out in ((tmp_path / "ckpt", tmp_path / "out_a"), (run / "checkpoints", tmp_path / "out_b")):
+        assert _run("convert", str(src), str(out)) == 0
+        hf = json.loads((out / "config.json").read_text())
+        assert (hf["max_position_embeddings"], hf["bos_token_id"], hf["eos_token_id"]) == (2048, 1, 2), out
+        assert {p.name for p in out.iterdir()} >= {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+        loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+        assert loaded("w3 w4")["input_ids"][-2:] == [3, 4] and loaded.eos_token == "</s>"
