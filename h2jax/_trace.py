@@ -390,6 +390,7 @@ def plot_gantt(
     px_per_unit = ax.get_window_extent().width / (span + 2 * pad)
 
     kinds_seen: set[str] = set()
+    hatched = False
     for ev in events:
         x = (ev.start_us - origin) / scale
         w = ev.dur_us / scale
@@ -410,6 +411,7 @@ def plot_gantt(
             hatch="///" if chunk else None,  # a stage's later layer chunks are hatched
             zorder=3,
         )
+        hatched = hatched or bool(chunk)
         label = ev.name if ev.kind in COMPUTE_KINDS else ("U" if ev.kind == "update" else "")
         if ev.kind in COMPUTE_KINDS and ev.microbatch is not None:
             label = str(ev.microbatch) + (f"c{chunk}" if chunk is not None else "")
@@ -430,6 +432,8 @@ def plot_gantt(
     legend = [k for kind in EVENT_KINDS for k in ((kind, "wgt") if kind == "bwd" else (kind,))]
     order = [k for k in legend if k in kinds_seen] or ["fwd", "bwd"]
     handles = [Patch(facecolor=_COLOURS[k], label=_LEGEND_NAMES[k]) for k in order]
+    if hatched:  # everything drawn is named: the hatching too
+        handles.append(Patch(facecolor="#999999", edgecolor="white", hatch="///", label="a later layer chunk"))
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=9)
 
     bubble = bubble_fraction(events, num_stages)
@@ -442,7 +446,8 @@ def plot_gantt(
         step_txt = f"step {steps[0]}"
     else:
         step_txt = f"steps {steps[0]}–{steps[-1]}"
-    subtitle = f"{step_txt} · {span:.3g} {unit} · bubble {100 * bubble:.1f} %"
+    span_txt = f"{span:,.0f}" if span >= 100 else f"{span:.3g}"  # 2,840 ms, not 2.84e+03
+    subtitle = f"{step_txt} · {span_txt} {unit} · bubble {100 * bubble:.1f} %"
     if title:
         ax.set_title(f"{title}\n", fontsize=12, loc="left", fontweight="bold")
         ax.set_title(subtitle, fontsize=9, loc="right", color="#555555")

@@ -292,3 +292,22 @@ def test_plot_gantt_draws_a_split_backwards_w_apart_from_b(tmp_path) -> None:
     assert [colour_key(ev) for ev in tl.events()] == ["fwd", "bwd", "wgt"]
     plot_gantt(tl.events(), tmp_path / "zb.png", stage_labels=tl.stage_labels)
     assert (tmp_path / "zb.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_gantt_names_everything_it_draws(tmp_path, monkeypatch) -> None:
+    """The hatching of a later layer chunk is in the legend; a span of seconds reads 2,840 ms,
+    not 2.84e+03 ms."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k))[1])
+    tl = Timeline(stage_labels=["a"], t0=0.0)
+    tl.add("fwd", stage=0, step=0, microbatch=0, start=0.0, end=1.0, chunk=0)
+    tl.add("fwd", stage=0, step=0, microbatch=0, start=1.0, end=2.84, chunk=1)
+    plot_gantt(tl.events(), tmp_path / "v.png", stage_labels=tl.stage_labels)
+    (fig,) = drawn
+    names = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert "a later layer chunk" in names, names
+    titles = " ".join(ax.get_title(loc) for ax in fig.axes for loc in ("left", "center", "right"))
+    assert "2,840 ms" in titles and "e+" not in titles, titles
