@@ -75,7 +75,19 @@ def _load(args: argparse.Namespace):
             return load_config(path, overrides)
         return check_inputs(load_config(path, overrides, check_files=False), run_dir=run_dir)
     except ConfigError as e:
-        raise SystemExit(fail("config error", str(e))) from None
+        raise SystemExit(fail("config error", str(e)) if _speaks() else EXIT_CONFIG) from None
+
+
+def _speaks() -> bool:
+    """Whether this process prints a bad-input line: under a launcher every rank reads the
+    same input and fails alike, and rank 0 says so once for the job."""
+    from h2jax.launch import LauncherError, detect_launch
+
+    try:
+        launch = detect_launch()
+    except LauncherError:
+        return True
+    return launch is None or launch.rank == 0
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -118,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:  # a gin file may select the user's own model class (experiment.model = @module.Class)
         model = model_factory(_split_args(args.config)[0], cfg)
     except ConfigError as e:
-        return fail("config error", str(e), console=console)
+        return fail("config error", str(e), console=console) if _speaks() else EXIT_CONFIG
 
     writer = launch is None or launch.rank == 0
     from h2jax.checkpoint import check_start

@@ -257,6 +257,9 @@ def assert_recorded_equals_sequential(cfg, grads_by_step: list[dict], params: di
 # -- running the CLI ------------------------------------------------------------------------------
 
 
+SHARE_CORES = ("PRTE_MCA_hwloc_default_binding_policy", "OMPI_MCA_mpi_yield_when_idle")
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a CLI or job process: a plain run, with none of the test process's
     device flags, fault injections or launcher variables (an MPI import may have left some);
@@ -267,6 +270,9 @@ def cli_env(**extra: str) -> dict[str, str]:
         if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "H2JAX_FAULT")
         and not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_"))
     }
+    for k in SHARE_CORES:  # the suite's two settings for mpirun jobs (tests/conftest.py)
+        if k in os.environ:
+            env[k] = os.environ[k]
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env.update(extra)

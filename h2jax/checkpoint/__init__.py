@@ -17,6 +17,7 @@ from h2jax.checkpoint._store import (
     leftover_steps,
     listed_steps,
     nest,
+    on_disk,
     retained,
     unnest,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "failpoint",
     "leftover_steps",
     "listed_steps",
+    "on_disk",
     "nest",
     "retained",
     "unnest",

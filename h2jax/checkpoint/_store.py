@@ -149,9 +149,10 @@ def _alone() -> ocp.options.MultiprocessingOptions:
 
 class _DropClosedLoopTracebacks:
     """A stderr that drops the tracebacks of "RuntimeError: Event loop is closed": after one
-    read of a damaged step fails, orbax stops waiting and closes its event loop while
-    TensorStore's other reads are still landing, and each prints that traceback from its own
-    thread. The failure itself is reported once, as a CheckpointCorruptError."""
+    read of a damaged step fails (or one write of a save, on a full disk), orbax stops waiting
+    and closes its event loop while TensorStore's other reads or writes are still landing, and
+    each prints that traceback from its own thread (62-108 copies were seen). The failure
+    itself is reported once, as a CheckpointCorruptError or CheckpointSaveError."""
 
     def __init__(self, stream: Any):
         self.stream, self._lock = stream, threading.Lock()
@@ -234,6 +235,16 @@ def listed_steps(directory: str | Path) -> list[int]:
     orbax: usable before any device); a listed step may still lack a part's commit."""
     d = Path(directory) / COMMITS_DIR
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def on_disk(directory: str | Path) -> str:
+    """What a failure line says was saved: read from the disk when it is printed, never assumed
+    (a run folder deleted under a job takes its checkpoints with it)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return f"no checkpoint is left: {d} is gone"
+    steps = CheckpointStore(d).committed_steps()  # every part's marker there (reads the markers only)
+    return f"committed steps on disk: {', '.join(map(str, steps))} in {d}" if steps else f"no committed step in {d}"
 
 
 def check_start(checkpoint_dir: str | Path, *, restore_step: int | None, init_from: str | Path | None) -> None:
@@ -473,6 +484,9 @@ class CheckpointStore:
         Commits the previous save first. With ``async_save`` this returns once the arrays
         are off the devices; :meth:`poll` or :meth:`wait` commits it."""
         self.wait()
+        # a failing write (a full disk) closes orbax's loop while its other writes still land,
+        # each printing that traceback from its thread: the failure is reported once, by the job
+        _DropClosedLoopTracebacks.install()
         mgr = self._manager()
         if not self.keeper:
             mgr.reload()  # the keeper may have deleted steps (retention, a re-save): orbax caches the list

@@ -167,16 +167,16 @@ def check_launcher(transport: str, num_stages: int, *, launched: bool | None = N
     process to be one of several started by a launcher (mpirun, srun), one per stage; 'local'
     moves tensors inside one process. ``launched``: whether this process is one of several a
     launcher started (the trainer knows it from its world); None reads the launcher's
-    environment variables (h2jax.launch; nothing is started) and checks a transport between
-    processes only."""
+    environment variables (h2jax.launch; nothing is started): a transport inside one process
+    under a launcher is refused as early as a transport between processes without one."""
     if launched is None:
-        if transport not in PROCESS_TRANSPORTS:
-            return
         from h2jax.launch import LauncherError, detect_launch
 
         try:
             launch = detect_launch()
         except LauncherError as e:
+            if transport not in PROCESS_TRANSPORTS:
+                return
             raise ConfigError("train.transport", f"{transport!r} needs a launcher h2jax recognises: {e}") from None
         launched = launch is not None and launch.size >= 2
     if transport in PROCESS_TRANSPORTS and not launched:

@@ -22,8 +22,9 @@ from rich.markup import escape
 from h2jax._console import make_console
 from h2jax._errors import EXIT_CONFIG, EXIT_FAIL, EXIT_INTERRUPTED, debug, say
 from h2jax._units import MIB
-from h2jax.checkpoint import CheckpointError, CheckpointSaveError
+from h2jax.checkpoint import CheckpointError, CheckpointSaveError, on_disk
 from h2jax.config import ConfigError, ExperimentConfig
+from h2jax.runtime._outputs import RunFolderGone
 from h2jax.runtime._runner import StageFailure
 from h2jax.runtime._state import NonFiniteLossError
 from h2jax.runtime._trainer import Trainer
@@ -88,7 +89,9 @@ def run_job(
         if isinstance(e, ConfigError):
             what, code = "config error", EXIT_CONFIG
         elif isinstance(e, CheckpointSaveError):
-            what, code = "checkpoint save failed (earlier checkpoints are intact)", EXIT_FAIL
+            what, code = "checkpoint save failed", EXIT_FAIL
+        elif isinstance(e, RunFolderGone):
+            what, code = "run folder gone", EXIT_FAIL
         elif isinstance(e, CheckpointError):
             what, code = "checkpoint error", EXIT_FAIL
         elif isinstance(e, (StageFailure, NonFiniteLossError)):
@@ -97,23 +100,18 @@ def run_job(
             what, code = "interrupted", EXIT_INTERRUPTED
         else:
             what, code = f"failed: {type(e).__name__}", EXIT_FAIL
+        message = str(e)
+        if isinstance(e, CheckpointSaveError | RunFolderGone) and trainer is not None and cfg.checkpoint.enabled:
+            message += f" ({on_disk(trainer.checkpoint_dir)})"
         if not multi:
-            say(what, str(e), console=console)
+            say(what, message, console=console)
             if debug():
                 raise
             return code
         from mpi4py import MPI
 
         # any failure of one process ends every process of the job promptly
-        line = (
-            f"{what}: {e}"
-            if code == EXIT_CONFIG
-            else (
-                f"checkpoint save failed (earlier checkpoints are intact): {e}"
-                if isinstance(e, CheckpointSaveError)
-                else f"failed: {type(e).__name__}: {e}"
-            )
-        )
+        line = f"{what}: {message}"
         sys.stderr.write((fail_fast.line(line) if fail_fast is not None else f"h2jax: {line}") + "\n")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(code)

@@ -29,6 +29,10 @@ from h2jax.runtime._world import World
 LOCK_FILENAME = ".h2jax-run.lock"
 
 
+class RunFolderGone(RuntimeError):
+    """The run folder was deleted (or replaced) while the job wrote it."""
+
+
 class RunLock:
     """One job writes a run folder at a time: the writer holds ``<run folder>/.h2jax-run.lock``
     (an advisory ``flock``) from the first thing it writes there until the trainer closes.
@@ -86,6 +90,22 @@ class RunLock:
         }
         os.write(fd, (json.dumps(holder) + "\n").encode())
         self._fd = fd
+
+    def check_present(self) -> None:
+        """RunFolderGone when the lock file this job holds is no longer the one at its path:
+        the run folder was deleted or replaced under the job (whose files would otherwise go
+        on into unlinked files, or into a new empty folder, without a word)."""
+        if self._fd is None:
+            return
+        try:
+            same = os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+        except OSError:
+            same = False
+        if not same:
+            raise RunFolderGone(
+                f"run folder {self.path.parent} was deleted or replaced while this job wrote it; its "
+                f"metrics.jsonl and tb/ went with it. Stopping rather than writing into a folder that is gone"
+            )
 
     def release(self) -> None:
         """Drop the lock (the file stays: removing it would race with a job taking it)."""

@@ -95,7 +95,6 @@ class Trainer:
         if isinstance(model, nnx.Module):
             _check_model(model, cfg)
         self.cfg = cfg
-        plan = cfg.plan
         self.console = console or make_console(stderr=True)
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.train.out_dir) / cfg.name
         self.run_lock = RunLock(self.run_dir)  # taken by resume() or run(), the first to write there
@@ -104,6 +103,18 @@ class Trainer:
             world = take_prepared_world(cfg) or make_world(cfg, fail_fast=fail_fast)
         self.world = w = world
         self.fail_fast = w.fail_fast if w.fail_fast is not None else fail_fast
+        self._stop_signal: str | None = None
+        self._restore_signals: Callable[[], None] = _nothing
+        self._catch_signals()  # a stop asked during the set-up's compiles is kept for the first boundary
+        try:
+            self._set_up(model, hub)
+        except BaseException:
+            self._restore_signals()
+            raise
+
+    def _set_up(self, model: nnx.Module | Callable[[], nnx.Module] | None, hub: LocalHub | None) -> None:
+        """The chip types, the data, the model's stages and their programs (the first compiles)."""
+        cfg, w, plan = self.cfg, self.world, self.cfg.plan
         transport = cfg.train.transport
         group = w.group
         check_launcher(transport, plan.num_stages, launched=group is not None)
@@ -144,7 +155,6 @@ class Trainer:
         self._first_step = 0  # run() sets it to the step it starts from; train_step() may run without it
         self.skipped_steps = 0
         self.preempted: str | None = None  # the stop signal that ended run(), if one did
-        self._stop_signal: str | None = None
         self._store: CheckpointStore | None = None
         self._saved_step: int | None = None  # the step of the state saved (or restored) last
         self._all_committed = -1
@@ -314,7 +324,7 @@ class Trainer:
                 progress=cfg.train.progress,
                 console=self.console,
             )
-        restore_signals = self._catch_signals()
+        self._catch_signals()
         frozen = False
         try:
             while self.step < steps:
@@ -331,6 +341,8 @@ class Trainer:
                     metrics = self.step_metrics(stats)
                     if log is not None:
                         log.log(stats.step, metrics)
+                if w.is_writer:
+                    self.run_lock.check_present()  # a run folder deleted under the job ends it
                 if store is not None:
                     store.poll()  # commit a finished background save
                     if every > 0 and self.step % every == 0 and self.step < steps:
@@ -354,7 +366,7 @@ class Trainer:
         finally:
             if frozen:
                 gc.unfreeze()
-            restore_signals()
+            self._restore_signals()
             if log is not None:
                 log.close()
         self.summary = self._write_outputs(history, time.perf_counter() - t_start)
@@ -373,12 +385,16 @@ class Trainer:
             return True
         return False
 
-    def _catch_signals(self):
+    def _catch_signals(self) -> None:
         """One process: SIGTERM/SIGINT ask run() to stop at the next step boundary (saving
-        first when checkpoints are on); a second SIGINT interrupts at once. Under a launcher,
-        h2jax.launch.FailFast catches them instead. Returns what restores the old handlers."""
+        first when checkpoints are on); a second SIGINT interrupts at once. From the set-up on
+        (the first compiles run there, and Python's own KeyboardInterrupt, raised inside JAX's
+        gc callback, was swallowed: the job trained to the end) until run() ends or close().
+        Under a launcher, h2jax.launch.FailFast catches them instead."""
+        if self._restore_signals is not _nothing:
+            return
         if self.fail_fast is not None or threading.current_thread() is not threading.main_thread():
-            return lambda: None
+            return
         old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
         def handler(signum, frame):
@@ -395,8 +411,9 @@ class Trainer:
         def restore() -> None:
             for sig, h in old.items():
                 signal.signal(sig, h)
+            self._restore_signals = _nothing
 
-        return restore
+        self._restore_signals = restore
 
     def _write_outputs(self, history: list[StepStats], wall_s: float) -> dict[str, Any]:
         events = self.gather_events()
@@ -624,6 +641,11 @@ class Trainer:
             self.hub.close()
         self.run_lock.release()
         self._run_dir_held = False
+        self._restore_signals()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _leftovers_line(removed: list[str]) -> str:

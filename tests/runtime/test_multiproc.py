@@ -180,3 +180,23 @@ def test_process_counts_the_plan_cannot_use_fail_with_the_key(tmp_path):
     # before the plan placed the ranks there is no stage to name, and no step was completed
     assert "stage 2" not in err and "last completed step -1" not in err and "no step completed" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize(
+    "bad,says",
+    [
+        (["train.steps=-1"], "train.steps"),
+        (["train.transport=local"], "'local' moves tensors inside one process; under mpirun"),
+    ],
+    ids=["bad-value", "local-under-mpirun"],
+)
+def test_a_config_error_under_mpirun_is_one_line_before_the_config(tmp_path, bad, says):
+    """Every rank reads the same config and fails alike: rank 0 says it once, before the
+    config dump (a transport inside one process is refused there too), and the job exits 2."""
+    proc = _mpirun(2, [*OVERRIDES, *bad, "--run-dir", str(tmp_path / "run")], tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    lines = _rank_lines(err, "h2jax: config error:")
+    assert len(lines) == 1 and says in lines[0], err[-3000:]
+    assert "h2jax train:" not in err and "Traceback" not in err, err[-3000:]
+    assert not (tmp_path / "run").exists()

@@ -55,3 +55,58 @@ def test_a_run_name_is_one_folder_name(name):
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"name={name}"], check_files=False)
     assert e.value.key == "name" and "expected one folder name" in e.value.message
+
+
+def test_a_lock_whose_file_is_gone_says_the_run_folder_is_gone(tmp_path):
+    from h2jax.runtime._outputs import RunFolderGone
+
+    lock = RunLock(tmp_path / "run")
+    lock.acquire()
+    lock.check_present()  # there: nothing to say
+    (tmp_path / "run" / LOCK_FILENAME).unlink()
+    (tmp_path / "run" / LOCK_FILENAME).write_text("{}")  # another file at the same path is not ours
+    with pytest.raises(RunFolderGone, match="was deleted or replaced while this job wrote it"):
+        lock.check_present()
+    lock.release()
+
+
+@pytest.mark.slow
+def test_a_run_folder_deleted_mid_run_ends_the_job_with_one_line(tmp_path):
+    """It used to re-create the folder and exit 0 with metrics.jsonl and tb/ gone, or (during a
+    save) say that earlier checkpoints were intact after they had been deleted."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from tests._harness import cli_env
+
+    run = tmp_path / "run"
+    # no periodic save: the job meets the deletion between steps (a save it meets fails naming
+    # what is on the disk, test_multiproc_checkpoint)
+    args = [TINY, *QUIET, "train.steps=100000", "checkpoint.every_steps=0", "--run-dir", str(run)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "h2jax.cli", "train", *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        rows = run / "metrics.jsonl"
+        while not (rows.is_file() and len(rows.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        shutil.rmtree(run)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("h2jax: run folder gone:")]
+    assert len(lines) == 1, err[-3000:]
+    flat = " ".join(err.split())
+    assert f"run folder {run} was deleted or replaced" in flat and "no checkpoint is left" in flat, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not (run / "metrics.jsonl").exists()  # nothing written into a new folder as if all were well
