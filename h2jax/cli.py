@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from h2jax._console import make_console
-from h2jax._errors import EXIT_CONFIG, debug, fail, say
+from h2jax._errors import debug, fail, say
 
 
 def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -75,19 +75,33 @@ def _load(args: argparse.Namespace):
             return load_config(path, overrides)
         return check_inputs(load_config(path, overrides, check_files=False), run_dir=run_dir)
     except ConfigError as e:
-        raise SystemExit(fail("config error", str(e)) if _speaks() else EXIT_CONFIG) from None
+        raise SystemExit(_refuse("config error", str(e))) from None
 
 
-def _speaks() -> bool:
-    """Whether this process prints a bad-input line: under a launcher every rank reads the
-    same input and fails alike, and rank 0 says so once for the job."""
-    from h2jax.launch import LauncherError, detect_launch
+def _refuse(what: str, message: str, *, console=None, rank: int | None = -1) -> int:
+    """Print ``message`` as one bad-input line and return the exit code. Under a launcher every
+    rank reads the same input and fails alike: rank 0 says it once for the job. Another rank
+    waits a while for rank 0 to end the job (the launcher ends every rank when one exits
+    non-zero, and a rank that exits first could end rank 0 before its line is out); a rank
+    still running after the wait failed alone, and says so itself."""
+    if rank == -1:
+        from h2jax.launch import LauncherError, detect_launch
 
-    try:
-        launch = detect_launch()
-    except LauncherError:
-        return True
-    return launch is None or launch.rank == 0
+        try:
+            launch = detect_launch()
+        except LauncherError:
+            launch = None
+        rank = None if launch is None else launch.rank
+    if rank:
+        import time
+
+        time.sleep(REFUSE_WAIT_S)
+        message = f"rank {rank}: {message}"
+    return fail(what, message, console=console)
+
+
+# seconds a rank other than 0 waits for rank 0 to report a config error the job shares
+REFUSE_WAIT_S = 20.0
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -130,7 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:  # a gin file may select the user's own model class (experiment.model = @module.Class)
         model = model_factory(_split_args(args.config)[0], cfg)
     except ConfigError as e:
-        return fail("config error", str(e), console=console) if _speaks() else EXIT_CONFIG
+        return _refuse("config error", str(e), console=console)
 
     writer = launch is None or launch.rank == 0
     from h2jax.checkpoint import check_start
@@ -141,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             cfg.checkpoint.dir or run_dir / "checkpoints", restore_step=args.restore_step, init_from=args.init_from
         )
     except ConfigError as e:
-        return fail("config error", str(e), console=console) if writer else EXIT_CONFIG
+        return _refuse("config error", str(e), console=console, rank=None if launch is None else launch.rank)
     if writer:
         console.rule(f"h2jax train: {cfg.name}")
         console.print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), highlight=False)

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from h2jax._console import make_console
-from h2jax._errors import fail, say
+from h2jax._errors import EXIT_FAIL, fail, say
 from h2jax._paths import keep_aside
 from h2jax.plan import DEFAULT_TIME_BUDGET_S, INTERLEAVED_CHUNKS, schedule_names
 
@@ -564,17 +564,21 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
             ) from None
         print(f"measuring on the local {chip.platform} backend")
     from h2jax.plan import local_cores
-    from h2jax.runtime import profile_chip
+    from h2jax.runtime import ProfileNoiseError, profile_chip
 
-    rows = profile_chip(
-        args.chip,
-        chip,
-        cfg,
-        tensor_degrees=args.tensor,
-        microbatches=args.microbatch,
-        repeats=args.repeats,
-        statistic=args.statistic,
-    )
+    try:
+        rows = profile_chip(
+            args.chip,
+            chip,
+            cfg,
+            tensor_degrees=args.tensor,
+            microbatches=args.microbatch,
+            repeats=args.repeats,
+            statistic=args.statistic,
+        )
+    except ProfileNoiseError as e:  # nothing written: the table on disk is left as it was
+        say("profile not measured", f"{e}; nothing written")
+        raise SystemExit(EXIT_FAIL) from None
     if not chip.emulated:
         return {"rows": rows, "host_cores": None, "driver": None}
     # every emulated chip computes on this machine: what its figures are out of, and what the

@@ -10,7 +10,7 @@ from h2jax.runtime._job import run_job
 from h2jax.runtime._layout import flatten, model_layout
 from h2jax.runtime._metrics import MetricsLogger, read_metrics
 from h2jax.runtime._outputs import LOCK_FILENAME, RunLock, mfu
-from h2jax.runtime._profile import profile_chip, profile_driver
+from h2jax.runtime._profile import ProfileNoiseError, profile_chip, profile_driver
 from h2jax.runtime._reference import reference_loss_and_grads
 from h2jax.runtime._runner import StageFailure, StageRunner
 from h2jax.runtime._stage import StageMemory, StageProgram
@@ -48,6 +48,7 @@ __all__ = [
     "model_layout",
     "place_stages",
     "plot_gantt",
+    "ProfileNoiseError",
     "profile_chip",
     "profile_driver",
     "read_metrics",

@@ -292,6 +292,24 @@ class ChipProfiler:
             raise RuntimeError(f"profiler of {self.chip_name}: no round timed yet")
         return {key: self._row(row, statistic) for key, row in self._rows.items()}
 
+    def unsure(self, statistic: str = "median") -> list[str]:
+        """What of the rounds so far fits to a block that costs nothing (forward, backward or
+        optimizer step at or below 0 s): one phrase per row and kind."""
+        out = []
+        for (t, b), row in self._rows.items():
+            wall = {k: _stat(v, statistic) for k, v in row["walls"].items()}
+            for name in BLOCK_PROGRAMS:
+                wall[f"{name}/b"] = wall[f"{name}/fb"] - wall[f"{name}/f"]
+            for kind, what in (("f", "forward"), ("b", "backward"), ("u", "optimizer step")):
+                blk, _ = fit_line(wall, kind)
+                if not blk > 0:
+                    times = ", ".join(f"{wall[f'b{k}/{kind}'] * 1e3:.3g}" for k in BLOCK_COUNTS)
+                    out.append(
+                        f"tensor {t}, microbatch {b}: a block's {what} fits to {blk * 1e3:.3g} ms "
+                        f"(1, 2, 4 blocks took {times} ms)"
+                    )
+        return out
+
     def _row(self, row: dict, statistic: str) -> dict[str, LayerCost]:
         cap, programs = self.cap, self.programs
         wall = {k: _stat(v, statistic) for k, v in row["walls"].items()}
@@ -417,9 +435,31 @@ def profile_chip(
             for (t, b), prof in zip(rows, profs):
                 prof.round()
                 progress.advance(note=f"round {r + 1}/{repeats}: tensor {t}, microbatch {b}")
+        # a block costs more than nothing: a fit at or below 0 is the host's noise (other work
+        # in one of the rounds), so more rounds are taken -- of every row, to keep them alike --
+        # and a fit still at 0 after them is refused, not handed to the planner as a free block
+        extra = 0
+        while (unsure := [u for prof in profs for u in prof.unsure(statistic)]) and extra < EXTRA_ROUNDS * repeats:
+            for prof in profs:
+                prof.round()
+            extra += 1
+            progress.set(progress.done, note=f"extra round {extra}: {unsure[0]}")
+        if unsure:
+            raise ProfileNoiseError(
+                f"profile {chip_name}: {'; '.join(unsure)} after {repeats + extra} rounds: this host's "
+                f"timing noise is larger than the model's blocks; measure a larger model or with more "
+                f"--repeats on a quieter host"
+            )
         for prof in profs:
             out |= prof.rows(statistic)
     return out
+
+
+EXTRA_ROUNDS = 2  # rounds taken beyond `repeats` when a fit is not positive, per repeat asked for
+
+
+class ProfileNoiseError(RuntimeError):
+    """A measured block cost fits to 0 s or less: the host's noise is larger than the blocks."""
 
 
 # the driver calibration: a model whose programs cost next to nothing, and microbatch counts

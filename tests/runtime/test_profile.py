@@ -9,7 +9,8 @@ from h2jax.config import load_config
 from h2jax.models import GPTConfig
 from h2jax.plan import ModelShape, ProfileTable, estimate, load_chip, roofline_costs
 from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
-from h2jax.runtime._profile import BLOCK_COUNTS, ChipProfiler, fit_line, profile_chip
+from h2jax.runtime import _profile
+from h2jax.runtime._profile import BLOCK_COUNTS, ChipProfiler, ProfileNoiseError, fit_line, profile_chip
 
 pytestmark = pytest.mark.slow  # profiles real programs (minutes on a loaded machine): the full suite, not the fast lane
 
@@ -90,6 +91,47 @@ def test_block_cost_is_the_least_squares_line_through_the_block_programs():
     assert abs(blk - 2.0) == pytest.approx(0.7 / 14)
     # a line through the origin or below it: no negative fixed cost
     assert fit_line({f"b{k}/u": 2.0 * k - 0.5 for k in BLOCK_COUNTS}, "u")[1] == 0.0
+
+
+class _NoisyProfiler(ChipProfiler):
+    """A profiler whose rounds are given, not timed: the 4-block backward took no longer than
+    the 1-block one for the first `noisy` rounds (another job on the host in those rounds)."""
+
+    def __init__(self, *args, noisy: int, **kw):
+        self._rows = {(1, 2): {"walls": {}}}
+        self.rounds, self.noisy = 0, noisy
+
+    def round(self) -> None:
+        walls = self._rows[(1, 2)]["walls"]
+        for k in BLOCK_COUNTS:
+            f = 1.0 + k
+            b = 9.0 - k if self.rounds < self.noisy else 1.0 + 2 * k
+            for kind, t in (("f", f), ("fb", f + b), ("u", 0.1 * k)):
+                walls.setdefault(f"b{k}/{kind}", []).append(t)
+        self.rounds += 1
+
+    def rows(self, statistic="median"):
+        return {(1, 2): {"rounds": self.rounds}}
+
+
+@pytest.mark.parametrize("noisy", [3, 30], ids=["noise-passes", "noise-stays"])
+def test_a_block_that_fits_to_no_cost_takes_more_rounds_then_is_refused(monkeypatch, noisy):
+    made = []
+    monkeypatch.setattr(_profile, "ChipProfiler", lambda *a, **kw: made.append(_NoisyProfiler(noisy=noisy)) or made[-1])
+    chip = load_config(None).cluster.chips["sim_a"]
+    model = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    if noisy == 3:  # the median of 3 noisy and 3 quiet rounds is the first to slope upwards
+        rows = profile_chip("sim_a", chip, model, tensor_degrees=[1], microbatches=[2], repeats=3)
+        assert rows == {(1, 2): {"rounds": 6}}
+        assert made[0].unsure() == []
+        return
+    with pytest.raises(ProfileNoiseError) as e:
+        profile_chip("sim_a", chip, model, tensor_degrees=[1], microbatches=[2], repeats=3)
+    assert made[0].rounds == 3 * (1 + _profile.EXTRA_ROUNDS)
+    msg = str(e.value)
+    assert "profile sim_a: tensor 1, microbatch 2: a block's backward fits to -1e+03 ms" in msg, msg
+    assert "(1, 2, 4 blocks took 8e+03, 7e+03, 5e+03 ms)" in msg and "after 9 rounds" in msg, msg
+    assert "forward" not in msg.split("after")[0].replace("backward", ""), msg
 
 
 def test_profiler_rounds_accumulate_and_the_statistic_is_chosen():
