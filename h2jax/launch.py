@@ -9,7 +9,7 @@ This module imports nothing heavy: the CLI uses it before JAX (and its threads) 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -167,7 +167,10 @@ class FailFast:
     ``mpirun`` forwards SIGTERM and SIGINT to every rank and SIGKILLs them about 0.25 s
     later, so a SIGTERM *to mpirun* (or a rank that dies) ends the job without a save;
     SIGUSR1 to ``mpirun`` is forwarded to every rank and nothing else happens, so it is the
-    signal that makes an ``mpirun`` job save and stop. A SIGTERM sent to the ranks
+    signal that makes an ``mpirun`` job save and stop: under Open MPI a SIGTERM or SIGINT
+    ends the rank at once, its line saying why no save is attempted, what the checkpoints on
+    disk hold (:attr:`saved`) and to send SIGUSR1 instead (the sender of a signal tells
+    which: Open MPI's daemon is the rank's parent). A SIGTERM sent to the ranks
     themselves (``srun`` on cancellation, with KillWait before SIGKILL; a scheduler that
     signals every process; ``kill`` on one rank's pid) saves and stops the whole job.
     """
@@ -182,6 +185,15 @@ class FailFast:
         self._finished = False
         # every process of the job: (rank, stage, pid, host), to name a peer that died
         self.peers: list[tuple[int, int, int, str]] = []
+        # what the checkpoints on disk hold, read when a line is printed (the trainer sets it)
+        self.saved: Callable[[], str] | None = None
+
+    def may_save_on(self, name: str, sender: int) -> bool:
+        """Whether a stop signal ``name`` from process ``sender`` leaves time for a save: Open
+        MPI's daemon (this rank's parent) follows a SIGTERM or SIGINT it sends with SIGKILL
+        within a second (class docstring); SIGUSR1, any signal under the other launchers, and
+        one sent by anyone else (``kill`` on a rank's pid, a scheduler) leave time."""
+        return name == "SIGUSR1" or not self.launch.launcher.startswith("openmpi") or sender != os.getppid()
 
     def line(self, why: str) -> str:
         lc = self.launch
@@ -300,10 +312,27 @@ class FailFast:
         """This process is about to exit on its own: a late signal ends it without a line."""
         self._finished = True
 
-    def _exit(self, why: str) -> None:
+    def _exit(self, why: str, *, to_launcher: bool = False) -> None:
+        """Say the line and end this process. ``to_launcher``: the launcher itself is ending
+        the job (Open MPI's daemon, this process's parent, sent the signal), and stops relaying
+        the ranks' output as it does so (a SIGTERM to ``mpirun``: measured, no rank's line came
+        out); the line goes to the launcher's own stderr, where the user reads the job's."""
         import sys
 
-        sys.stderr.write(self.line(why) + "\n")
+        if self.saved is not None:
+            try:
+                why = f"{why}; {self.saved()}"
+            except Exception as e:  # noqa: BLE001 -- the line goes out whatever the disk says
+                why = f"{why}; the checkpoints could not be read ({type(e).__name__}: {e})"
+        text = self.line(why) + "\n"
+        if to_launcher:
+            try:
+                with open(f"/proc/{os.getppid()}/fd/2", "w") as f:
+                    f.write(text)
+                os._exit(1)
+            except OSError:  # another user's launcher, no /proc: this process's own stderr
+                pass
+        sys.stderr.write(text)
         sys.stderr.flush()
         os._exit(1)
 
@@ -315,7 +344,7 @@ class FailFast:
         while True:
             deadline = self._deadline
             if deadline is None:
-                signum = signal.sigwait(sigs)
+                info = signal.sigwaitinfo(sigs)
             else:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -326,7 +355,7 @@ class FailFast:
                 info = signal.sigtimedwait(sigs, min(left, 1.0))
                 if info is None:
                     continue
-                signum = info.si_signo
+            signum, sender = info.si_signo, info.si_pid
             name = signal.Signals(signum).name
             if self._finished:
                 os._exit(1)
@@ -339,6 +368,13 @@ class FailFast:
                 )
             if self._grace_s is None or self.stop_signal is not None:
                 self._exit(f"stopped by {name} (another process of the job failed, or the job was cancelled)")
+            if not self.may_save_on(name, sender):  # no promise of a save the launcher will not let it make
+                self._exit(
+                    f"stopped by {name}: mpirun follows a {name} with SIGKILL within a second (another rank of "
+                    f"the job failed, or mpirun itself was signalled), so no save is attempted; to stop an mpirun "
+                    f"job and save, send SIGUSR1 to mpirun",
+                    to_launcher=True,
+                )
             self.stop_signal = name
             self._deadline = time.monotonic() + self._grace_s
             import sys

@@ -286,14 +286,15 @@ def test_single_process_checkpoint_resumes_under_mpirun_and_stop_signals_save(ca
 # FailFast's stop signals in a process of its own (no MPI): "hang" never reaches a step
 # boundary (as when a peer died inside a collective); "boundary" reaches one at once
 CHILD = """
-import sys, time
+import os, sys, time
 from h2jax.launch import FailFast, LaunchInfo
 ff = FailFast(LaunchInfo("openmpi-5", 1, 2, 1), stage=1)
 ff.start()
 if sys.argv[1] != "off":
     ff.allow_graceful_stop(float(sys.argv[1]))
+    ff.saved = lambda: "committed steps on disk: 5"
 ff.last_completed_step = 7
-print("ready", flush=True)
+print("ready", os.getpid(), flush=True)
 for _ in range(3000):
     if ff.stop_signal and sys.argv[2] == "boundary":
         ff.stopping()
@@ -303,44 +304,79 @@ for _ in range(3000):
     time.sleep(0.01)
 sys.exit(3)
 """
+# what Open MPI's daemon is to a rank: its parent, relaying the rank's stderr (here into a
+# file) and forwarding the stop signals it gets (then it is the signals' sender)
+LAUNCHER = """
+import signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[3:]], stderr=open(sys.argv[2], "w"))
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+sys.exit(child.wait())
+"""
 
 
 @pytest.mark.parametrize(
-    "grace,mode,signals,code,says",
+    "grace,mode,signals,sender,code,says",
     [
-        ("off", "hang", [signal.SIGTERM], 1, ["stopped by SIGTERM (another process"]),  # checkpoints off: at once
+        # checkpoints off: at once
+        ("off", "hang", [signal.SIGTERM], "launcher", 1, ["stopped by SIGTERM (another process"]),
+        # a SIGTERM from mpirun's daemon is followed by SIGKILL: no save is promised, and the line
+        # goes to the launcher's own stderr (it stops relaying the ranks' as it ends the job)
+        ("30", "hang", [signal.SIGTERM], "launcher", 1, ["to launcher: stopped by SIGTERM: mpirun follows a SIGTERM"]),
+        # from anyone else (kill on the rank's pid): a save at the next step boundary, within the grace period
         (
             "1",
             "hang",
             [signal.SIGTERM],
+            "other",
             1,
             ["SIGTERM received: asking every", "stopped by SIGTERM: the job reached no step"],
         ),
-        ("30", "hang", [signal.SIGINT, signal.SIGTERM], 1, ["SIGINT received", "stopped by SIGTERM (another process"]),
-        ("30", "boundary", [signal.SIGUSR1], 0, ["SIGUSR1 received: asking every"]),
+        (
+            "30",
+            "hang",
+            [signal.SIGINT, signal.SIGTERM],
+            "other",
+            1,
+            ["SIGINT received", "stopped by SIGTERM (another process"],
+        ),
+        ("30", "boundary", [signal.SIGUSR1], "launcher", 0, ["SIGUSR1 received: asking every"]),
     ],
 )
-def test_stop_signals_save_or_end_the_process_within_the_grace_period(grace, mode, signals, code, says):
+def test_stop_signals_save_or_end_the_process_within_the_grace_period(
+    grace, mode, signals, sender, code, says, tmp_path
+):
+    relayed = tmp_path / "rank.err"
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, grace, mode],
+        [sys.executable, "-c", LAUNCHER, CHILD, str(relayed), grace, mode],
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout.readline() == "ready\n"
+    ready, pid = proc.stdout.readline().split()
+    assert ready == "ready"
     t0 = time.time()
     for sig in signals:
-        proc.send_signal(sig)
+        if sender == "launcher":
+            proc.send_signal(sig)
+        else:
+            subprocess.run(["kill", f"-{sig.name.removeprefix('SIG')}", pid], check=True)
         time.sleep(0.2)
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == code, (out, err)
     assert time.time() - t0 < 10
-    lines = err.splitlines()
-    assert len(lines) == len(says), err
+    lines = [f"to launcher: {ln}" for ln in err.splitlines()] + relayed.read_text().splitlines()
+    assert len(lines) == len(says), lines
     for line, want in zip(lines, says):
-        assert line.startswith("h2jax: stage 1 (rank 1/2, openmpi-5) ") and want in line, line
-        assert line.endswith("; last completed step 7"), line
+        assert line.removeprefix("to launcher: ").startswith("h2jax: stage 1 (rank 1/2, openmpi-5) "), line
+        assert want.removeprefix("to launcher: ") in line and line.startswith("to launcher:") == want.startswith(
+            "to launcher:"
+        ), line
+        # a line that ends the process says what the disk holds (read when it is printed)
+        ends = "stopped by" in line and grace != "off"
+        tail = "; committed steps on disk: 5; last completed step 7" if ends else "; last completed step 7"
+        assert line.endswith(tail), line
     assert ("saved" in out) == (code == 0)
 
 
