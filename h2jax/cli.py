@@ -116,10 +116,20 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
     for line in config_warnings(cfg):
         say("warning", line, style="bold yellow", console=make_console(stderr=True))
-    console.print(
-        f"[green]config ok[/]: {cfg.name}, model {cfg.model.n_layers} layers x d_model "
-        f"{cfg.model.d_model} ({format_count(cfg.model.num_params())} parameters)"
-    )
+    from h2jax.config import ConfigError, model_factory
+
+    try:  # a gin file may select the user's own model class: that is what trains
+        user = model_factory(_split_args(args.config)[0], cfg)
+    except ConfigError as e:
+        return _refuse("config error", str(e))
+    if user is not None:
+        what = f"model {user.description} ({cfg.model.n_layers} blocks; the built-in model's other keys do not apply)"
+    else:
+        what = (
+            f"model {cfg.model.n_layers} layers x d_model {cfg.model.d_model} "
+            f"({format_count(cfg.model.num_params())} parameters)"
+        )
+    console.print(f"[green]config ok[/]: {cfg.name}, {escape(what)}")
     from h2jax._hostmem import host_memory_line
 
     console.print(host_memory_line(), highlight=False)

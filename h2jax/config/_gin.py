@@ -70,6 +70,13 @@ class GinExperiment:
             return None
         return functools.partial(self.model_class, **self.model_kwargs)
 
+    def model_description(self) -> str | None:
+        """``module.Class(key=value, ...)``: the class and arguments the file selects; None: the built-in model."""
+        if self.model_class is None:
+            return None
+        args = ", ".join(f"{k}={v!r}" for k, v in self.model_kwargs.items())
+        return f"{self.model_class.__module__}.{self.model_class.__qualname__}({args})"
+
 
 def _where(path: Path, loc: Any) -> str:
     return f"{path}:{loc.line_num}"
@@ -214,7 +221,8 @@ def is_gin(path: str | Path | None) -> bool:
 def model_factory(path: str | Path | None, cfg: ExperimentConfig) -> Callable[[], Any] | None:
     """A zero-argument builder of the user's model a gin file selects (``experiment.model =
     @module.Class``, called with ``nnx.Rngs(cfg.seed)``); None for a YAML file or a gin file that
-    selects none (the built-in model).
+    selects none (the built-in model). Its ``description`` names the class, its arguments and
+    the file: the run's ``config.yaml`` and ``check-config`` say which model trains.
 
     A builder, not a model: building starts JAX, and the chip types (emulated backends in one
     process, the stage's process group under a launcher) must be registered first -- the
@@ -222,7 +230,8 @@ def model_factory(path: str | Path | None, cfg: ExperimentConfig) -> Callable[[]
     """
     if not is_gin(path):
         return None
-    factory = read_gin(find_experiment(path)).model_factory()
+    experiment = read_gin(find_experiment(path))
+    factory = experiment.model_factory()
     if factory is None:
         return None
     seed = cfg.seed
@@ -232,4 +241,5 @@ def model_factory(path: str | Path | None, cfg: ExperimentConfig) -> Callable[[]
 
         return factory(nnx.Rngs(seed))
 
+    build.description = f"{experiment.model_description()} from {path}"  # what the run folder records
     return build

@@ -296,8 +296,16 @@ def config_to_dict(cfg: ExperimentConfig) -> dict[str, Any]:
     return to_raw(cfg)
 
 
-def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+def save_config(cfg: ExperimentConfig, path: str | Path, *, model: str | None = None) -> None:
+    """The config as YAML; ``model``: the user's model class that trains instead of the built-in
+    model (a gin selection), recorded as the file's first lines."""
+    head = ""
+    if model is not None:
+        head = (
+            f"# model: {model}\n# -- this class trains, not the built-in model: of the model keys below "
+            f"only vocab_size, seq_len and n_layers (its blocks) apply to it\n"
+        )
+    Path(path).write_text(head + yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def replace(cfg: ExperimentConfig, **changes: Any) -> ExperimentConfig:

@@ -118,11 +118,19 @@ class RunLock:
 
 
 def prepare_run_dir(
-    cfg: ExperimentConfig, world: World, run_dir: Path, *, backends: dict[int, str], step: int, console: Console
+    cfg: ExperimentConfig,
+    world: World,
+    run_dir: Path,
+    *,
+    backends: dict[int, str],
+    step: int,
+    console: Console,
+    model: str | None = None,
 ) -> None:
     """The run folder, its config, plan and ranks, and the metrics of an earlier run that
-    this one would restart over (moved aside, said loudly; never deleted). Collective; the
-    writer writes."""
+    this one would restart over (moved aside, said loudly; never deleted). ``model``: a
+    user's model class that trains instead of the built-in one (``save_config``). Collective;
+    the writer writes."""
     w = world
     ranks = w.allgather(
         {
@@ -137,7 +145,7 @@ def prepare_run_dir(
     if not w.is_writer:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    save_config(cfg, run_dir / "config.yaml", model=model)
     cfg.plan.to_yaml(run_dir / "plan.yaml")
     (run_dir / "ranks.json").write_text(json.dumps(ranks, indent=2))
     metrics = run_dir / METRICS_FILENAME

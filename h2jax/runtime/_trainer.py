@@ -39,7 +39,7 @@ from flax import nnx
 from rich.console import Console
 
 from h2jax._console import make_console
-from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftover_steps
+from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftover_steps, on_disk
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
 from h2jax.data import load_dataset, step_batch
@@ -134,6 +134,8 @@ class Trainer:
                 f"vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {self.dataset.vocab_size}",
             )
         self.builtin_model = model is None  # its FLOPs are cfg.model's: the metrics carry MFU
+        # what the run folder says trains: a gin selection names itself, else the class
+        self.model_note = None if model is None else getattr(model, "description", None) or _class_name(model)
         if model is None:
             model = build_model(cfg.model, seed=cfg.seed)
         elif not isinstance(model, nnx.Module):  # a builder (e.g. a gin-selected class): the chip types exist now
@@ -304,7 +306,9 @@ class Trainer:
         cfg, w = self.cfg, self.world
         steps = cfg.train.steps if steps is None else steps
         self._hold_run_dir()
-        prepare_run_dir(cfg, w, self.run_dir, backends=self.backends, step=self.step, console=self.console)
+        prepare_run_dir(
+            cfg, w, self.run_dir, backends=self.backends, step=self.step, console=self.console, model=self.model_note
+        )
         w.barrier()
         store = self.checkpoint_store() if cfg.checkpoint.enabled else None
         every = cfg.checkpoint.every_steps
@@ -312,6 +316,7 @@ class Trainer:
             from h2jax.launch import stop_grace_s
 
             self.fail_fast.allow_graceful_stop(stop_grace_s())
+            self.fail_fast.saved = lambda: on_disk(self.checkpoint_dir)
         history: list[StepStats] = []
         self._first_step = self.step
         t_start = time.perf_counter()
@@ -695,3 +700,16 @@ def train(
         trainer.world.barrier()
         group.close()
     return TrainResult(model=trained, summary=trainer.summary, history=history, run_dir=trainer.run_dir)
+
+
+def _class_name(model: Any) -> str:
+    """``module.Class`` of a user's model, or of what a builder is (a lambda: "a model builder")."""
+    if isinstance(model, nnx.Module):
+        cls = type(model)
+        return f"{cls.__module__}.{cls.__qualname__}"
+    name = getattr(model, "__qualname__", "")
+    return (
+        f"the model {getattr(model, '__module__', '?')}.{name} builds"
+        if name and "<lambda>" not in name
+        else "a model builder"
+    )

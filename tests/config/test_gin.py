@@ -80,6 +80,15 @@ BAD_GIN = {
 }
 
 
+def test_check_config_names_the_model_a_gin_file_selects(tmp_path, monkeypatch, capsys):
+    (tmp_path / "exp.gin").write_text(USER_GIN)
+    monkeypatch.chdir(HERE)  # the user's module is found in the working directory
+    assert main(["check-config", str(tmp_path / "exp.gin")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "config ok: gin_user, model gin_user_model.MyModel(width=40, n_blocks=2) from" in out, out
+    assert "parameters" not in out, out  # the built-in model's count is not the user's model's
+
+
 @pytest.mark.parametrize("case", sorted(BAD_GIN))
 def test_bad_gin_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
     text, expected = BAD_GIN[case]
@@ -113,6 +122,9 @@ def test_cli_trains_a_user_model_from_a_gin_file(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and all(math.isfinite(x) for x in summary["losses"])
+    # the run folder records which model trained (its config.yaml alone read as the built-in model)
+    first = (run_dir / "config.yaml").read_text().splitlines()[0]
+    assert first == f"# model: gin_user_model.MyModel(width=40, n_blocks=2) from {tmp_path / 'exp.gin'}", first
     # the checkpoint holds the user's model (width 40, 2 blocks), not the built-in GPT
     gin = tmp_path / "exp.gin"
     with pytest.MonkeyPatch.context() as mp:
