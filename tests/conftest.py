@@ -21,11 +21,15 @@ if _REPO not in sys.path:
 # small stage programs again and again, and compiling is about half of such a test's time. It is
 # empty when the run starts and removed when it ends, so each run compiles every program once.
 # A maximum size turns on JAX's file lock, which makes concurrent writers and readers (the ranks
-# of one mpirun job) safe. A user's own JAX_COMPILATION_CACHE_DIR is left as it is.
+# of one mpirun job) safe. It also makes every write list the whole cache (its LRU eviction
+# reads each entry's access time: 0.1 s per write at 2,000 entries, 0.5 s at 5,000), so only
+# programs that take a while to compile are kept: the eager ops, the align tool's one-op
+# programs and the like compile in tens of milliseconds and would fill the cache with
+# thousands of entries. A user's own JAX_COMPILATION_CACHE_DIR is left as it is.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _CACHE_DIR = tempfile.mkdtemp(prefix="h2jax-tests-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 else:
     _CACHE_DIR = None
@@ -63,8 +67,14 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under xdist's ``--dist loadgroup``: one group per test file (a module's shared compiles
-    and fixtures stay in one worker), except that every mpirun test joins one group, so at most
-    one mpirun job runs at a time beside the other worker's in-process tests."""
+    and fixtures stay in one worker) unless a test names its own, except that every mpirun test
+    joins one group, so at most one mpirun job runs at a time beside the other worker's
+    in-process tests."""
     for item in items:
-        group = "mpirun" if item.get_closest_marker("multiproc") else item.nodeid.split("::", 1)[0]
+        if item.get_closest_marker("multiproc"):
+            group = "mpirun"
+        elif item.get_closest_marker("xdist_group"):  # a test that names its own group
+            continue
+        else:
+            group = item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
