@@ -97,8 +97,10 @@ def train_losses(
     *,
     graphdef: Any = None,
     fault: Any = None,
+    label: str = "",
 ) -> list[float]:
-    """Loss per step of ``steps`` steps on ``device`` with ``policy`` (None: the float64 reference)."""
+    """Loss per step of ``steps`` steps on ``device`` with ``policy`` (None: the float64 reference);
+    ``label`` names the run in its progress line."""
     graphdef = graphdef if graphdef is not None else exp.graphdef
     fn = jax.value_and_grad(step_loss(graphdef))
     tx = _optimizer(exp.cfg, steps)
@@ -108,17 +110,17 @@ def train_losses(
         with jax.enable_x64(True), jax.default_device(device):
             params = jax.device_put(jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), exp.params), device)
             step = _train_step(ref, tx, clip)
-            return _loop(exp, step, params, tx, device, steps)
+            return _loop(exp, step, params, tx, device, steps, label)
     step = _train_step(apply_policy(fn, policy, fault=fault), tx, clip)
-    return _loop(exp, step, jax.device_put(exp.params, device), tx, device, steps)
+    return _loop(exp, step, jax.device_put(exp.params, device), tx, device, steps, label)
 
 
-def _loop(exp: Experiment, step: Any, params: Any, tx: Any, device: Any, steps: int) -> list[float]:
+def _loop(exp: Experiment, step: Any, params: Any, tx: Any, device: Any, steps: int, label: str = "") -> list[float]:
     from h2jax._progress import Progress
 
     opt_state = jax.device_put(tx.init(params), device)
     losses = []
-    with Progress("align run level", total=steps) as progress:
+    with Progress(f"align run level: {label}" if label else "align run level", total=steps) as progress:
         for t in range(steps):
             tokens, targets = exp.whole_batch(t)
             params, opt_state, loss = step(
@@ -166,24 +168,32 @@ def run_level(
     seconds: dict[str, float] = {}
     describe: dict[str, str] = {"reference": "host CPU, float64"}
 
+    runs = 1 + len(chips) + (plan is not None) + (trainer_dir is not None)
+
     def timed(name: str, fn: Any) -> None:
+        """Run ``fn(label)``: its progress line names the run and its place among the runs."""
         start = time.perf_counter()
-        losses[name] = fn()
+        losses[name] = fn(f"{name} (run {len(losses) + 1} of {runs})")
         seconds[name] = time.perf_counter() - start
 
-    timed("reference", lambda: train_losses(exp, None, host, steps))
+    timed("reference", lambda label: train_losses(exp, None, host, steps, label=label))
     for chip in chips:
         g = graphdef_for(exp, chip.policy)
-        timed(chip.name, lambda c=chip, g=g: train_losses(exp, c.policy, c.device, steps, graphdef=g, fault=c.fault))
+        timed(
+            chip.name,
+            lambda label, c=chip, g=g: train_losses(
+                exp, c.policy, c.device, steps, graphdef=g, fault=c.fault, label=label
+            ),
+        )
         describe[chip.name] = chip.describe()
     if plan is not None:
-        timed("plan", lambda: train_losses(exp, plan, host, steps))
+        timed("plan", lambda label: train_losses(exp, plan, host, steps, label=label))
         stages = ", ".join(
             f"{s.chip} " + " ".join(f"{a}-{b - 1}" for a, b in s.layer_chunks) for s in exp.cfg.plan.stages
         )
         describe["plan"] = f"stages {stages}; each layer under its chip's policy, sequential on the host"
     if trainer_dir is not None:
-        timed("trainer", lambda: trainer_losses(exp.cfg, steps, trainer_dir))
+        timed("trainer", lambda label: trainer_losses(exp.cfg, steps, trainer_dir))  # the trainer's own progress
         describe["trainer"] = "the plan through h2jax.runtime.train, every chip in the host's fp32"
     ref = np.asarray(losses["reference"])
     mre = {

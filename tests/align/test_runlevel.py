@@ -1,5 +1,7 @@
 """Run level: loss curves from the same init and data, against the float64 reference."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -18,12 +20,14 @@ CONFIG = str(Path(__file__).with_name("align_small.yaml"))
 def short_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     argv = [CONFIG, "--chips", "sim_a", "sim_b", "--levels", "run", "--steps", "6", "--trainer", "--out", str(out)]
-    code = main([*argv, "--numerics", "sim_b.matmul_input_rounding=bf16"])
-    return code, json.loads((out / "align.json").read_text()), out
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main([*argv, "--numerics", "sim_b.matmul_input_rounding=bf16"])
+    return code, json.loads((out / "align.json").read_text()), out, err.getvalue()
 
 
 def test_runs_start_together_and_are_ranked_by_their_numerics(short_run):
-    code, report, out = short_run
+    code, report, out, err = short_run
     run = report["run_level"]
     losses = {k: np.asarray(v) for k, v in run["losses"].items()}
     assert set(losses) == {"reference", "sim_a", "sim_b", "plan", "trainer"}
@@ -37,10 +41,13 @@ def test_runs_start_together_and_are_ranked_by_their_numerics(short_run):
     assert mre["plan"] > mre["sim_a"]  # the plan's last stage (block 2, head) runs on sim_b
     assert code == (0 if max(mre.values()) <= 0.015 else 1)
     assert (out / "align_loss.png").stat().st_size > 10_000
+    # each run's progress names the run (it restarted at 1/6 four times, unnamed)
+    for k, name in enumerate(("reference", "sim_a", "sim_b", "plan"), 1):
+        assert f"h2jax: align run level: {name} (run {k} of 5): done 6/6" in err, err[-2000:]
 
 
 def test_the_loop_computes_what_the_trainer_computes(short_run):
-    _, report, _ = short_run
+    _, report, _, _ = short_run
     losses = report["run_level"]["losses"]
     # the real pipeline (fp32, per-microbatch accumulation) against align's loop on one chip (fp32, one batch)
     np.testing.assert_allclose(losses["trainer"], losses["sim_a"], rtol=2e-5)
