@@ -147,6 +147,16 @@ def _stat(xs: list[float], statistic: str) -> float:
     return float(np.percentile(np.asarray(xs, dtype=np.float64), STATISTICS[statistic]))
 
 
+def _with_backward(samples: dict[str, list[float]], statistic: str) -> dict[str, float]:
+    """`statistic` of each timed call's rounds, and each program's backward ("<name>/b"): its
+    forward+backward less its forward (module docstring)."""
+    d = {k: _stat(v, statistic) for k, v in samples.items()}
+    for key in [k for k in d if k.endswith("/fb")]:
+        name = key.removesuffix("/fb")
+        d[f"{name}/b"] = d[key] - d[f"{name}/f"]
+    return d
+
+
 def _cores(cpu: float, wall: float, cap: int) -> float:
     """Host cores busy on average: CPU over wall seconds, within [0, cap] (0 when unmeasurable)."""
     if wall <= 0:
@@ -297,9 +307,7 @@ class ChipProfiler:
         optimizer step at or below 0 s): one phrase per row and kind."""
         out = []
         for (t, b), row in self._rows.items():
-            wall = {k: _stat(v, statistic) for k, v in row["walls"].items()}
-            for name in BLOCK_PROGRAMS:
-                wall[f"{name}/b"] = wall[f"{name}/fb"] - wall[f"{name}/f"]
+            wall = _with_backward(row["walls"], statistic)
             for kind, what in (("f", "forward"), ("b", "backward"), ("u", "optimizer step")):
                 blk, _ = fit_line(wall, kind)
                 if not blk > 0:
@@ -311,12 +319,9 @@ class ChipProfiler:
         return out
 
     def _row(self, row: dict, statistic: str) -> dict[str, LayerCost]:
-        cap, programs = self.cap, self.programs
-        wall = {k: _stat(v, statistic) for k, v in row["walls"].items()}
-        work = {k: _stat(v, statistic) for k, v in row["cpus"].items()}  # process CPU seconds
-        for d in (wall, work):  # backward = forward+backward - forward
-            for name in programs:
-                d[f"{name}/b"] = d[f"{name}/fb"] - d[f"{name}/f"]
+        cap = self.cap
+        wall = _with_backward(row["walls"], statistic)
+        work = _with_backward(row["cpus"], statistic)  # process CPU seconds
         probe: dict[str, float] = {}
         if row["tog"]:
             # `copies` = host-cores programs at once keep every core busy (each alone keeps
