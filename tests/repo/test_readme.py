@@ -70,13 +70,17 @@ def commands(body: str) -> list[tuple[str, int]]:
     return out
 
 
+def placeholder(text: str) -> str:
+    """Why a docs command or block is not run (``PLACEHOLDERS``), or ""."""
+    return next((reason for pattern, reason in PLACEHOLDERS.items() if pattern in text), "")
+
+
 def adjust(cmd: str) -> tuple[list[str] | None, str]:
     """(the argv to run, or None to skip; why it differs from the README, or "")."""
     if "pytest" in cmd:
         return None, "the test suite itself"
-    for pattern, reason in PLACEHOLDERS.items():
-        if pattern in cmd:
-            return None, reason
+    if reason := placeholder(cmd):
+        return None, reason
     why = []
     if cmd.startswith("python3 -m pip install -e . && "):
         cmd = cmd.split("&& ", 1)[1]
@@ -131,10 +135,8 @@ def steps() -> list[tuple[str, str, list[str] | None, str, int]]:
                 name = re.match(r"# (\w+\.py)\n", body)
                 if name:  # a script the docs run by its name: written where the commands run
                     out.append((section, f"python block {name.group(1)}", ["write", name.group(1), body], "", 0))
-                elif any(p in body for p in PLACEHOLDERS):
-                    out.append(
-                        (section, "python block", None, next(r for p, r in PLACEHOLDERS.items() if p in body), 0)
-                    )
+                elif reason := placeholder(body):
+                    out.append((section, "python block", None, reason, 0))
                 else:
                     out.append((section, "python block", [sys.executable, "-c", body], "", 0))
     # a docs command the README runs already (as adjusted) is not run again
