@@ -23,6 +23,7 @@ REAL = ["a100_80gb", "gaudi2", "h100_sxm", "mi250x", "mi300x", "h200"]
 # configuration, order) triples: spaces the exact search (auto=False, no budget) covers in seconds;
 # larger ones take it 10-30 s (docs/LOG.md has the defaults against their optimum too)
 MID_SIZE_SEEDS = [1, 4, 6, 10, 15, 18, 20, 21, 26, 28]
+FAST = 5  # the fast lane checks the first five; the others run with the slow tests
 
 
 def mid_size_instance(seed: int) -> tuple[Cluster, ModelShape, int]:
@@ -42,7 +43,9 @@ def mid_size_instance(seed: int) -> tuple[Cluster, ModelShape, int]:
     return Cluster(chips, name=f"mid{seed}"), model, rng.choice([64, 128, 256])
 
 
-@pytest.mark.parametrize("seed", MID_SIZE_SEEDS)
+@pytest.mark.parametrize(
+    "seed", [s if i < FAST else pytest.param(s, marks=pytest.mark.slow) for i, s in enumerate(MID_SIZE_SEEDS)]
+)
 def test_defaults_within_two_percent_of_the_enumerated_optimum(seed):
     cluster, model, gb = mid_size_instance(seed)
     assert 64 <= cluster.num_devices <= 256

@@ -23,6 +23,15 @@ from h2jax.plan import (
 )
 
 N_INSTANCES = 60
+N_SHARED = 20
+# the fast lane checks the first instances of each test; the rest run with the slow tests (the
+# largest brute force among them prices about 110,000 plans: 16 s on 2 busy cores)
+FAST = 20
+FAST_SHARED = 10
+
+
+def _seeds(n: int, fast: int) -> list:
+    return [seed if seed < fast else pytest.param(seed, marks=pytest.mark.slow) for seed in range(n)]
 
 
 def _instance(seed: int):
@@ -76,7 +85,7 @@ def _instance(seed: int):
     return Cluster(tuple(chips), name=f"random{seed}"), model, rng.choice([4, 8]), opts
 
 
-@pytest.mark.parametrize("seed", range(N_INSTANCES))
+@pytest.mark.parametrize("seed", _seeds(N_INSTANCES, FAST))
 def test_search_equals_exhaustive(seed):
     cluster, model, global_batch, opts = _instance(seed)
     want_plan, want, count = exhaustive(cluster, model, global_batch=global_batch, opts=opts)
@@ -101,10 +110,7 @@ def test_search_equals_exhaustive(seed):
     )
 
 
-N_SHARED = 20
-
-
-@pytest.mark.parametrize("seed", range(N_SHARED))
+@pytest.mark.parametrize("seed", _seeds(N_SHARED, FAST_SHARED))
 def test_search_equals_exhaustive_on_a_shared_host(seed):
     # the same instances with every chip computing on one host of 1, 2 or 4 cores (emulated
     # chips): the contention depends on the layer split too (how much of the host each stage
