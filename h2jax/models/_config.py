@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 ROPE_SCALING_TYPES = ("linear", "llama3")
@@ -119,11 +118,8 @@ class GPTConfig:
                 f"model.norm_eps={self.norm_eps}, model.init_std={self.init_std} and "
                 f"model.rope_theta={self.rope_theta} must all be > 0"
             )
-        try:
-            dtype = np.dtype(getattr(ml_dtypes, self.dtype, self.dtype))
-            ml_dtypes.finfo(dtype)  # raises for integer, bool and non-numeric dtypes
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"model.dtype={self.dtype!r} is not a floating dtype name") from e
+        if not _is_float_dtype(self.dtype):
+            raise ValueError(f"model.dtype={self.dtype!r} is not a floating dtype name")
         check_llama_fields(self)
 
     @property
@@ -190,3 +186,23 @@ def tensor_divisible_dims(cfg: GPTConfig) -> dict[str, int]:
         "model.d_ff": cfg.d_ff,
         "model.vocab_size": cfg.vocab_size,
     }
+
+
+def _is_float_dtype(name: str) -> bool:
+    """Whether ``name`` names a floating dtype: numpy's own (float32, float16, ...) or one of
+    ml_dtypes' (bfloat16, float8_e4m3fn, ...). ml_dtypes is imported only for a name numpy does
+    not know: its import takes most of a second, and commands that only read a config
+    (check-config, plan) need none of it."""
+    try:
+        if np.issubdtype(np.dtype(name), np.floating):
+            return True
+    except TypeError:
+        pass
+    import ml_dtypes
+
+    try:
+        ml_dtypes.finfo(np.dtype(getattr(ml_dtypes, name, name)))  # raises for integer, bool and non-numeric dtypes
+    except (TypeError, ValueError):
+        return False
+    return True
+

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -429,3 +431,13 @@ def test_a_warmup_longer_than_the_run_is_said_once():
     (line,) = config_warnings(load_config(None, ["optimizer.warmup_steps=100", "train.steps=5"], check_files=False))
     assert "optimizer.warmup_steps=100 is longer than train.steps=5" in line and "rises to 5% of" in line
     assert config_warnings(load_config(None, check_files=False)) == []
+
+
+def test_reading_a_config_imports_no_array_library():
+    """check-config and plan read a config without jax or ml_dtypes (ml_dtypes' import alone
+    takes most of a second, paid by every command that only reads a config)."""
+    code = (
+        "import sys; from h2jax.config import load_config; load_config(None, []); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'ml_dtypes', 'flax')); assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
