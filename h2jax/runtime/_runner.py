@@ -248,6 +248,10 @@ def run_stages(runners: Sequence[StageRunner], step: int, tokens: Any, targets: 
         return runners[0].run_step(step, tokens, targets)
     if hub is not None:
         hub.reset()
+    # every runner is in the step before any thread starts: the hub records a transfer into a
+    # stage with that stage's step, and the receiver's thread may start after the first send
+    for r in runners:
+        r.step = step
     results: dict[int, list[Any]] = {}
     errors: list[BaseException] = []
     lock = threading.Lock()

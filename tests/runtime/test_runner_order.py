@@ -62,3 +62,27 @@ def test_full_collections_leave_out_what_the_first_step_made(tmp_path):
     assert frozen[0] == 0, "the first step (compilation) ran frozen"
     assert all(n > 0 for n in frozen[1:]), frozen
     assert gc.get_freeze_count() == 0, "the run left objects frozen"
+
+
+def test_a_transfer_counts_in_its_own_step_when_the_receiver_starts_late(tmp_path):
+    """Each stage's runner starts a step on its own thread; a transfer into a stage whose
+    thread has not yet started the step is recorded in the step it belongs to (on a busy host
+    the receiver's first forward of step 1 was counted in step 0)."""
+    import time
+
+    trainer = Trainer(make_cfg("2st-2x2-to-4x1", schedule="1f1b"), run_dir=tmp_path)
+    late = trainer.runners[1]
+    run_step = late.run_step
+
+    def slow_start(step, tokens, targets):
+        time.sleep(0.3)  # stage 0 sends its first forwards of the step meanwhile
+        return run_step(step, tokens, targets)
+
+    late.run_step = slow_start
+    for _ in range(2):
+        trainer.train_step()
+    m = trainer.cfg.plan.num_microbatches
+    for step in range(2):
+        kinds = [e.kind for e in trainer.timeline.events(step)]
+        assert kinds.count("send") == kinds.count("recv") == 2 * m, (step, kinds.count("send"), kinds.count("recv"))
+    trainer.close()
