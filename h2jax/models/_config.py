@@ -205,4 +205,3 @@ def _is_float_dtype(name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
