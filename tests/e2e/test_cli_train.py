@@ -71,12 +71,13 @@ def test_train_tiny_through_the_cli(tmp_path):
 
 
 def test_default_job_loss_falls(tmp_path):
-    """The default job's model and plan, shortened: the loss falls clearly."""
+    """The default job's model and plan, shortened: the loss falls clearly (5.58 at step 0,
+    3.18-3.29 over steps 15-19, 2.88-2.99 over steps 35-39 when measured)."""
     from h2jax.config import load_config
     from h2jax.runtime import Trainer
 
     cfg = load_config(
-        None, ["train.steps=40", "train.progress=false", "train.tensorboard=false", "train.timeline=false"]
+        None, ["train.steps=20", "train.progress=false", "train.tensorboard=false", "train.timeline=false"]
     )
     history = Trainer(cfg, run_dir=tmp_path).run()
     first, last = history[0].loss, min(h.loss for h in history[-5:])
