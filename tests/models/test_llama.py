@@ -36,7 +36,12 @@ def _value_and_grad(graphdef, rest):
 
 @pytest.mark.parametrize(
     ("n_kv_heads", "tie", "tensor", "kv_split"),
-    [(2, False, 2, True), (2, False, 4, False), (1, True, 4, False), (4, True, 4, True)],
+    [  # the fast lane: split and replicated KV heads; the other two with the slow tests
+        (2, False, 2, True),
+        pytest.param(2, False, 4, False, marks=pytest.mark.slow),
+        pytest.param(1, True, 4, False, marks=pytest.mark.slow),
+        (4, True, 4, True),
+    ],
 )
 def test_tensor_parallel_equals_single_device(n_kv_heads, tie, tensor, kv_split):
     cfg = GPTConfig(**BASE, n_kv_heads=n_kv_heads, tie_embeddings=tie)

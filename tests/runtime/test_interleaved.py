@@ -269,7 +269,9 @@ def chunked_cfg(name: str, **extra: str):
     return plan_cfg(n_layers, schedule, stages, **{**overrides, **extra})
 
 
-@pytest.mark.parametrize("schedule", sorted(SMALL))
+@pytest.mark.parametrize(
+    "schedule", [s if s != "interleaved-v1" else pytest.param(s, marks=pytest.mark.slow) for s in sorted(SMALL)]
+)  # the fast lane: interleaved and zb-v with two chunks a stage
 def test_one_chunked_step_equals_sequential(schedule, tmp_path):
     """The fast lane's check: the loss and every gradient of one step (the slow test below
     runs 3 steps with updates on 8 plans)."""

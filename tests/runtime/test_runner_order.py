@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 
 import jax
+import pytest
 
 from h2jax.runtime import Trainer
 from tests._harness import split_cfg as make_cfg
@@ -47,6 +48,7 @@ def test_a_cpu_stage_dispatches_a_program_only_after_the_last_one_ran(tmp_path):
     assert not late, f"dispatched before the stage's previous program ended: {late}"
 
 
+@pytest.mark.slow  # the fast lane keeps the dispatch order (above)
 def test_full_collections_leave_out_what_the_first_step_made(tmp_path):
     trainer = Trainer(make_cfg("2st-2x2-to-4x1", schedule="1f1b"), run_dir=tmp_path)
     frozen: list[int] = []
@@ -64,6 +66,7 @@ def test_full_collections_leave_out_what_the_first_step_made(tmp_path):
     assert gc.get_freeze_count() == 0, "the run left objects frozen"
 
 
+@pytest.mark.slow
 def test_a_transfer_counts_in_its_own_step_when_the_receiver_starts_late(tmp_path):
     """Each stage's runner starts a step on its own thread; a transfer into a stage whose
     thread has not yet started the step is recorded in the step it belongs to (on a busy host

@@ -110,6 +110,7 @@ def _compute_events(trainer, step):
     return out
 
 
+@pytest.mark.slow  # the fast lane checks zb-h1 against the sequential model (above)
 def test_zb_h1_recorded_timeline_obeys_the_schedule(tmp_path):
     cfg = make_cfg("3st-mixed", **{"plan.num_microbatches": 8, "plan.global_batch": 32})
     trainer = Trainer(cfg, run_dir=tmp_path)
