@@ -75,7 +75,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "priced by the roofline)",
     )
     p.add_argument("--grad-sync", default="step", choices=("step", "microbatch"))
-    p.add_argument("--out", default=None, help="folder for plan.yaml and experiment.yaml")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for plan.yaml and experiment.yaml (an earlier plan there is kept aside, with a line)",
+    )
+    p.add_argument("--explain", action="store_true", help="after the plan, say what each word and number means")
     p.set_defaults(func=cmd_plan)
     s = subparsers.add_parser("simulate", help="discrete-event simulation of a plan's schedule")
     s.add_argument("plan", help="plan YAML (written by `h2jax plan`) or an experiment YAML with `plan:`")
@@ -318,6 +323,78 @@ def _search_line(res) -> str:
     )
 
 
+def _explanation(res, cluster, gb: int, *, measured: bool, several: bool, other: bool) -> list[str]:
+    """What each word and number of `h2jax plan`'s output means, with this plan's own numbers:
+    printed under --explain, in the order the output shows them."""
+    plan, cost = res.plan, res.cost
+    s0 = plan.stages[0]
+    c0 = cost.stages[0]
+    fits = "fits" if cost.fits else "does not fit"
+    lines = [
+        f"title: {plan.num_microbatches} x {plan.microbatch_size} is microbatches x sequences per microbatch "
+        f"(global batch {gb} = their product); {plan.schedule} is the pipeline schedule the plan runs.",
+        f"data x tensor: a stage's devices, as data-parallel replicas x tensor-parallel degree (stage 0: "
+        f"{s0.data} x {s0.tensor} = {s0.data * s0.tensor} {s0.chip} chips, each replica taking "
+        f"{plan.microbatch_size // s0.data} of a microbatch's {plan.microbatch_size} sequences).",
+        "layers: the model blocks a stage holds, first-last; a stage of an interleaved or zb-v schedule holds "
+        "several chunks, listed each.",
+        "recompute: yes where the stage recomputes its forward in the backward instead of keeping activations "
+        "(less memory, about one more forward of time).",
+        f"fwd+bwd / mb: one stage's forward plus backward for one microbatch, in the cost model (stage 0: "
+        f"{_fmt_s(c0.t)}).",
+        "costs: where those times come from: `measured` (a profile from `h2jax profile --measure`, passed with "
+        "--profiles), or `roofline (t, b)`, an estimate from the chip file's declared peak FLOP/s and memory "
+        "bandwidth at tensor degree t and b sequences per device; an estimate, not a measurement.",
+        f"memory / device: the peak bytes the cost model predicts on one device of the stage (weights, "
+        f"gradients, optimizer state, the activations the schedule keeps in flight) / the chip's memory; "
+        f"this plan {fits}.",
+        f"estimated iteration: one training step ({_fmt_s(cost.iteration_s)}): the pipeline's fill, steady "
+        f"state and drain, the transfers between stages, the gradient sync and the optimizer update. "
+        f"tokens/s = {gb} x seq_len tokens per step / the iteration = {cost.tokens_per_s:,.0f}.",
+        f"bubble: the share of the pipeline's time a stage is idle on average, 1 - (microbatches x each "
+        f"stage's time) / (stages x pipeline time) = {100 * cost.bubble_fraction:.1f} %.",
+        f"lower bound: {_fmt_s(res.lower_bound_s)}, a time no plan of the searched space can beat: (microbatches "
+        f"- 1) x the least slot time at which the chip types hold every block within their memory, plus the "
+        f"least fill and drain, plus what every plan pays beyond the blocks. gap: how far the plan is above it, "
+        f"{_fmt_s(cost.iteration_s)} / {_fmt_s(res.lower_bound_s)} - 1 = {100 * res.gap:.1f} %. The bound is "
+        "not always reachable, so a gap says at most how much better a plan could be, not that one exists.",
+        "search: its wall time; `plan found at` is when the printed plan was found (the rest of the time "
+        "found nothing better); configurations are the (chip type, stages, data x tensor) choices priced, "
+        "orders the stage orders of chip types solved for each; `exhaustive` means every plan of the "
+        "space was priced or excluded by its lower bound, so the printed plan is the cost model's best; "
+        "`not exhaustive` says why the search stopped (its time budget, or rounds that found nothing better).",
+        "schedule: the chosen (or --schedule's) schedule, and the same stages priced under each other "
+        "schedule: +x % slower, -x % faster than the chosen one, `does not fit` where that schedule's "
+        "activations in flight exceed a stage's memory (why a faster-looking one was not chosen).",
+        "stage order: memory-descending when the stages' chip types go from the most memory per device to "
+        "the least (the first stages of a pipeline keep the most activations in flight; the H2 paper's "
+        "rule). The search tries other orders too; `is not` means another order was faster here.",
+        f"TGS: tokens per chip per second, the tokens/s over every chip of the cluster, used or not "
+        f"({cost.tokens_per_s:,.0f} / {cluster.num_devices}); the same for each chip type, and the line "
+        "says how many chips of that type the plan uses.",
+    ]
+    if several:
+        lines += [
+            f"homogeneous <chip>: the best plan of that chip type's chips alone at global batch {gb}, searched "
+            "the same way; `exact` where that search was exhaustive.",
+            "HeteroSpeedupRatio: the heterogeneous plan's tokens/s / the sum of the homogeneous plans' tokens/s. "
+            "Over 100 % the chip types train faster together than apart (more than the sum of their "
+            "parts); under 100 %, slower than running them as separate jobs would add up to.",
+        ]
+    if other:
+        lines.append(
+            "the mismatched ratio: the heterogeneous plan at --other-global-batch over the homogeneous ones at "
+            "the global batch; the ratio at the same global batch (both at --other-global-batch) is the fair "
+            "comparison."
+        )
+    if measured:
+        lines.append(
+            "measured configurations: with --profiles only the (tensor degree, sequences per device) a chip type "
+            "was measured at are searched; --allow-estimates adds the others, priced by the roofline."
+        )
+    return lines
+
+
 # -- commands ----------------------------------------------------------------------------------
 
 
@@ -339,6 +416,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         table = _table(args.profiles)
         table.check_model(model)
+        if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+            raise PlanError("--out", f"{args.out} is a file; expected a folder for plan.yaml and experiment.yaml")
         if args.time_budget < 0:
             raise ProfileError(f"--time-budget: expected seconds >= 0 (0: no limit), got {args.time_budget}")
         opts = search_options(
@@ -463,9 +542,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     cluster, model, global_batch=ogb, hetero_tps=other.cost.tokens_per_s, table=table, opts=opts
                 )
                 console.print(_ratio_line(ratio2, base2, f"at the same global batch ({ogb} both)"))
+    if args.explain:
+        console.print("\n[bold]what the output means[/]")
+        several = len(cluster.names) > 1
+        for line in _explanation(
+            res,
+            cluster,
+            gb,
+            measured=bool(opts.measured_only and table.entries),
+            several=several,
+            other=several and bool(args.other_global_batch),
+        ):
+            console.print("  " + line)
+    else:
+        console.print("[dim](--explain says what each word and number above means)[/]")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        for f in ("plan.yaml", "experiment.yaml"):  # an earlier plan's files: kept, each beside its new one
+            if (out / f).exists():
+                say(
+                    None,
+                    f"the earlier {out / f} is kept as {keep_aside(out / f)}",
+                    style="bold yellow",
+                    prog="h2jax plan",
+                )
         res.plan.to_yaml(out / "plan.yaml")
         exp = {
             "name": f"plan_{cluster.name}",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 import subprocess
 import sys
 
@@ -127,8 +129,9 @@ def test_plan_that_does_not_fit_is_rejected_with_numbers():
 
 
 def _cli(*args, cwd=None):
+    env = {**os.environ, "COLUMNS": "400"}  # the table's headers unwrapped, whatever the test's terminal
     return subprocess.run(
-        [sys.executable, "-m", "h2jax.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+        [sys.executable, "-m", "h2jax.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env
     )
 
 
@@ -149,6 +152,41 @@ def test_cli_plan_writes_a_trainable_experiment(tmp_path):
     (kept,) = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("simulate.")]
     assert sorted(p.name for p in kept.iterdir()) == ["gantt.png", "trace.json"]
     assert f"the earlier output in runs/simulate is kept in runs/{kept.name}" in " ".join(sim.stderr.split())
+
+
+def test_cli_plan_explains_every_word_it_prints_and_keeps_an_earlier_plan(tmp_path):
+    """Each term of the plan's output has its line under --explain (with this plan's numbers); a
+    second --out into the same folder keeps the first plan's files beside the new ones, with a line."""
+    first = _cli("plan", "configs/clusters/sim_mix.yaml", "--out", str(tmp_path), "--time-budget", "5")
+    assert first.returncode == 0, first.stderr
+    assert "--explain says what each word and number above means" in first.stdout
+    r = _cli("plan", "configs/clusters/sim_mix.yaml", "--out", str(tmp_path), "--time-budget", "5", "--explain")
+    assert r.returncode == 0, r.stderr
+    out, _, explained = " ".join(r.stdout.split()).partition("what the output means")
+    assert explained, r.stdout
+    terms = {  # what the output prints -> the word its explanation starts with
+        "data x tensor": "data x tensor:",
+        "fwd+bwd / mb": "fwd+bwd / mb:",
+        "roofline (": "costs:",
+        "memory / device": "memory / device:",
+        "estimated iteration": "estimated iteration:",
+        "bubble": "bubble:",
+        "lower bound": "lower bound:",
+        "gap": "gap:",
+        "exhaustive": "`exhaustive`",
+        "memory-descending": "stage order:",
+        "TGS": "TGS:",
+        "(exact)": "`exact`",
+        "HeteroSpeedupRatio": "HeteroSpeedupRatio:",
+    }
+    for printed, word in terms.items():
+        assert printed in out and word in explained, (printed, word)
+    gap = re.search(r"\(gap ([\d.]+) %\)", out).group(1)
+    assert f"- 1 = {gap} %" in explained  # the numbers are this plan's, not a fixed text
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    stamp = [p for p in kept if p.startswith("plan.") and p != "plan.yaml"]
+    assert len(kept) == 4 and {"plan.yaml", "experiment.yaml"} <= set(kept) and len(stamp) == 1, kept
+    assert f"the earlier {tmp_path / 'plan.yaml'} is kept as {tmp_path / stamp[0]}" in " ".join(r.stderr.split())
 
 
 def test_cli_plan_bad_input_exits_2(tmp_path):
