@@ -467,6 +467,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{c.memory.total / GIB:.1f} / {c.memory_limit / GIB:.0f} GiB",
         )
     console.print(tbl)
+    for chip, (busy, cores) in table.loaded_chips(cluster.names).items():
+        console.print(
+            f"[bold yellow]note:[/] {chip}'s profile was measured while other work kept {busy:.1f} of its host's "
+            f"{cores} cores busy: its costs are higher than the chip's alone, and this plan leans away from it; "
+            f"measure it again on a quiet host (`h2jax profile --chip {chip} --measure`)"
+        )
     missing = table.unprofiled(model, cluster.names) if table.entries else []
     if missing:
         console.print(
@@ -664,24 +670,35 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
                 )
             ) from None
         print(f"measuring on the local {chip.platform} backend")
+    from h2jax._hostload import OtherWork, loaded
     from h2jax.plan import local_cores
     from h2jax.runtime import ProfileNoiseError, profile_chip
 
     try:
-        rows = profile_chip(
-            args.chip,
-            chip,
-            cfg,
-            tensor_degrees=args.tensor,
-            microbatches=args.microbatch,
-            repeats=args.repeats,
-            statistic=args.statistic,
-        )
+        with OtherWork() as other:
+            rows = profile_chip(
+                args.chip,
+                chip,
+                cfg,
+                tensor_degrees=args.tensor,
+                microbatches=args.microbatch,
+                repeats=args.repeats,
+                statistic=args.statistic,
+            )
     except ProfileNoiseError as e:  # nothing written: the table on disk is left as it was
         say("profile not measured", f"{e}; nothing written")
         raise SystemExit(EXIT_FAIL) from None
+    if chip.emulated and loaded(other.cores, local_cores()):  # an emulated chip's times are this host's
+        say(
+            None,
+            f"other work kept {other.cores:.1f} of this host's {local_cores()} cores busy while {args.chip} was "
+            "measured: its times are slower than the chip alone, and a plan that compares it with other chip "
+            "types leans away from it; measure again on a quiet host (`h2jax plan` names such profiles)",
+            style="bold yellow",
+            prog="h2jax profile",
+        )
     if not chip.emulated:
-        return {"rows": rows, "host_cores": None, "driver": None}
+        return {"rows": rows, "host_cores": None, "driver": None, "other_cores": None}
     # every emulated chip computes on this machine: what its figures are out of, and what the
     # runtime's own driver takes from it (a null model through the real trainer)
     driver = None
@@ -692,7 +709,7 @@ def _measure(args: argparse.Namespace, raw: dict) -> dict:
             driver = profile_driver(args.chip, statistic=args.statistic)
         except Exception as e:  # noqa: BLE001 - e.g. a 1-core host: only one emulated node could be made
             print(f"the driver's costs were not measured ({type(e).__name__}: {e}); the cost model leaves them out")
-    return {"rows": rows, "host_cores": local_cores(), "driver": driver}
+    return {"rows": rows, "host_cores": local_cores(), "driver": driver, "other_cores": other.cores}
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -705,13 +722,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except (ProfileError, ValueError) as e:
         raise _fail(e) from None
     table = ProfileTable.load(args.out) if args.out else ProfileTable()
-    got = _measure(args, raw) if args.measure else {"rows": {}, "host_cores": None, "driver": None}
+    got = _measure(args, raw) if args.measure else {"rows": {}, "host_cores": None, "driver": None, "other_cores": None}
     measured = got["rows"]
     for t in args.tensor:
         for b in args.microbatch:
             hit = measured.get((t, b))
             parts = hit or roofline_costs(model, chip, tensor=t, microbatch=b)
-            table.add(chip.name, model.key(), t, b, parts, host_cores=got["host_cores"] if hit else None)
+            table.add(
+                chip.name,
+                model.key(),
+                t,
+                b,
+                parts,
+                host_cores=got["host_cores"] if hit else None,
+                other_cores=got["other_cores"] if hit else None,
+            )
             blk = parts["block"]
             print(
                 f"{chip.name} tensor={t} microbatch={b}: block fwd {blk.fwd_s * 1e3:.3f} ms, bwd "

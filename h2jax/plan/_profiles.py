@@ -610,6 +610,8 @@ class ProfileTable:
     entries: dict[tuple[str, str, int, int], dict[str, LayerCost]] = field(default_factory=dict)
     eff: Efficiency = field(default_factory=Efficiency)
     host_cores: dict[str, int] = field(default_factory=dict)  # chip -> cores of the host it was measured on
+    # chip -> host cores other work kept busy while it was measured (h2jax._hostload.OtherWork)
+    other_cores: dict[str, float] = field(default_factory=dict)
     driver: dict[str, DriverCost] = field(default_factory=dict)  # shared host -> the driver's own costs there
     _estimates: dict[tuple, dict[str, LayerCost]] = field(default_factory=dict, repr=False, compare=False)
     # the same estimates by the identity of (chip, model), which it holds (so the ids stay theirs):
@@ -626,10 +628,27 @@ class ProfileTable:
         parts: Mapping[str, LayerCost],
         *,
         host_cores: int | None = None,
+        other_cores: float | None = None,
     ) -> None:
         self.entries[(chip, model_key, tensor, microbatch)] = dict(parts)
         if host_cores is not None:
             self.host_cores[chip] = int(host_cores)
+        if other_cores is not None:
+            self.other_cores[chip] = float(other_cores)
+
+    def loaded_chips(self, chips: Sequence[str]) -> dict[str, tuple[float, int]]:
+        """{chip: (other work's cores, host cores)} of the chip types of `chips` measured while
+        other work kept :data:`h2jax._hostload.LOADED_SHARE` or more of the host busy."""
+        from h2jax._hostload import loaded
+
+        return {
+            c: (self.other_cores[c], self.host_cores[c])
+            for c in chips
+            if c in self.other_cores
+            and c in self.host_cores
+            and self.measured(c)
+            and loaded(self.other_cores[c], self.host_cores[c])
+        }
 
     def costs(self, model: ModelShape, chip: ChipProfile, *, tensor: int, microbatch: int) -> dict[str, LayerCost]:
         if self.entries:
@@ -699,6 +718,8 @@ class ProfileTable:
         out: dict[str, Any] = {"version": 1, "entries": rows}
         if self.host_cores:
             out["host_cores"] = dict(sorted(self.host_cores.items()))
+        if self.other_cores:
+            out["other_cores"] = {c: round(v, 3) for c, v in sorted(self.other_cores.items())}
         if self.driver:
             out["driver"] = {h: asdict(d) for h, d in sorted(self.driver.items())}
         return out
@@ -714,6 +735,8 @@ class ProfileTable:
             self.add(row["chip"], row["model"], int(row["tensor"]), int(row["microbatch"]), parts)
         for chip, cores in (data.get("host_cores") or {}).items():
             self.host_cores[str(chip)] = int(cores)
+        for chip, cores in (data.get("other_cores") or {}).items():
+            self.other_cores[str(chip)] = float(cores)
         for host, d in (data.get("driver") or {}).items():
             self.driver[str(host)] = DriverCost(
                 **{k: float(v) for k, v in d.items() if k in {f.name for f in fields(DriverCost)}}
