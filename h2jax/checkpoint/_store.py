@@ -237,14 +237,24 @@ def listed_steps(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 
 
-def on_disk(directory: str | Path) -> str:
+def on_disk(directory: str | Path, *, steps_done: int | None = None) -> str:
     """What a failure line says was saved: read from the disk when it is printed, never assumed
-    (a run folder deleted under a job takes its checkpoints with it)."""
+    (a run folder deleted under a job takes its checkpoints with it). `steps_done`: the steps
+    the job had trained when it ended; the line then says which of them a rerun trains again."""
     d = Path(directory)
     if not d.is_dir():
         return f"no checkpoint is left: {d} is gone"
     steps = CheckpointStore(d).committed_steps()  # every part's marker there (reads the markers only)
-    return f"committed steps on disk: {', '.join(map(str, steps))} in {d}" if steps else f"no committed step in {d}"
+    text = f"committed steps on disk: {', '.join(map(str, steps))} in {d}" if steps else f"no committed step in {d}"
+    start = steps[-1] if steps else 0
+    if steps_done is not None and steps_done > start:
+        again = (
+            f"step {start} of this run is"
+            if steps_done - start == 1
+            else f"steps {start}-{steps_done - 1} of this run are"
+        )
+        text += f" (a rerun resumes from step {start}: {again} trained again)"
+    return text
 
 
 def check_start(checkpoint_dir: str | Path, *, restore_step: int | None, init_from: str | Path | None) -> None:

@@ -102,7 +102,7 @@ def run_job(
             what, code = f"failed: {type(e).__name__}", EXIT_FAIL
         message = str(e)
         if isinstance(e, CheckpointSaveError | RunFolderGone) and trainer is not None and cfg.checkpoint.enabled:
-            message += f" ({on_disk(trainer.checkpoint_dir)})"
+            message += f" ({on_disk(trainer.checkpoint_dir, steps_done=trainer.step)})"
         if not multi:
             say(what, message, console=console)
             if debug():

@@ -316,7 +316,7 @@ class Trainer:
             from h2jax.launch import stop_grace_s
 
             self.fail_fast.allow_graceful_stop(stop_grace_s())
-            self.fail_fast.saved = lambda: on_disk(self.checkpoint_dir)
+            self.fail_fast.saved = lambda: on_disk(self.checkpoint_dir, steps_done=self.step)
         history: list[StepStats] = []
         self._first_step = self.step
         t_start = time.perf_counter()

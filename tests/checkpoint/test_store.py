@@ -15,6 +15,7 @@ from h2jax.checkpoint import (
     CheckpointStore,
     leftover_steps,
     nest,
+    on_disk,
     retained,
     unnest,
 )
@@ -54,6 +55,28 @@ def test_save_commit_restore_and_retention(tmp_path, async_save):
     got = store.restore(4, _targets(_state(0)))
     assert float(got["params/blocks/0/w"][0, 0]) == 5.0 and int(got["opt_state/0/count"]) == 4
     assert store.read_meta(5) == {"step": 5}
+
+
+def test_what_a_failure_line_says_was_saved_names_the_steps_a_rerun_trains_again(tmp_path):
+    """Read from the disk when printed: the committed steps, and which steps the job had
+    trained past the newest of them (a stuck-rank timeout after step index 12 with step 5 the
+    newest commit used to say only "last completed step 12")."""
+    assert on_disk(tmp_path / "none", steps_done=3) == f"no checkpoint is left: {tmp_path / 'none'} is gone"
+    assert on_disk(tmp_path, steps_done=2) == f"no committed step in {tmp_path} (a rerun resumes from step 0: " + (
+        "steps 0-1 of this run are trained again)"
+    )
+    store = CheckpointStore(tmp_path, async_save=False)
+    for step in (3, 5):
+        store.save(step, _state(step), {"step": step})
+    store.close()
+    assert on_disk(tmp_path, steps_done=13) == (
+        f"committed steps on disk: 3, 5 in {tmp_path} (a rerun resumes from step 5: steps 5-12 of this run are "
+        "trained again)"
+    )
+    assert on_disk(tmp_path, steps_done=6).endswith(
+        "(a rerun resumes from step 5: step 5 of this run is trained again)"
+    )
+    assert on_disk(tmp_path, steps_done=5) == on_disk(tmp_path) == f"committed steps on disk: 3, 5 in {tmp_path}"
 
 
 def test_restore_places_on_the_target_sharding(tmp_path):
