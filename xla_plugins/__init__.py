@@ -12,6 +12,7 @@ from xla_plugins.emulated import (
     emulated_backends,
     register_emulated_chips,
 )
+from xla_plugins.jaxcompat import backends_are_initialized, cudnn_fused_attention_available
 from xla_plugins.vendors import (
     PLATFORMS,
     VENDOR_PLATFORMS,
@@ -29,6 +30,8 @@ __all__ = [
     "VENDOR_PLATFORMS",
     "Vendor",
     "backend_name",
+    "backends_are_initialized",
+    "cudnn_fused_attention_available",
     "device_kind_matches",
     "emulated_backends",
     "fused_attention",

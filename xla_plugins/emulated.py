@@ -40,12 +40,6 @@ def emulated_backends() -> dict[str, int]:
         return dict(_registered)
 
 
-def _backends_initialized() -> bool:
-    from jax._src import xla_bridge as xb
-
-    return bool(xb.backends_are_initialized())
-
-
 def register_emulated_chips(chips: Mapping[str, tuple[int, int]]) -> dict[str, list[str]]:
     """Register emulated chip types; returns chip type -> its backend names (one per node).
 
@@ -53,8 +47,9 @@ def register_emulated_chips(chips: Mapping[str, tuple[int, int]]) -> dict[str, l
     with the same device count are reused, so several experiments in one process (tests)
     may ask for overlapping clusters as long as the first call registered enough.
     """
-    from jax._src import xla_bridge as xb
-    from jax._src.lib import xla_client
+    from jax.extend.backend import register_backend_factory
+
+    from xla_plugins.jaxcompat import backends_are_initialized, make_cpu_client
 
     out: dict[str, list[str]] = {}
     with _lock:
@@ -76,7 +71,7 @@ def register_emulated_chips(chips: Mapping[str, tuple[int, int]]) -> dict[str, l
                         f"emulated backend {name!r} already has {have} devices in this process, asked for {per_node}"
                     )
             out[chip] = names
-        if missing and _backends_initialized():
+        if missing and backends_are_initialized():
             raise EmulatedBackendError(
                 "JAX backends were initialised before the emulated chip types "
                 f"{[n for n, _ in missing]} could be registered; register them before the first "
@@ -84,9 +79,9 @@ def register_emulated_chips(chips: Mapping[str, tuple[int, int]]) -> dict[str, l
                 "at start-up as tests/conftest.py does)"
             )
         for i, (name, per_node) in enumerate(missing):
-            xb.register_backend_factory(
+            register_backend_factory(
                 name,
-                lambda n=per_node: xla_client.make_cpu_client(num_devices=n),
+                lambda n=per_node: make_cpu_client(n),
                 # below the real "cpu" backend, so jax.devices() keeps its default
                 priority=-100 - len(_registered) - i,
                 fail_quietly=False,

@@ -123,12 +123,11 @@ def _rope(x: jax.Array, inv_freq: np.ndarray) -> jax.Array:
 @functools.cache
 def _have_cudnn() -> bool:
     """Whether this process can trace cuDNN's fused attention (a CUDA backend with cuDNN)."""
-    try:
-        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+    from xla_plugins import cudnn_fused_attention_available
 
-        check_cudnn_version()
-        return any(d.platform == "gpu" for d in jax.devices())
-    except Exception:  # noqa: BLE001 -- no CUDA backend, no cuDNN, or another JAX layout: use XLA
+    try:
+        return cudnn_fused_attention_available() and any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:  # no backend could be made: use XLA's attention
         return False
 
 

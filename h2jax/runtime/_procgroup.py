@@ -177,9 +177,10 @@ class StageGroup:
     # -- set-up ---------------------------------------------------------------------------------
     def _init_distributed(self, chip: Any, k: int, timeout_s: int) -> str:
         import jax
-        from jax._src import xla_bridge as xb
 
-        if xb.backends_are_initialized():
+        from xla_plugins import backends_are_initialized
+
+        if backends_are_initialized():
             raise RuntimeError(
                 f"stage {self.stage_idx} (rank {self.rank}) spans {self.group_size} processes and "
                 "needs its own jax.distributed cluster, but JAX's backends are already "

@@ -148,3 +148,31 @@ def test_the_checks_catch_what_they_forbid():
     assert imports_of("from h2jax.comm import _ffi\n", "h2jax.comm._peer") == {"h2jax.comm._ffi"}
     graph = unit_graph({"h2jax.align._tool": {"h2jax.runtime._stage"}, "h2jax.runtime._stage": {"h2jax.align"}})
     assert circles(graph) == [["h2jax.align", "h2jax.runtime"]]
+
+
+def jax_internal_imports(source: str) -> list[str]:
+    """The ``jax._src`` modules a source imports (``import`` and ``from ... import`` alike)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        out += [n for n in names if n == "jax._src" or n.startswith("jax._src.")]
+    return out
+
+
+def test_only_the_compatibility_module_reaches_into_jax_internals():
+    """h2jax runs on jax 0.10.2-0.12: what has no public name in that range is reached for in
+    xla_plugins/jaxcompat.py alone, each shim naming the releases it was checked against."""
+    allowed = ROOT / "xla_plugins" / "jaxcompat.py"
+    bad = {
+        str(p.relative_to(ROOT)): found
+        for p in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "xla_plugins").rglob("*.py")])
+        if p != allowed and (found := jax_internal_imports(p.read_text()))
+    }
+    assert bad == {}, "add a shim to xla_plugins/jaxcompat.py instead"
+    assert jax_internal_imports(allowed.read_text())  # the check reads what it forbids
+    assert jax_internal_imports("def f():\n    from jax._src.lib import xla_client\n") == [
+        "jax._src.lib",
+        "jax._src.lib.xla_client",
+    ]
