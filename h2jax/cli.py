@@ -162,7 +162,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.train.out_dir) / cfg.name
     try:  # the checkpoint to start from, on the disk, before any device
         check_start(
-            cfg.checkpoint.dir or run_dir / "checkpoints", restore_step=args.restore_step, init_from=args.init_from
+            cfg.checkpoint.dir or run_dir / "checkpoints",
+            restore_step=args.restore_step,
+            init_from=args.init_from,
+            model=config_to_dict(cfg)["model"] if model is None else None,  # a gin-selected class: its own shapes
         )
     except ConfigError as e:
         return _refuse("config error", str(e), console=console, rank=None if launch is None else launch.rank)

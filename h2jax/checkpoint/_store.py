@@ -257,10 +257,46 @@ def on_disk(directory: str | Path, *, steps_done: int | None = None) -> str:
     return text
 
 
-def check_start(checkpoint_dir: str | Path, *, restore_step: int | None, init_from: str | Path | None) -> None:
+# the model fields that set the parameters' shapes: a checkpoint of other values is another model
+SHAPE_KEYS = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff")
+
+
+def model_difference(have: Mapping[str, Any] | None, want: Mapping[str, Any]) -> str:
+    """ "" when a checkpoint's model section (`have`; None: not recorded) has this run's shapes,
+    else "d_model 32 vs 128, ..." (checkpoint vs this run)."""
+    if have is None:
+        return ""
+    return ", ".join(f"{k} {have[k]} vs {want.get(k)}" for k in SHAPE_KEYS if k in have and have[k] != want.get(k))
+
+
+def saved_model(directory: str | Path) -> tuple[dict[str, Any], Path] | None:
+    """The model section a checkpoint folder records, read from the files written beside its
+    steps (a run's ``config.yaml``, ``h2jax convert``'s ``model.yaml``), and the file; None
+    where neither is there or readable (the restore checks each step's own record)."""
+    import yaml
+
+    for name in ("config.yaml", "model.yaml"):
+        f = Path(directory) / name
+        try:
+            raw = yaml.safe_load(f.read_text(encoding="utf-8")) if f.is_file() else None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            raw = None
+        if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
+            return raw["model"], f
+    return None
+
+
+def check_start(
+    checkpoint_dir: str | Path,
+    *,
+    restore_step: int | None,
+    init_from: str | Path | None,
+    model: Mapping[str, Any] | None = None,
+) -> None:
     """The checkpoint ``h2jax train`` is told to start from, checked on the disk before any
     device: ConfigError naming the option, the path and the fix (a run folder given for its
-    ``checkpoints/``, a Hugging Face folder not converted yet, a step that is not there)."""
+    ``checkpoints/``, a Hugging Face folder not converted yet, a step that is not there, a
+    checkpoint of another model than `model`, the experiment's model section)."""
     from h2jax._strict import ConfigError
 
     if init_from is not None:
@@ -286,6 +322,18 @@ def check_start(checkpoint_dir: str | Path, *, restore_step: int | None, init_fr
                 f"step {restore_step} is not among the checkpoints of {where}{' (' + option + ')' if option else ''}; "
                 f"expected one of {steps or 'none: it holds no checkpoint'}",
             )
+    saved = saved_model(where) if model is not None and listed_steps(where) else None
+    diff = model_difference(saved[0], model) if saved else ""
+    if diff:
+        fix = (
+            "start from a checkpoint of this model, or give the experiment the checkpoint's model"
+            if init_from is not None
+            else "a run folder holds one model: give this run another name (name=...) or --run-dir"
+        )
+        raise ConfigError(
+            option or "checkpoint",
+            f"{where} holds another model (checkpoint vs this run: {diff}; recorded in {saved[1]}); {fix}",
+        )
 
 
 class CheckpointStore:

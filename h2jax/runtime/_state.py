@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from h2jax.checkpoint import CheckpointError, CheckpointStore
+from h2jax.checkpoint import CheckpointError, CheckpointStore, model_difference
 from h2jax.config import ExperimentConfig, config_to_dict
 from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
 from h2jax.runtime._world import MpiWorld, World
@@ -135,10 +135,8 @@ def check_checkpoint(
     """The meta of committed ``step`` after checking that it holds this run's model: the same
     shapes, and no arrays ``model_keys`` (every restore target of the whole model) lacks."""
     meta = store.read_meta(step)
-    have, want = meta.get("model"), config_to_dict(cfg)["model"]
-    shape_keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff")
-    if have is not None and any(have.get(k) != want.get(k) for k in shape_keys):
-        diff = ", ".join(f"{k} {have.get(k)} vs {want.get(k)}" for k in shape_keys if have.get(k) != want.get(k))
+    diff = model_difference(meta.get("model"), config_to_dict(cfg)["model"])
+    if diff:
         raise CheckpointError(f"{store.dir} step {step} holds another model (checkpoint vs this run: {diff})")
     model_keys = set(model_keys)
     extra = sorted(

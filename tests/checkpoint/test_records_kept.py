@@ -36,7 +36,8 @@ CASES = [
         "already holds checkpoints",
         False,
     ),
-    ("another model", ["train.steps=6", "model.d_model=64"], 1, "holds another model", False),
+    # refused before any device (exit 2), from the config.yaml beside the steps
+    ("another model", ["train.steps=6", "model.d_model=64"], 2, "holds another model", False),
     ("full disk", ["train.steps=8"], 1, "checkpoint save failed", True),
 ]
 
@@ -58,6 +59,7 @@ def test_bad_input_keeps_every_record(earlier, tmp_path, name, extra, code, says
     proc = _run([*ARGS, *extra, "--run-dir", "run"], tmp_path, max_file_kib=64 if name == "full disk" else None)
     assert proc.returncode == code, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Event loop is closed" not in proc.stderr, proc.stderr[-3000:]  # orbax's noise of a failed save
     said = [ln for ln in proc.stderr.splitlines() if says in ln]
     assert said, proc.stderr[-3000:]
     if code:

@@ -95,6 +95,10 @@ def inputs(tmp_path_factory) -> Path:
     )
     (d / "plan.yaml").write_text("global_batch: 8\nschedule: 1f1b\nstages:\n  - {chip: sim_a, layers: [0, 6]}\n")
     (d / "run" / "checkpoints" / "commits" / "3").mkdir(parents=True)  # a run folder, not its checkpoints/
+    (d / "ckpt_other" / "commits" / "2").mkdir(parents=True)  # a converted checkpoint of a smaller model
+    (d / "ckpt_other" / "model.yaml").write_text(
+        "model: {n_layers: 2, d_model: 32, n_heads: 4, d_ff: 64, vocab_size: 256, seq_len: 16}\n"
+    )
     (d / "hf").mkdir()
     (d / "hf" / "config.json").write_text("{}")  # a Hugging Face folder, not converted
     (d / "configs" / "chips").mkdir(parents=True)
@@ -251,6 +255,14 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
     # -- the checkpoint a run starts from, before any device, naming the fix
     "init_from_a_run_folder": ("train", ["--init-from", "@run"], ["run holds no h2jax checkpoint", "/run/checkpoints"]),
     "init_from_hf_unconverted": ("train", ["--init-from", "@hf"], ["Hugging Face model folder: convert it first"]),
+    "init_from_another_model": (
+        "train",
+        ["--init-from", "@ckpt_other"],
+        [
+            "--init-from: ",
+            "holds another model (checkpoint vs this run: d_model 32 vs 128, n_layers 2 vs 6, d_ff 64 vs 512",
+        ],
+    ),
     "init_from_nothing": ("train", ["--init-from", "@nope"], ["--init-from: ", "nope is not a folder"]),
     "restore_step_not_there": (
         "train",

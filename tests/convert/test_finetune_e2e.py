@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,10 @@ def test_convert_train_export(tmp_path):
     exp["model"] = yaml.safe_load((tmp_path / "ckpt" / "model.yaml").read_text())["model"]
     exp["train"].update(steps=2, out_dir=str(tmp_path / "runs"), progress=False, timeline=False, tensorboard=False)
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(exp))
-    cmd = ["h2jax", "train", str(tmp_path / "exp.yaml"), "--init-from", str(tmp_path / "ckpt")]
+    # this interpreter's h2jax (as the other CLI tests): a bare "h2jax" is whichever one PATH
+    # finds, maybe another Python's, whose pydoc corpus (so the step-0 batch) differs
+    args = ["train", str(tmp_path / "exp.yaml"), "--init-from", str(tmp_path / "ckpt")]
+    cmd = [sys.executable, "-m", "h2jax.cli", *args]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "initialised the weights from" in proc.stdout + proc.stderr

@@ -183,6 +183,8 @@ def test_cli_plan_explains_every_word_it_prints_and_keeps_an_earlier_plan(tmp_pa
         assert printed in out and word in explained, (printed, word)
     gap = re.search(r"\(gap ([\d.]+) %\)", out).group(1)
     assert f"- 1 = {gap} %" in explained  # the numbers are this plan's, not a fixed text
+    header = (tmp_path / "plan.yaml").read_text()
+    assert "`h2jax train` reads it there: the experiment.yaml" in header and "read by `h2jax train`" not in header
     kept = sorted(p.name for p in tmp_path.iterdir())
     stamp = [p for p in kept if p.startswith("plan.") and p != "plan.yaml"]
     assert len(kept) == 4 and {"plan.yaml", "experiment.yaml"} <= set(kept) and len(stamp) == 1, kept

@@ -199,4 +199,5 @@ def test_a_config_error_under_mpirun_is_one_line_before_the_config(tmp_path, bad
     lines = _rank_lines(err, "h2jax: config error:")
     assert len(lines) == 1 and says in lines[0], err[-3000:]
     assert "h2jax train:" not in err and "Traceback" not in err, err[-3000:]
+    assert "MPI_ABORT" not in err and "\x00" not in err, err[-3000:]  # no launcher banner, no NUL byte
     assert not (tmp_path / "run").exists()
