@@ -3,7 +3,8 @@
 # Python >= 3.12), in a fresh virtual environment of Python 3.12 (or 3.13), beside the first
 # lane's Python 3.11 / jax 0.10 (`python3`). It installs with the test extra (which builds the
 # FFI extension against that jax's headers), then runs the fast lane, the mpirun tests, and
-# the default job for a few steps, whose losses must equal the first lane's within 1e-5.
+# the default job for a few steps, whose losses must equal the first lane's within 1e-5, and
+# `h2jax align` of the tiny model against its default gates.
 #
 #   bash .ci/newest_jax.sh            # H2JAX_CI_PYTHON=/path/to/python3.12 picks the interpreter
 set -euo pipefail
@@ -52,3 +53,6 @@ for lane in first second; do
     --run-dir "$WORK/train_$lane" >"$WORK/train_$lane.log" 2>&1 || { tail -n 20 "$WORK/train_$lane.log"; exit 1; }
 done
 "$VPY" .ci/same_losses.py "$WORK/train_first/metrics.jsonl" "$WORK/train_second/metrics.jsonl"
+# every chip type computes the same model on this jax too: align's default gates, on the tiny model
+"$VPY" -m h2jax.cli align configs/tiny.yaml --out "$WORK/align" >"$WORK/align.log" 2>&1 || { tail -n 30 "$WORK/align.log"; exit 1; }
+tail -n 3 "$WORK/align.log"

@@ -59,11 +59,11 @@ def test_full_collections_leave_out_what_the_first_step_made(tmp_path):
         return step()
 
     trainer.train_step = counted
-    assert gc.get_freeze_count() == 0
+    before = gc.get_freeze_count()  # 0 on Python 3.11 and 3.13; CPython 3.12.1 has 375 that unfreeze() keeps
     trainer.run(3)
-    assert frozen[0] == 0, "the first step (compilation) ran frozen"
-    assert all(n > 0 for n in frozen[1:]), frozen
-    assert gc.get_freeze_count() == 0, "the run left objects frozen"
+    assert frozen[0] == before, "the first step (compilation) ran frozen"
+    assert all(n > before for n in frozen[1:]), frozen
+    assert gc.get_freeze_count() == before, "the run left objects frozen"
 
 
 @pytest.mark.slow
