@@ -262,8 +262,8 @@ SHAPE_KEYS = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff")
 
 
 def model_difference(have: Mapping[str, Any] | None, want: Mapping[str, Any]) -> str:
-    """ "" when a checkpoint's model section (`have`; None: not recorded) has this run's shapes,
-    else "d_model 32 vs 128, ..." (checkpoint vs this run)."""
+    """Empty when a checkpoint's model section (`have`; None: not recorded) has this run's
+    shapes (the keys it records), else "d_model 32 vs 128, ..." (checkpoint vs this run)."""
     if have is None:
         return ""
     return ", ".join(f"{k} {have[k]} vs {want.get(k)}" for k in SHAPE_KEYS if k in have and have[k] != want.get(k))
