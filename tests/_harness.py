@@ -458,3 +458,27 @@ def hand_made_hf(tmp: Path, cfg, *, edit=None, config_edit=None, dtype=np.float3
     (out / "config.json").write_text(json.dumps(hf))
     (out / "tokenizer.json").write_text("{}")
     return out
+
+
+def measured_table(model, rows: dict[str, list[tuple[int, int]]], *, slow: float = 1.0):
+    """A table holding the roofline's numbers (times x `slow`) as if measured, at `rows`."""
+    import dataclasses
+
+    from h2jax.plan import ProfileTable, load_chip, roofline_costs
+
+    table = ProfileTable()
+    for name, pairs in rows.items():
+        chip = load_chip(name)[0]
+        for t, b in pairs:
+            parts = roofline_costs(model, chip, tensor=t, microbatch=b)
+            table.add(
+                name,
+                model.key(),
+                t,
+                b,
+                {
+                    k: dataclasses.replace(v, estimated=False, fwd_s=v.fwd_s * slow, bwd_s=v.bwd_s * slow)
+                    for k, v in parts.items()
+                },
+            )
+    return table

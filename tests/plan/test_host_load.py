@@ -17,9 +17,7 @@ import yaml
 
 import h2jax._hostload as hostload
 from h2jax.plan import ModelShape, ProfileTable
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_measured_only import _measured  # noqa: E402
+from tests._harness import measured_table
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_MIX = ROOT / "configs" / "clusters" / "sim_mix.yaml"
@@ -50,7 +48,7 @@ def test_other_work_counts_another_process_busy_beside_it():
 def test_plan_names_the_profiles_measured_on_a_loaded_host(tmp_path):
     raw = yaml.safe_load(SIM_MIX.read_text())
     model = ModelShape.from_config(raw["model"])
-    table = _measured(model, {n: [(1, 2), (1, 4)] for n in ("sim_a", "sim_b")}, slow=5.0)
+    table = measured_table(model, {n: [(1, 2), (1, 4)] for n in ("sim_a", "sim_b")}, slow=5.0)
     table.host_cores = {"sim_a": 2, "sim_b": 2}
     table.other_cores = {"sim_a": 0.1, "sim_b": 1.2}
     path = tmp_path / "prof.json"

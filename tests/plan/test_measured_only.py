@@ -19,30 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from h2jax.plan import Cluster, ModelShape, ProfileTable, SearchOptions, exhaustive, load_chip, roofline_costs, search
+from h2jax.plan import Cluster, ModelShape, SearchOptions, exhaustive, load_chip, search
+from tests._harness import measured_table as _measured
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_MIX = ROOT / "configs" / "clusters" / "sim_mix.yaml"
-
-
-def _measured(model: ModelShape, rows: dict[str, list[tuple[int, int]]], *, slow: float = 1.0) -> ProfileTable:
-    """A table holding the roofline's numbers (times x `slow`) as if measured, at `rows`."""
-    table = ProfileTable()
-    for name, pairs in rows.items():
-        chip = load_chip(name)[0]
-        for t, b in pairs:
-            parts = roofline_costs(model, chip, tensor=t, microbatch=b)
-            table.add(
-                name,
-                model.key(),
-                t,
-                b,
-                {
-                    k: dataclasses.replace(v, estimated=False, fwd_s=v.fwd_s * slow, bwd_s=v.bwd_s * slow)
-                    for k, v in parts.items()
-                },
-            )
-    return table
 
 
 def _sim_mix() -> tuple[Cluster, ModelShape, int]:
