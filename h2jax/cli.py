@@ -177,6 +177,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         for line in config_warnings(cfg):
             say("warning", line, style="bold yellow", console=console)
+        if cfg.data.sources:
+            from h2jax.data import load_data
+
+            console.print(load_data(cfg).describe(), highlight=False, soft_wrap=True)
         if launch is not None and launch.size > 1:
             console.print(f"{launch.size} processes ({launch.launcher}), transport {cfg.train.transport}")
         from h2jax import _compile_cache

@@ -44,10 +44,24 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     c.set_defaults(func=cmd_convert)
 
-    t = subparsers.add_parser("tokenize", help="text / jsonl files -> a flat token file for data.token_file")
+    t = subparsers.add_parser(
+        "tokenize", help="text / jsonl files -> a flat token file (data.token_file) or a token store (data.sources)"
+    )
     t.add_argument("inputs", nargs="+", help="text (.txt, ...) or JSON-lines (.jsonl) files, in this order")
-    t.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
-    t.add_argument("--out", required=True, help="token file to write (raw little-endian ids, no header)")
+    t.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json, or 'byte' (256 ids)")
+    t.add_argument(
+        "--out",
+        required=True,
+        help="tokens: the file to write (raw little-endian ids, no header); arrayrecord: a new folder",
+    )
+    t.add_argument(
+        "--format",
+        default="tokens",
+        choices=("tokens", "arrayrecord"),
+        help="tokens: one flat file (data.token_file); arrayrecord: ArrayRecord shards of one record per "
+        "document and a manifest (data.sources)",
+    )
+    t.add_argument("--shards", type=int, default=1, help="arrayrecord: the number of shard files")
     t.add_argument("--field", default="text", help="jsonl: the field holding the text (default: text)")
     t.add_argument(
         "--split",
@@ -125,9 +139,19 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             bos=args.bos,
             batch_bytes=int(args.batch_mb * 1e6),
             progress=not args.no_progress,
+            format=args.format,
+            shards=args.shards,
         )
     except (ConfigError, ValueError, OSError) as e:
         return fail("tokenize error", str(e))
+    if args.format == "arrayrecord":
+        print(
+            f"wrote {stats.tokens:,} tokens ({stats.dtype}) of {stats.documents:,} documents in {args.shards} "
+            f"shard(s) to {args.out} in {stats.seconds:.1f} s "
+            f"({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s); train with "
+            f"'data.sources={{{args.out}: 1.0}}' data.tokenizer={args.tokenizer}"
+        )
+        return 0
     print(
         f"wrote {stats.tokens:,} tokens ({stats.dtype}) of {stats.documents:,} documents to {args.out} "
         f"in {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s); "

@@ -224,12 +224,9 @@ def assert_pipeline_equals_sequential(
 def sequential_steps(cfg, steps: int = 3) -> tuple[list[tuple[float, dict, float]], dict]:
     """The reference on the job's own data stream (what a CLI or mpirun run trains on): per step
     (loss, flat gradients, global norm), and the flat parameters after ``steps`` updates."""
-    from h2jax.data import load_dataset, step_batch
+    from h2jax.data import load_data, step_batch
 
-    data = cfg.data
-    dataset = load_dataset(
-        corpus=data.corpus, token_file=data.token_file, tokenizer=data.tokenizer, token_dtype=data.token_dtype
-    )
+    dataset = load_data(cfg)
     ref = Sequential(cfg)
     out = []
     for step in range(steps):

@@ -71,15 +71,10 @@ def load_experiment(cfg: Any) -> Experiment:
     """Build the GPT of ``cfg.model`` (seed ``cfg.seed``) and load its data."""
     from flax import nnx
 
-    from h2jax.data import load_dataset
+    from h2jax.data import load_data
     from h2jax.models import build_model
 
-    dataset = load_dataset(
-        corpus=cfg.data.corpus,
-        token_file=cfg.data.token_file,
-        tokenizer=cfg.data.tokenizer,
-        token_dtype=cfg.data.token_dtype,
-    )
+    dataset = load_data(cfg)
     model = build_model(cfg.model, seed=cfg.seed)
     graphdef, params = nnx.split(model, nnx.Param)
     exp = Experiment(cfg, graphdef, params, np.zeros(0), np.zeros(0), dataset)

@@ -85,6 +85,15 @@ class DataConfig:
     """Dtype of token_file: uint16 or uint32."""
     tokenizer: str = "byte"
     """"byte" (vocab 256) or a path to a local HF tokenizer.json."""
+    sources: dict[str, float] | None = None
+    """Token stores mixed by weight, path -> weight (> 0; normalised): folders `h2jax tokenize
+    --format arrayrecord` writes, Megatron .bin/.idx prefixes or flat token files. Wins over
+    token_file and corpus. Documents are packed into sequences and shuffled per epoch; a run's
+    position is the count of sequences consumed, kept in every checkpoint, so a resume under
+    another plan neither skips nor repeats one."""
+    eod_id: int | None = None
+    """The end-of-document id of flat token files in sources (their documents end with it);
+    null: a flat file is one document. Stores with an index know their documents."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Tokenizers, corpora, token datasets and deterministic per-(step, microbatch) batching.
+"""Tokenizers, corpora, token datasets and stores, and deterministic batching.
 
 Pure numpy; no JAX import.
 """
@@ -6,6 +6,8 @@ Pure numpy; no JAX import.
 from h2jax.data._batching import get_global_batch, get_microbatch, step_batch
 from h2jax.data._corpus import default_corpus_text, load_text
 from h2jax.data._dataset import TokenDataset, check_token_ids, load_dataset, open_token_file
+from h2jax.data._sequences import SequenceBatch, SequenceStream, load_data, open_stream
+from h2jax.data._stores import TokenStore, open_store, write_megatron
 from h2jax.data._tokenize import tokenize_files as tokenize_files  # h2jax tokenize
 from h2jax.data._tokenizer import (
     ByteTokenizer,
@@ -17,6 +19,13 @@ from h2jax.data._tokenizer import (
 
 __all__ = [
     "ByteTokenizer",
+    "SequenceBatch",
+    "SequenceStream",
+    "TokenStore",
+    "load_data",
+    "open_store",
+    "open_stream",
+    "write_megatron",
     "HFTokenizer",
     "TokenDataset",
     "Tokenizer",

@@ -83,9 +83,22 @@ def get_global_batch(
     return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
 
 
-def step_batch(dataset: TokenDataset, cfg: Any, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """The global batch of ``step`` of an experiment ``cfg`` (its seed, plan and sequence length)."""
+def step_batch(dataset: Any, cfg: Any, step: int, *, position: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of ``step`` of an experiment ``cfg`` (its seed, plan and sequence length):
+    ``(tokens, targets)`` int32 [num_microbatches, microbatch_size, seq_len].
+
+    From a :class:`~h2jax.data._sequences.SequenceStream` (``data.sources``) the batch is run
+    sequences ``position ..`` (default ``step * global_batch``), microbatch ``i`` the
+    ``i``-th run of ``microbatch_size`` of them; otherwise the windows :func:`get_global_batch`
+    draws for (seed, step)."""
     p = cfg.plan
+    from h2jax.data._sequences import SequenceStream
+
+    if isinstance(dataset, SequenceStream):
+        start = step * p.global_batch if position is None else position
+        rows = dataset.batch(start, p.global_batch).tokens
+        rows = rows.reshape(p.num_microbatches, p.microbatch_size, rows.shape[-1])
+        return rows[..., :-1], rows[..., 1:]
     return get_global_batch(
         dataset,
         seed=cfg.seed,

@@ -1,7 +1,12 @@
-"""Text and JSON-lines files -> the flat token file ``data.token_file`` reads (``h2jax tokenize``).
+"""Text and JSON-lines files -> token files h2jax reads (``h2jax tokenize``).
 
-The output is nanoGPT's layout: raw little-endian uint16 or uint32 ids, no header, every
-document's ids followed by the end-of-text id (and preceded by a begin id if asked). A
+Two outputs. ``tokens`` (the default): nanoGPT's layout, the flat file ``data.token_file``
+reads: raw little-endian uint16 or uint32 ids, no header, every document's ids followed by
+the end-of-text id (and preceded by a begin id if asked). ``arrayrecord``: a token store
+folder ``data.sources`` reads (h2jax.data._stores): ``--shards`` ArrayRecord files of one
+record per document (document ``i`` goes to shard ``i % shards``), each with its documents'
+lengths, and ``manifest.json`` with the counts, dtype, vocabulary, end-of-document id and the
+tokenizer's identity (its sha256), so a run with another tokenizer is refused. A
 *document* is a JSON-lines record's text field, or a piece of a text file: a paragraph
 (blank-line separated, the default), a line, or the whole file. Documents are encoded
 whole, in batches of about `batch_bytes` of text with the tokenizers package's
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from h2jax._strict import ConfigError
+from h2jax.data._stores import tokenizer_identity
 from h2jax.data._tokenizer import token_dtype_for
 
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -143,6 +150,8 @@ def tokenize_files(
     bos: str = "none",
     batch_bytes: int = 8_000_000,
     progress: bool = True,
+    format: str = "tokens",
+    shards: int = 1,
 ) -> TokenizeStats:
     """Tokenize `inputs` (in order) into the flat token file `out`; see the module docstring.
 
@@ -151,14 +160,11 @@ def tokenize_files(
     "none", or (eos) "auto": the first of EOS_CANDIDATES the tokenizer has. Progress: a bar
     on a terminal, else a line on stderr every 10 s (`progress=False`: neither). The file is
     written beside `out` and renamed into place at the end."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # pragma: no cover - a dependency of h2jax
-        raise ConfigError("--tokenizer", "the tokenizers package is not installed") from None
-    try:
-        tok = Tokenizer.from_file(str(tokenizer))
-    except Exception as e:  # noqa: BLE001 - the tokenizers package raises a bare Exception
-        raise ConfigError("--tokenizer", f"{str(tokenizer)!r} is not a readable tokenizer.json ({e})") from None
+    if format not in FORMATS:
+        raise ConfigError("--format", f"{format!r}; expected one of {list(FORMATS)}")
+    if format == "arrayrecord" and shards < 1:
+        raise ConfigError("--shards", f"{shards}; expected >= 1")
+    tok = _load(str(tokenizer))
     vocab = int(tok.get_vocab_size(with_added_tokens=True))
     if dtype == "auto":
         np_dtype = token_dtype_for(vocab)
@@ -186,45 +192,158 @@ def tokenize_files(
 
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
+    if format == "arrayrecord" and out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{str(out)!r} is a file; expected a folder for the token store")
+    if format == "arrayrecord" and out.is_dir() and any(out.iterdir()):
+        raise ConfigError("--out", f"{str(out)!r} holds files; expected a new or empty folder (nothing was written)")
+    if format == "tokens" and out.is_dir():
+        raise ConfigError("--out", f"{str(out)!r} is a folder; expected a file name (or --format arrayrecord)")
+    if tmp.is_dir():  # the leftover of a killed run
+        shutil.rmtree(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
     report = _Report(total, enabled=progress)
     tokens = documents = 0
     t0 = time.perf_counter()
+    sink = _StoreSink(tmp, shards, np_dtype) if format == "arrayrecord" else _FlatSink(tmp, np_dtype)
     try:
-        with tmp.open("wb") as f:
-            before = 0
-            for p in paths:
-                batch: list[str] = []
-                size = 0
-                for doc, done in iter_documents(p, field=field, split=split):
-                    batch.append(doc)
-                    size += len(doc)
-                    if size >= batch_bytes:
-                        tokens += _write(f, encode(batch, add_special_tokens=False), np_dtype, bos_id, eos_id)
-                        documents += len(batch)
-                        batch, size = [], 0
-                        report.update(before + done, tokens)
-                if batch:
-                    tokens += _write(f, encode(batch, add_special_tokens=False), np_dtype, bos_id, eos_id)
+        before = 0
+        for p in paths:
+            batch: list[str] = []
+            size = 0
+            for doc, done in iter_documents(p, field=field, split=split):
+                batch.append(doc)
+                size += len(doc)
+                if size >= batch_bytes:
+                    tokens += sink.write(_ids(encode(batch, add_special_tokens=False), bos_id, eos_id))
                     documents += len(batch)
-                before += p.stat().st_size
-                report.update(before, tokens)
+                    batch, size = [], 0
+                    report.update(before + done, tokens)
+            if batch:
+                tokens += sink.write(_ids(encode(batch, add_special_tokens=False), bos_id, eos_id))
+                documents += len(batch)
+            before += p.stat().st_size
+            report.update(before, tokens)
+        extra = {"vocab_size": vocab, "tokenizer": tokenizer_identity(str(tokenizer)), "tokenizer_path": str(tokenizer)}
+        sink.close({**extra, "eod_id": eos_id, "bos_id": bos_id, "inputs": [str(p) for p in paths]})
+        if format == "arrayrecord" and out.is_dir():
+            out.rmdir()  # empty: checked above
         os.replace(tmp, out)
     finally:
+        sink.abort()
         report.close()
-        tmp.unlink(missing_ok=True)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
     return TokenizeStats(tokens, documents, total, time.perf_counter() - t0, np_dtype.name)
 
 
-def _write(f, encodings, dtype: np.dtype, bos_id: int | None, eos_id: int | None) -> int:
-    pieces = []
+FORMATS = ("tokens", "arrayrecord")
+
+
+class _ByteTok:
+    """The byte tokenizer (h2jax.data.ByteTokenizer) behind the tokenizers package's calls used here."""
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return 256
+
+    def token_to_id(self, token: str) -> int | None:
+        return None  # 256 ids, all bytes: no special tokens (documents stay apart in an arrayrecord store)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+
+def _load(spec: str):
+    if spec == "byte":
+        return _ByteTok()
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - a dependency of h2jax
+        raise ConfigError("--tokenizer", "the tokenizers package is not installed") from None
+    try:
+        return Tokenizer.from_file(spec)
+    except Exception as e:  # noqa: BLE001 - the tokenizers package raises a bare Exception
+        raise ConfigError("--tokenizer", f"{spec!r} is not a readable tokenizer.json ({e})") from None
+
+
+def _ids(encodings, bos_id: int | None, eos_id: int | None) -> list[list[int]]:
     head = [] if bos_id is None else [bos_id]
     tail = [] if eos_id is None else [eos_id]
-    for e in encodings:
-        pieces.append(head + e.ids + tail)
-    lengths = [len(p) for p in pieces]
-    flat = np.fromiter((i for p in pieces for i in p), dtype=dtype, count=sum(lengths))
-    flat.astype(dtype.newbyteorder("<"), copy=False).tofile(f)
-    return int(flat.size)
+    return [head + (e if isinstance(e, list) else e.ids) + tail for e in encodings]
+
+
+class _FlatSink:
+    """Documents appended to one flat file."""
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.f, self.dtype = path.open("wb"), dtype
+
+    def write(self, docs: list[list[int]]) -> int:
+        n = sum(len(d) for d in docs)
+        flat = np.fromiter((i for d in docs for i in d), dtype=self.dtype, count=n)
+        flat.astype(self.dtype.newbyteorder("<"), copy=False).tofile(self.f)
+        return n
+
+    def close(self, manifest: dict) -> None:
+        self.f.close()
+
+    def abort(self) -> None:
+        self.f.close()
+
+
+class _StoreSink:
+    """Documents dealt to ``shards`` ArrayRecord files, one record each; the manifest at the end."""
+
+    def __init__(self, folder: Path, shards: int, dtype: np.dtype):
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        folder.mkdir()
+        self.folder, self.dtype, self.n = folder, dtype.newbyteorder("<"), 0
+        self.names = [f"shard-{i:05d}-of-{shards:05d}" for i in range(shards)]
+        self.writers = [ArrayRecordWriter(str(folder / f"{n}.array_record"), "group_size:1") for n in self.names]
+        self.lengths: list[list[int]] = [[] for _ in range(shards)]
+
+    def write(self, docs: list[list[int]]) -> int:
+        for d in docs:
+            s = self.n % len(self.writers)
+            self.writers[s].write(np.asarray(d, self.dtype).tobytes())
+            self.lengths[s].append(len(d))
+            self.n += 1
+        return sum(len(d) for d in docs)
+
+    def close(self, manifest: dict) -> None:
+        from h2jax.data._stores import MANIFEST, STORE_FORMAT, STORE_VERSION
+
+        for w in self.writers:
+            w.close()
+        self.writers = []
+        shards = []
+        for name, lens in zip(self.names, self.lengths):
+            np.save(self.folder / f"{name}.lengths.npy", np.asarray(lens, np.int64))
+            shards.append(
+                {
+                    "file": f"{name}.array_record",
+                    "lengths": f"{name}.lengths.npy",
+                    "documents": len(lens),
+                    "tokens": sum(lens),
+                }
+            )
+        body = {
+            "format": STORE_FORMAT,
+            "version": STORE_VERSION,
+            "dtype": self.dtype.name,
+            **manifest,
+            "documents": self.n,
+            "tokens": sum(s["tokens"] for s in shards),
+            "shards": shards,
+        }
+        (self.folder / MANIFEST).write_text(json.dumps(body, indent=1) + "\n")
+
+    def abort(self) -> None:
+        for w in self.writers:
+            w.close()
+        self.writers = []
 
 
 class _Report:

@@ -107,18 +107,22 @@ def checkpoint_writer(cfg: ExperimentConfig, world: World, directory: Path) -> C
     return CheckpointStore(directory, **kw)
 
 
-def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int) -> dict[str, Any]:
-    """What a checkpoint records besides the arrays (the same in every part)."""
+def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int, consumed: int) -> dict[str, Any]:
+    """What a checkpoint records besides the arrays (the same in every part). ``consumed``: the
+    sequences the run consumed before ``step`` (the position of a ``data.sources`` stream)."""
     return {
         "format": CHECKPOINT_FORMAT,
         "step": step,
         "skipped_steps": skipped_steps,
-        # a batch is a pure function of (seed, step, microbatch): the position is the next step
+        # data.sources: the position is the sequences consumed (plan-free); otherwise a batch is a
+        # pure function of (seed, step, microbatch) and the position is the next step
         "data": {
             "seed": cfg.seed,
             "next_step": step,
+            "sequences_consumed": consumed,
             "global_batch": cfg.plan.global_batch,
             "num_microbatches": cfg.plan.num_microbatches,
+            "sources": dict(cfg.data.sources) if cfg.data.sources else None,
         },
         # the seed made the initial parameters, the data and every dropout mask (keys from seed, step,
         # microbatch, layer): nothing random is carried in the model
@@ -147,9 +151,10 @@ def check_checkpoint(
     return meta
 
 
-def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tuple[int, int, str | None]:
-    """(the step the run continues at, skipped steps so far, a warning or None) from a
-    checkpoint's meta; a data stream that cannot continue (another seed) is an error."""
+def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tuple[int, int, int, str | None]:
+    """(the step the run continues at, skipped steps so far, sequences consumed before it, a
+    warning or None) from a checkpoint's meta; a data stream that cannot continue (another
+    seed) is an error."""
     step = int(meta["step"])
     data = meta.get("data", {})
     if data.get("seed", cfg.seed) != cfg.seed:
@@ -157,15 +162,22 @@ def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tu
             f"{where} was written with seed {data['seed']}, this run has "
             f"seed {cfg.seed}: the data stream would not continue"
         )
+    consumed = int(data.get("sequences_consumed", step * int(data.get("global_batch", cfg.plan.global_batch))))
     warning = None
     batch = (data.get("global_batch"), data.get("num_microbatches"))
-    if batch != (cfg.plan.global_batch, cfg.plan.num_microbatches):
+    sources = dict(cfg.data.sources) if cfg.data.sources else None
+    if sources is not None and data.get("sources") not in (None, sources):
+        warning = (
+            f"the checkpoint's run read data.sources {data['sources']}, this run {sources}: the stream "
+            f"continues at sequence {consumed:,} of the new mixture"
+        )
+    elif sources is None and batch != (cfg.plan.global_batch, cfg.plan.num_microbatches):
         warning = (
             f"the checkpoint's run used global batch {batch[0]} in {batch[1]} microbatches, this run "
             f"{cfg.plan.global_batch} in {cfg.plan.num_microbatches}: the data stream continues from "
             f"step {step} but its batches differ"
         )
-    return step, int(meta.get("skipped_steps", 0)), warning
+    return step, int(meta.get("skipped_steps", 0)), consumed, warning
 
 
 def read_plan(
@@ -184,7 +196,9 @@ def read_plan(
         store.close()
     out = {"dir": str(store.dir), "step": s, "params_only": params_only, "warning": None}
     if not params_only:
-        out["next_step"], out["skipped_steps"], out["warning"] = data_position(meta, cfg, f"{store.dir} step {s}")
+        out["next_step"], out["skipped_steps"], out["sequences_consumed"], out["warning"] = data_position(
+            meta, cfg, f"{store.dir} step {s}"
+        )
     return out
 
 

@@ -42,7 +42,7 @@ from h2jax._console import make_console
 from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftover_steps, on_disk
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
-from h2jax.data import load_dataset, step_batch
+from h2jax.data import load_data, step_batch
 from h2jax.models import build_model, check_calls, check_stageable
 from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
 from h2jax.runtime._memory import check_memory
@@ -122,12 +122,8 @@ class Trainer:
             from h2jax.runtime._cluster import register_backends
 
             register_backends(cfg.cluster)
-        self.dataset = load_dataset(
-            corpus=cfg.data.corpus,
-            token_file=cfg.data.token_file,
-            tokenizer=cfg.data.tokenizer,
-            token_dtype=cfg.data.token_dtype,
-        )
+        self.dataset = load_data(cfg)
+        self._data_base = (0, 0)  # (a step, the sequences consumed before it): restore() moves it
         if self.dataset.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 "model.vocab_size",
@@ -165,8 +161,14 @@ class Trainer:
             self.memory = w.all(self.check_memory, "config error")
 
     # -- data ----------------------------------------------------------------------------------
+    def data_position(self, step: int) -> int:
+        """Sequences consumed before ``step``: the count at the checkpoint the run continues from
+        (0 for a new run) and the global batch of every step since."""
+        base_step, base = self._data_base
+        return base + (step - base_step) * self.cfg.plan.global_batch
+
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        return step_batch(self.dataset, self.cfg, step)
+        return step_batch(self.dataset, self.cfg, step, position=self.data_position(step))
 
     def device_batch(self, step: int) -> tuple[list[jax.Array] | None, list[jax.Array] | None]:
         first = next((st for st in self.stages if st.first), None)
@@ -290,9 +292,11 @@ class Trainer:
         """The metrics of one step (collective: every process calls it at the same steps;
         the writer's dict is the one that counts)."""
         events = self.gather_events(stats.step)
-        return step_metrics(
-            self.cfg, stats, skipped_steps=self.skipped_steps, events=events, with_mfu=self.builtin_model
-        )
+        m = step_metrics(self.cfg, stats, skipped_steps=self.skipped_steps, events=events, with_mfu=self.builtin_model)
+        if self.cfg.data.sources:  # where the step's sequences start in the run's stream, and its epoch
+            m["data_position"] = pos = self.data_position(stats.step)
+            m["epoch"] = self.dataset.epoch(pos)
+        return m
 
     # -- the loop ------------------------------------------------------------------------------
     def _local_stop(self) -> str | None:
@@ -472,7 +476,11 @@ class Trainer:
                 pass  # the save below reports an unwritable directory with the step
         store.clear(self.step)  # an older future of this run (--restore-step)
         self.world.barrier()  # no process's new share of this step may commit beside another's old one
-        store.save(self.step, self.state_by_layer(), checkpoint_meta(self.cfg, self.step, self.skipped_steps))
+        store.save(
+            self.step,
+            self.state_by_layer(),
+            checkpoint_meta(self.cfg, self.step, self.skipped_steps, self.data_position(self.step)),
+        )
         self._saved_step = self.step
         if self.fail_fast is not None:
             self.fail_fast.heartbeat()  # a synchronous save may take long; it is progress
@@ -511,6 +519,7 @@ class Trainer:
         self.world.all(read, "checkpoint error")
         if not plan["params_only"]:
             self.step, self.skipped_steps = plan["next_step"], plan["skipped_steps"]
+            self._data_base = (self.step, plan["sequences_consumed"])
             self._saved_step = self.step
             if plan.get("warning") and self.world.is_writer:
                 self.console.print(f"[yellow]h2jax: {plan['warning']}[/]")

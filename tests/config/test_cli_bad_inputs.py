@@ -248,6 +248,11 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
     ),
     # -- train: the same refusals, before any device
     "train_token_file_missing": ("train", ["data.token_file=@nope.bin"], ["data.token_file: '", "nope.bin'"]),
+    "train_sources_missing": (
+        "train",
+        ["data.sources={stores/web: 0.7, stores/code: 0.3}"],
+        ["data.sources.stores/web: 'stores/web' does not exist; expected a token store folder"],
+    ),
     "train_corpus_not_utf8": ("train", ["data.corpus=@latin1.txt"], ["data.corpus: '", "latin1.txt' is not UTF-8"]),
     "train_out_dir_under_a_file": ("train", ["train.out_dir=@a_file/runs"], ["train.out_dir: '", "a_file is a file"]),
     "train_transport_ffi": ("train", ["train.transport=ffi"], ["train.transport: 'ffi' moves tensors"]),

@@ -1,0 +1,185 @@
+"""Sequences from token stores: packed, shuffled per epoch, mixed by weight, addressed by a
+plan-free position.
+
+A source's documents are one stream (stored order, each document ending where the next
+begins); its sequence ``k`` is the ``seq_len + 1`` tokens from ``k * seq_len`` (inputs and
+next-token targets; packing, as Megatron and MaxText pack), with a per-token segment id that
+starts at 1 and grows at every document start inside the window.
+
+The order is Grain's: each source's sequence numbers shuffled (``MapDataset.shuffle``, a
+global shuffle by seed), repeated so that one *epoch* of the mixture reads its largest
+source (largest size / weight) once and the others in proportion, the sources interleaved
+by weight (``MapDataset.mix``), and epochs repeated with fresh shuffles
+(``repeat(reseed_each_epoch=True)``). Sequence ``g`` of the run is a pure function of
+(seed, sources, weights, seq_len, g): the position of a run is the count of sequences it has
+consumed, whatever the plan's batch split, microbatch count, data degree or process count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from h2jax._strict import ConfigError
+from h2jax.data._stores import TokenStore
+
+if TYPE_CHECKING:
+    from h2jax.data._dataset import TokenDataset
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """``count`` consecutive sequences of the run: ``tokens`` int32 [count, seq_len + 1],
+    ``segments`` int32 (the document number inside each row, from 1), and which source
+    (``source``) and sequence of it (``sequence``) each row is."""
+
+    tokens: np.ndarray
+    segments: np.ndarray
+    source: np.ndarray
+    sequence: np.ndarray
+
+
+class SequenceStream:
+    """The run's sequences (module docstring) over ``stores`` mixed with ``weights``."""
+
+    def __init__(self, stores: list[TokenStore], weights: list[float], *, seq_len: int, seed: int, key: str):
+        import grain
+
+        if len(stores) != len(weights) or not stores:
+            raise ValueError("one weight per store, at least one store")
+        bad = [(s.path, w) for s, w in zip(stores, weights) if not (w > 0 and math.isfinite(w))]
+        if bad:
+            raise ConfigError(key, f"{bad[0][0]!r} has weight {bad[0][1]!r}; expected a finite weight > 0")
+        self.stores, self.seq_len, self.seed = stores, seq_len, seed
+        self.vocab_size: int | None = None  # the run's tokenizer's, set by open_stream
+        total = float(sum(weights))
+        self.weights = [w / total for w in weights]
+        self.sizes = [(s.num_tokens - 1) // seq_len for s in stores]  # sequences per source
+        short = [(s, n) for s, n in zip(stores, self.sizes) if n < 1]
+        if short:
+            s = short[0][0]
+            raise ConfigError(
+                key,
+                f"{s.path!r} holds {s.num_tokens} tokens, fewer than one sequence (model.seq_len + 1 = "
+                f"{seq_len + 1}); expected a larger source or a smaller model.seq_len",
+            )
+        span = max(n / w for n, w in zip(self.sizes, self.weights))  # mixture sequences per epoch
+        parts = []
+        for j, (n, w) in enumerate(zip(self.sizes, self.weights)):
+            seed_j = int(np.random.SeedSequence([seed, j]).generate_state(1)[0])
+            reps = max(1, math.ceil(span * w / n - 1e-9))
+            parts.append(grain.MapDataset.range(n).shuffle(seed=seed_j).repeat(reps).map(_Tag(j)))
+        mix = grain.MapDataset.mix(parts, self.weights) if len(parts) > 1 else parts[0]
+        self.epoch_length = len(mix)
+        self._order = mix.repeat(None, reseed_each_epoch=True)
+
+    def ids(self, start: int, count: int) -> np.ndarray:
+        """int64 [count, 2]: (source, sequence of that source) of run sequences ``start..``."""
+        if start < 0 or count < 0:
+            raise ValueError(f"start and count must be >= 0, got {start}, {count}")
+        return np.array([self._order[g] for g in range(start, start + count)], np.int64).reshape(count, 2)
+
+    def describe(self) -> str:
+        """One line: the sources, their weights and sizes, and the epoch."""
+        parts = []
+        for st, w, n in zip(self.stores, self.weights, self.sizes):
+            docs = "" if st.num_documents is None else f"{st.num_documents:,} documents, "
+            parts.append(f"{st.path} {w:.0%} ({st.kind}, {docs}{st.num_tokens:,} tokens, {n:,} sequences)")
+        return (
+            f"data: {len(self.stores)} source(s), documents packed into sequences of {self.seq_len + 1} tokens "
+            f"(attention spans document boundaries), one epoch = {self.epoch_length:,} sequences: " + "; ".join(parts)
+        )
+
+    def epoch(self, position: int) -> float:
+        """Epochs of the mixture consumed at ``position`` sequences."""
+        return position / self.epoch_length
+
+    def sequence(self, source: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence ``k`` of ``source``: (ids, segment ids), each [seq_len + 1]."""
+        start = k * self.seq_len
+        ids, docs = self.stores[source].read(start, start + self.seq_len + 1)
+        return ids, (docs - docs[0] + 1)
+
+    def batch(self, start: int, count: int) -> SequenceBatch:
+        """Run sequences ``start .. start + count``."""
+        which = self.ids(start, count)
+        rows = [self.sequence(int(j), int(k)) for j, k in which]
+        return SequenceBatch(
+            tokens=np.stack([r[0] for r in rows]).astype(np.int32),
+            segments=np.stack([r[1] for r in rows]).astype(np.int32),
+            source=which[:, 0],
+            sequence=which[:, 1],
+        )
+
+
+class _Tag:
+    """k -> (source, k): picklable, so Grain may send the dataset to worker processes."""
+
+    def __init__(self, source: int):
+        self.source = source
+
+    def __call__(self, k: int) -> tuple[int, int]:
+        return self.source, int(k)
+
+
+def open_stream(
+    sources: Mapping[str, float],
+    *,
+    seq_len: int,
+    seed: int,
+    tokenizer: str = "byte",
+    token_dtype: str = "uint16",
+    eod_id: int | None = None,
+    key: str = "data.sources",
+) -> SequenceStream:
+    """The stream of ``data.sources`` (path -> weight), each source checked against the run's
+    tokenizer: a store that records its tokenizer must name this one; every id of the others
+    must be below its vocabulary (one scan of the file, cached)."""
+    from h2jax.data._dataset import check_token_ids
+    from h2jax.data._stores import open_store, tokenizer_identity
+    from h2jax.data._tokenizer import load_tokenizer
+
+    if not sources:
+        raise ConfigError(key, "is empty; expected at least one source path with a weight > 0")
+    vocab = load_tokenizer(tokenizer).vocab_size
+    ident = tokenizer_identity(tokenizer)
+    stores = []
+    for p in sources:
+        st = open_store(p, key=f"{key}.{p}", token_dtype=token_dtype, eod_id=eod_id)
+        if st.tokenizer is not None and st.tokenizer != ident:
+            raise ConfigError(
+                f"{key}.{p}",
+                f"{p!r} was tokenized with {st.tokenizer} (vocabulary {st.vocab_size}), data.tokenizer="
+                f"{tokenizer!r} is {ident} (vocabulary {vocab}); expected the tokenizer that wrote it",
+            )
+        if st.tokenizer is None and st.num_tokens:
+            check_token_ids(
+                st._flat, st.path if st.kind == "tokens" else st.path + ".bin", vocab_size=vocab, key=f"{key}.{p}"
+            )
+        stores.append(st)
+    stream = SequenceStream(stores, [float(w) for w in sources.values()], seq_len=seq_len, seed=seed, key=key)
+    stream.vocab_size = vocab
+    return stream
+
+
+def load_data(cfg: Any) -> TokenDataset | SequenceStream:
+    """The data of an experiment ``cfg`` (its ``data.*`` keys, ``model.seq_len`` and ``seed``):
+    the mixed token stores of ``data.sources`` when given (h2jax.data._sequences), else the
+    dataset :func:`~h2jax.data._dataset.load_dataset` builds."""
+    d = cfg.data
+    if d.sources:
+        return open_stream(
+            d.sources,
+            seq_len=cfg.model.seq_len,
+            seed=cfg.seed,
+            tokenizer=d.tokenizer,
+            token_dtype=d.token_dtype,
+            eod_id=d.eod_id,
+        )
+    from h2jax.data._dataset import load_dataset
+
+    return load_dataset(corpus=d.corpus, token_file=d.token_file, tokenizer=d.tokenizer, token_dtype=d.token_dtype)
