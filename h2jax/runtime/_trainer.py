@@ -124,6 +124,7 @@ class Trainer:
             register_backends(cfg.cluster)
         self.dataset = load_data(cfg)
         self._data_base = (0, 0)  # (a step, the sequences consumed before it): restore() moves it
+        self.data_wait_s = 0.0  # seconds the last step's batch took to read (device_batch)
         if self.dataset.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 "model.vocab_size",
@@ -175,7 +176,9 @@ class Trainer:
         last = next((st for st in self.stages if st.last), None)
         if first is None and last is None:
             return None, None
+        t0 = time.perf_counter()
         tokens, targets = self.batch(step)
+        self.data_wait_s = time.perf_counter() - t0  # read on the step's critical path (no prefetch yet)
         return (
             [global_array(t, first.act_sharding) for t in tokens] if first is not None else None,
             [global_array(t, last.act_sharding) for t in targets] if last is not None else None,
@@ -293,6 +296,8 @@ class Trainer:
         the writer's dict is the one that counts)."""
         events = self.gather_events(stats.step)
         m = step_metrics(self.cfg, stats, skipped_steps=self.skipped_steps, events=events, with_mfu=self.builtin_model)
+        # the time this process spent reading the step's batch (0 where it holds neither end stage)
+        m["data_wait_fraction"] = self.data_wait_s / stats.step_time_s if stats.step_time_s > 0 else 0.0
         if self.cfg.data.sources:  # where the step's sequences start in the run's stream, and its epoch
             m["data_position"] = pos = self.data_position(stats.step)
             m["epoch"] = self.dataset.epoch(pos)
