@@ -5,8 +5,8 @@ the fraction of its step spent reading the batch (metrics.jsonl ``data_wait_frac
 
 The corpus is the standard library's pydoc topics and code, tokenized with the byte tokenizer
 by ``h2jax tokenize --format arrayrecord`` (and written as Megatron .bin/.idx from the same
-documents). The batch is read on the step's critical path (no prefetch yet): the data-wait
-fraction is what that costs.
+documents). The job reads its batches through Grain threads that run ahead of the step
+(``SequenceStream.next_batch``); the data-wait fraction is what is left on the step's path.
 
     python benchmarks/data.py [--steps 12] [--rounds 3]
 

@@ -96,7 +96,7 @@ def step_batch(dataset: Any, cfg: Any, step: int, *, position: int | None = None
 
     if isinstance(dataset, SequenceStream):
         start = step * p.global_batch if position is None else position
-        rows = dataset.batch(start, p.global_batch).tokens
+        rows = dataset.next_batch(start, p.global_batch).tokens
         rows = rows.reshape(p.num_microbatches, p.microbatch_size, rows.shape[-1])
         return rows[..., :-1], rows[..., 1:]
     return get_global_batch(

@@ -76,6 +76,7 @@ class SequenceStream:
         mix = grain.MapDataset.mix(parts, self.weights) if len(parts) > 1 else parts[0]
         self.epoch_length = len(mix)
         self._order = mix.repeat(None, reseed_each_epoch=True)
+        self._reader, self._reader_at = None, (-1, -1)  # next_batch's reader and where it stands
 
     def ids(self, start: int, count: int) -> np.ndarray:
         """int64 [count, 2]: (source, sequence of that source) of run sequences ``start..``."""
@@ -105,15 +106,47 @@ class SequenceStream:
         return ids, (docs - docs[0] + 1)
 
     def batch(self, start: int, count: int) -> SequenceBatch:
-        """Run sequences ``start .. start + count``."""
+        """Run sequences ``start .. start + count``, read now."""
         which = self.ids(start, count)
-        rows = [self.sequence(int(j), int(k)) for j, k in which]
-        return SequenceBatch(
-            tokens=np.stack([r[0] for r in rows]).astype(np.int32),
-            segments=np.stack([r[1] for r in rows]).astype(np.int32),
-            source=which[:, 0],
-            sequence=which[:, 1],
-        )
+        return _stack([(*self.sequence(int(j), int(k)), int(j), int(k)) for j, k in which])
+
+    def next_batch(self, start: int, count: int) -> SequenceBatch:
+        """What :meth:`batch` returns, from a reader that runs ahead: Grain threads read and
+        pack the following batches while the caller trains on this one. A call that does not
+        continue where the last one ended (the first, or after a restore) starts a new reader."""
+        if self._reader is None or self._reader_at != (start, count):
+            self._reader = iter(self.reader(start, count))
+        out = next(self._reader)
+        self._reader_at = (start + count, count)
+        return out
+
+    def reader(self, start: int, count: int, *, threads: int = 2, ahead: int = 2):
+        """Grain's iterable of the batches of ``count`` sequences from ``start`` on, read by
+        ``threads`` threads up to ``ahead`` batches before they are asked for."""
+        import grain
+
+        ds = self._order.slice(slice(start, None)).map(_Read(self)).batch(count, batch_fn=_stack)
+        return ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=ahead))
+
+
+def _stack(rows: list[tuple[np.ndarray, np.ndarray, int, int]]) -> SequenceBatch:
+    return SequenceBatch(
+        tokens=np.stack([r[0] for r in rows]).astype(np.int32),
+        segments=np.stack([r[1] for r in rows]).astype(np.int32),
+        source=np.array([r[2] for r in rows], np.int64),
+        sequence=np.array([r[3] for r in rows], np.int64),
+    )
+
+
+class _Read:
+    """(source, k) -> (ids, segment ids, source, k) of that sequence."""
+
+    def __init__(self, stream: SequenceStream):
+        self.stream = stream
+
+    def __call__(self, which: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, int, int]:
+        j, k = which
+        return (*self.stream.sequence(j, k), j, k)
 
 
 class _Tag:

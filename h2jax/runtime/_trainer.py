@@ -178,7 +178,7 @@ class Trainer:
             return None, None
         t0 = time.perf_counter()
         tokens, targets = self.batch(step)
-        self.data_wait_s = time.perf_counter() - t0  # read on the step's critical path (no prefetch yet)
+        self.data_wait_s = time.perf_counter() - t0  # what the step waited for (data.sources: read ahead)
         return (
             [global_array(t, first.act_sharding) for t in tokens] if first is not None else None,
             [global_array(t, last.act_sharding) for t in targets] if last is not None else None,

@@ -160,3 +160,12 @@ def test_a_bad_source_is_one_line_naming_it(stores, tmp_path, case, expect):
         open_stream(src, seq_len=SEQ, seed=0, tokenizer=tokenizer)
     assert expect in str(e.value) and str(e.value).count("\n") == 0
     assert str(tmp_path) in str(e.value) or case == "weight_zero"
+
+
+def test_the_reader_that_runs_ahead_gives_what_random_access_gives(stores):
+    d = stores["dir"]
+    s = open_stream({str(d / "a"): 2.0, str(d / "b"): 1.0}, seq_len=SEQ, seed=5)
+    for start in (0, 8, 16, 1000, 24):  # continuing, jumping ahead, and back (a restore)
+        a, b = s.batch(start, 8), s.next_batch(start, 8)
+        for f in ("tokens", "segments", "source", "sequence"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
