@@ -242,6 +242,24 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     bad = [s for s in t.inject_nonfinite_steps if not 0 <= s < t.steps]
     if bad:
         raise ConfigError("train.inject_nonfinite_steps", f"step {bad[0]} is outside 0..{t.steps - 1}")
+    if t.eval_every < 0 or t.eval_batches < 1:
+        key, v, want = (
+            ("train.eval_every", t.eval_every, ">= 0 (0: none)")
+            if t.eval_every < 0
+            else ("train.eval_batches", t.eval_batches, ">= 1")
+        )
+        raise ConfigError(key, f"{key.split('.')[1]}={v}; expected {want}")
+    if t.eval_every and not cfg.data.val_sources:
+        raise ConfigError(
+            "train.eval_every",
+            f"eval_every={t.eval_every} needs validation data; expected data.val_sources={{path: weight}} (or 0)",
+        )
+    if t.eval_every and cfg.model.dropout > 0:
+        raise ConfigError(
+            "train.eval_every",
+            f"eval_every={t.eval_every} with model.dropout={cfg.model.dropout}: the evaluation forward would "
+            "drop units (no evaluation mode yet); expected model.dropout=0 or eval_every=0",
+        )
     c = cfg.checkpoint
     if c.dir is not None and not c.dir.strip():
         raise ConfigError("checkpoint.dir", "dir is empty; give a path, or null for <run folder>/checkpoints")

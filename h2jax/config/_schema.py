@@ -91,6 +91,8 @@ class DataConfig:
     token_file and corpus. Documents are packed into sequences and shuffled per epoch; a run's
     position is the count of sequences consumed, kept in every checkpoint, so a resume under
     another plan neither skips nor repeats one."""
+    val_sources: dict[str, float] | None = None
+    """Validation token stores (path -> weight, as sources), read by train.eval_every."""
     eod_id: int | None = None
     """The end-of-document id of flat token files in sources (their documents end with it);
     null: a flat file is one document. Stores with an index know their documents."""
@@ -134,6 +136,14 @@ class TrainConfig:
     inject_nonfinite_steps: tuple[int, ...] = ()
     """Fault injection for testing the policy: at these steps the accumulated gradients and the
     loss are made NaN after the backward passes, as a diverging step would. Empty: none."""
+    eval_every: int = 0
+    """Every N steps (and after the last), the loss on the validation sequences of
+    data.val_sources: forward only, through the same stages, schedule order and programs; it
+    changes no parameter or optimizer state. Metrics `eval_loss`, TensorBoard, summary.json.
+    0: no evaluation."""
+    eval_batches: int = 1
+    """Global batches of validation sequences per evaluation: the first eval_batches x
+    plan.global_batch sequences of data.val_sources, the same ones at every evaluation."""
 
 
 @dataclass(frozen=True)

@@ -228,8 +228,10 @@ def write_outputs(
     labels: list[str],
     t0: float | None,
     tokens_per_step: int,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The summary (and, when this call trained, trace.json, gantt.png and summary.json on
+    """The summary (``extra``'s keys added: the data and evaluation), and, when this call
+    trained, trace.json, gantt.png and summary.json on
     the writer). A call that trained nothing writes nothing: an earlier run's files stay.
     ``events``: every stage's timeline events (on the writer); ``memory``, ``backends``: this
     process's stages'. Collective."""
@@ -256,6 +258,7 @@ def write_outputs(
             {"label": labels[s], "backend": backends.get(s), "memory_gib": memory_gib.get(s)}
             for s in range(cfg.plan.num_stages)
         ],
+        **(extra or {}),
     }
     if not w.is_writer or not history:
         return summary

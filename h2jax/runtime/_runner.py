@@ -134,6 +134,7 @@ class StageRunner:
         self.watcher = Watcher(timeline, self.stage_idx, self.program.spec.chip) if self.timeline is not None else None
         self.step = 0
         self.split = any(t.kind == WEIGHT for t in self.tasks)
+        self._evaluating = False  # run_step(forward_only=True) is walking the forwards
         # CPU devices run independent programs side by side, sharing the cores (module docstring)
         self.in_order = all(d.platform == "cpu" for st in self.programs for d in st.mesh.devices.flat)
         if self.timeline is not None:
@@ -158,9 +159,15 @@ class StageRunner:
             **extra,
         )
 
-    def run_step(self, step: int, tokens: Sequence[Any] | None, targets: Sequence[Any] | None) -> list[Any]:
+    def run_step(
+        self, step: int, tokens: Sequence[Any] | None, targets: Sequence[Any] | None, *, forward_only: bool = False
+    ) -> list[Any]:
         """Dispatch every task of ``step``; returns the microbatch losses (last stage) as device
-        scalars. ``tokens`` on the first stage, ``targets`` on the last, else None."""
+        scalars. ``tokens`` on the first stage, ``targets`` on the last, else None.
+        ``forward_only`` (an evaluation): the forwards alone, in the schedule's order, nothing
+        kept for a backward, nothing on the timeline; no gradient is touched."""
+        if forward_only:
+            return self._forwards(step, tokens, targets)
         self.step = step
         saved: dict[tuple[int, int], Any] = {}  # (chunk, microbatch) -> what its backward needs
         kept: dict[tuple[int, int], Any] = {}  # B's hand-over to W, split schedules
@@ -186,7 +193,9 @@ class StageRunner:
                     else:
                         x = ch.recv(FWD, m, after=last)
                     t0 = time.perf_counter()
-                    y, saved[(c, m)] = st.forward(m, x, tgt, split=self.split, step=step)
+                    y, residuals = st.forward(m, x, tgt, split=self.split, step=step)
+                    if not self._evaluating:  # an evaluation keeps nothing for a backward
+                        saved[(c, m)] = residuals
                     last = y
                     ready = self.watcher.watch("fwd", step, m, t0, y, **chunk) if self.watcher else None
                     if st.last:
@@ -229,6 +238,20 @@ class StageRunner:
             raise StageFailure(self.stage_idx, step, what, e) from e
         return losses
 
+    def _forwards(self, step: int, tokens: Sequence[Any] | None, targets: Sequence[Any] | None) -> list[Any]:
+        records = [ch.record for ch in self.channels]
+        for ch in self.channels:
+            ch.record = None  # an evaluation's transfers are not the training step's
+        watcher, self.watcher = self.watcher, None
+        tasks, self.tasks = self.tasks, [t for t in self.tasks if t.kind == FORWARD]
+        self._evaluating = True
+        try:
+            return self.run_step(step, tokens, targets)  # the training step's forward programs
+        finally:
+            self.tasks, self.watcher, self._evaluating = tasks, watcher, False
+            for ch, r in zip(self.channels, records):
+                ch.record = r
+
     def drain(self) -> None:
         if self.watcher is not None:
             self.watcher.drain()
@@ -240,12 +263,21 @@ class StageRunner:
             ch.close()
 
 
-def run_stages(runners: Sequence[StageRunner], step: int, tokens: Any, targets: Any, *, hub: Any = None) -> list[Any]:
+def run_stages(
+    runners: Sequence[StageRunner],
+    step: int,
+    tokens: Any,
+    targets: Any,
+    *,
+    hub: Any = None,
+    forward_only: bool = False,
+) -> list[Any]:
     """One step of several local stages: one runner per stage on its own thread (a blocking
     receive must never hold up another stage's dispatch). A failure anywhere aborts the
-    step everywhere and is re-raised naming the stage. Returns the last stage's losses."""
+    step everywhere and is re-raised naming the stage. Returns the last stage's losses.
+    ``forward_only``: an evaluation (:meth:`StageRunner.run_step`)."""
     if len(runners) == 1:
-        return runners[0].run_step(step, tokens, targets)
+        return runners[0].run_step(step, tokens, targets, forward_only=forward_only)
     if hub is not None:
         hub.reset()
     # every runner is in the step before any thread starts: the hub records a transfer into a
@@ -259,7 +291,9 @@ def run_stages(runners: Sequence[StageRunner], step: int, tokens: Any, targets: 
     def work(r: StageRunner) -> None:
         first, last = any(st.first for st in r.programs), any(st.last for st in r.programs)
         try:
-            results[r.stage_idx] = r.run_step(step, tokens if first else None, targets if last else None)
+            results[r.stage_idx] = r.run_step(
+                step, tokens if first else None, targets if last else None, forward_only=forward_only
+            )
         except PipelineAborted:
             pass
         except BaseException as e:  # noqa: BLE001 -- re-raised below

@@ -125,6 +125,8 @@ class Trainer:
         self.dataset = load_data(cfg)
         self._data_base = (0, 0)  # (a step, the sequences consumed before it): restore() moves it
         self.data_wait_s = 0.0  # seconds the last step's batch took to read (device_batch)
+        self._val: Any = None  # data.val_sources' stream, opened by the first evaluation
+        self.eval_losses: list[tuple[int, float]] = []  # (steps trained, eval loss) of every evaluation
         if self.dataset.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 "model.vocab_size",
@@ -351,8 +353,14 @@ class Trainer:
                     gc.collect()
                     gc.freeze()
                     frozen = True
-                if stats.step % cfg.train.log_every == 0 or self.step == steps or stats.skipped:
+                every = cfg.train.eval_every
+                evaluated = bool(every) and (self.step % every == 0 or self.step == steps)
+                if evaluated:
+                    self.eval_losses.append((self.step, self.evaluate()))
+                if stats.step % cfg.train.log_every == 0 or self.step == steps or stats.skipped or evaluated:
                     metrics = self.step_metrics(stats)
+                    if evaluated:  # after the step's update: the model the next step starts from
+                        metrics["eval_loss"] = self.eval_losses[-1][1]
                     if log is not None:
                         log.log(stats.step, metrics)
                 if w.is_writer:
@@ -443,7 +451,64 @@ class Trainer:
             labels=self.labels,
             t0=self.timeline.t0 if self.timeline is not None else None,
             tokens_per_step=self.tokens_per_step,
+            extra=self._summary_extra(),
         )
+
+    def _summary_extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.cfg.data.sources:
+            pos = self.data_position(self.step)
+            out["data"] = {
+                "sources": dict(self.cfg.data.sources),
+                "sequences_consumed": pos,
+                "epochs": self.dataset.epoch(pos),
+            }
+        if self.eval_losses:
+            out["eval_losses"] = [[s, v] for s, v in self.eval_losses]
+            out["eval_loss"] = self.eval_losses[-1][1]
+        return out
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def val_data(self) -> Any:
+        """The stream of data.val_sources (opened on first use, on the processes that read data)."""
+        if self._val is None:
+            from h2jax.data import open_stream
+
+            d = self.cfg.data
+            self._val = open_stream(
+                d.val_sources,
+                seq_len=self.cfg.model.seq_len,
+                seed=self.cfg.seed,
+                tokenizer=d.tokenizer,
+                token_dtype=d.token_dtype,
+                eod_id=d.eod_id,
+                key="data.val_sources",
+            )
+        return self._val
+
+    def evaluate(self) -> float:
+        """The mean loss over the validation sequences (train.eval_batches global batches of
+        data.val_sources, the same at every call): the forwards alone, through this job's
+        stages, schedule order and programs; no gradient, parameter or optimizer state changes.
+        Collective: every process calls it at the same step."""
+        p = self.cfg.plan
+        first = next((st for st in self.stages if st.first), None)
+        last = next((st for st in self.stages if st.last), None)
+        total = 0.0
+        for i in range(self.cfg.train.eval_batches):
+            tokens = targets = None
+            if first is not None or last is not None:
+                rows = self.val_data().batch(i * p.global_batch, p.global_batch).tokens
+                rows = rows.reshape(p.num_microbatches, p.microbatch_size, rows.shape[-1])
+                if first is not None:
+                    tokens = [global_array(t, first.act_sharding) for t in rows[..., :-1]]
+                if last is not None:
+                    targets = [global_array(t, last.act_sharding) for t in rows[..., 1:]]
+            hub = self.hub if self._own_hub else None
+            losses = run_stages(self.runners, self.step, tokens, targets, hub=hub, forward_only=True)
+            local = float(local_value(jnp.mean(jnp.stack(losses)))) if losses else None
+            total += float(self.world.from_stage(self.loss_stage, local))
+        return total / self.cfg.train.eval_batches
 
     # -- checkpoints ---------------------------------------------------------------------------
     @property
