@@ -20,7 +20,15 @@ from pathlib import Path
 from h2jax._strict import ConfigError
 from h2jax._units import GIB, KIB, MIB, TIB
 from h2jax.config._schema import ExperimentConfig
-from h2jax.data import check_token_ids, default_corpus_text, load_text, load_tokenizer, open_stream, open_token_file
+from h2jax.data import (
+    check_token_ids,
+    default_corpus_text,
+    load_data,
+    load_text,
+    load_tokenizer,
+    load_validation,
+    open_token_file,
+)
 
 # a checkpoint holds the fp32 parameters and AdamW's two fp32 moments per parameter
 CHECKPOINT_BYTES_PER_PARAM = 12
@@ -77,14 +85,9 @@ def _check_data(cfg: ExperimentConfig) -> None:
         )
     need = m.seq_len + 1  # one training window: seq_len inputs and the next token
     if d.sources:  # stores, shards, indexes, tokenizer and weights: what the run opens, opened once here
-        open_stream(
-            d.sources,
-            seq_len=m.seq_len,
-            seed=cfg.seed,
-            tokenizer=d.tokenizer,
-            token_dtype=d.token_dtype,
-            eod_id=d.eod_id,
-        )
+        load_data(cfg)
+        if cfg.train.eval_every:
+            load_validation(cfg)
         return
     if d.token_file:
         tokens = open_token_file(d.token_file, dtype=d.token_dtype)

@@ -249,10 +249,16 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
             else ("train.eval_batches", t.eval_batches, ">= 1")
         )
         raise ConfigError(key, f"{key.split('.')[1]}={v}; expected {want}")
-    if t.eval_every and not cfg.data.val_sources:
+    d = cfg.data
+    if not 0.0 <= d.holdout < 1.0:
+        raise ConfigError("data.holdout", f"holdout={d.holdout}; expected a fraction 0 <= holdout < 1")
+    if d.holdout and not d.sources:
+        raise ConfigError("data.holdout", f"holdout={d.holdout} holds out sequences of data.sources, which is not set")
+    if t.eval_every and not (d.val_sources or (d.sources and d.holdout)):
         raise ConfigError(
             "train.eval_every",
-            f"eval_every={t.eval_every} needs validation data; expected data.val_sources={{path: weight}} (or 0)",
+            f"eval_every={t.eval_every} needs validation data; expected data.val_sources={{path: weight}}, "
+            "data.holdout > 0 with data.sources, or eval_every=0",
         )
     if t.eval_every and cfg.model.dropout > 0:
         raise ConfigError(

@@ -93,6 +93,10 @@ class DataConfig:
     another plan neither skips nor repeats one."""
     val_sources: dict[str, float] | None = None
     """Validation token stores (path -> weight, as sources), read by train.eval_every."""
+    holdout: float = 0.0
+    """Fraction of each source's sequences kept out of training (the last ones in stored order,
+    one sequence apart so no token is in both); with val_sources null they are the validation
+    sequences. 0: none."""
     eod_id: int | None = None
     """The end-of-document id of flat token files in sources (their documents end with it);
     null: a flat file is one document. Stores with an index know their documents."""

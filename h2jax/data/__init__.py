@@ -6,7 +6,7 @@ Pure numpy; no JAX import.
 from h2jax.data._batching import get_global_batch, get_microbatch, step_batch
 from h2jax.data._corpus import default_corpus_text, load_text
 from h2jax.data._dataset import TokenDataset, check_token_ids, load_dataset, open_token_file
-from h2jax.data._sequences import SequenceBatch, SequenceStream, load_data, open_stream
+from h2jax.data._sequences import SequenceBatch, SequenceStream, load_data, load_validation, open_stream
 from h2jax.data._stores import TokenStore, open_store, write_megatron
 from h2jax.data._tokenize import tokenize_files as tokenize_files  # h2jax tokenize
 from h2jax.data._tokenizer import (
@@ -23,6 +23,7 @@ __all__ = [
     "SequenceStream",
     "TokenStore",
     "load_data",
+    "load_validation",
     "open_store",
     "open_stream",
     "write_megatron",

@@ -46,7 +46,17 @@ class SequenceBatch:
 class SequenceStream:
     """The run's sequences (module docstring) over ``stores`` mixed with ``weights``."""
 
-    def __init__(self, stores: list[TokenStore], weights: list[float], *, seq_len: int, seed: int, key: str):
+    def __init__(
+        self,
+        stores: list[TokenStore],
+        weights: list[float],
+        *,
+        seq_len: int,
+        seed: int,
+        key: str,
+        holdout: float = 0.0,
+        split: str = "train",
+    ):
         import grain
 
         if len(stores) != len(weights) or not stores:
@@ -58,10 +68,29 @@ class SequenceStream:
         self.vocab_size: int | None = None  # the run's tokenizer's, set by open_stream
         total = float(sum(weights))
         self.weights = [w / total for w in weights]
-        self.sizes = [(s.num_tokens - 1) // seq_len for s in stores]  # sequences per source
-        short = [(s, n) for s, n in zip(stores, self.sizes) if n < 1]
+        if not 0.0 <= holdout < 1.0 or split not in ("train", "val"):
+            raise ValueError(f"holdout in [0, 1) and split train or val, got {holdout}, {split!r}")
+        self.split = split
+        # sequences k of a source: training [0, n - held - 1), validation [n - held, n); the one
+        # between them is left out, so that no token is in both (a window's last token is the
+        # next window's first)
+        total = [(s.num_tokens - 1) // seq_len for s in stores]
+        held = [math.ceil(n * holdout) if holdout > 0 else 0 for n in total]
+        if split == "val":
+            self.first = [n - h for n, h in zip(total, held)]
+            self.sizes = held
+        else:
+            self.first = [0] * len(stores)
+            self.sizes = [n - h - 1 if h else n for n, h in zip(total, held)]  # sequences per source
+        short = [(s, n, t) for s, n, t in zip(stores, self.sizes, total) if n < 1]
         if short:
-            s = short[0][0]
+            s, _, t = short[0]
+            if t >= 1:  # the source holds sequences, too few for both parts
+                raise ConfigError(
+                    "data.holdout",
+                    f"{s.path!r} holds {t} sequences of model.seq_len + 1 = {seq_len + 1} tokens: too few to hold "
+                    f"out {holdout} of them for validation and train on the rest; expected a larger source",
+                )
             raise ConfigError(
                 key,
                 f"{s.path!r} holds {s.num_tokens} tokens, fewer than one sequence (model.seq_len + 1 = "
@@ -72,7 +101,7 @@ class SequenceStream:
         for j, (n, w) in enumerate(zip(self.sizes, self.weights)):
             seed_j = int(np.random.SeedSequence([seed, j]).generate_state(1)[0])
             reps = max(1, math.ceil(span * w / n - 1e-9))
-            parts.append(grain.MapDataset.range(n).shuffle(seed=seed_j).repeat(reps).map(_Tag(j)))
+            parts.append(grain.MapDataset.range(n).shuffle(seed=seed_j).repeat(reps).map(_Tag(j, self.first[j])))
         mix = grain.MapDataset.mix(parts, self.weights) if len(parts) > 1 else parts[0]
         self.epoch_length = len(mix)
         self._order = mix.repeat(None, reseed_each_epoch=True)
@@ -150,13 +179,13 @@ class _Read:
 
 
 class _Tag:
-    """k -> (source, k): picklable, so Grain may send the dataset to worker processes."""
+    """i -> (source, first + i): picklable, so Grain may send the dataset to worker processes."""
 
-    def __init__(self, source: int):
-        self.source = source
+    def __init__(self, source: int, first: int):
+        self.source, self.first = source, first
 
     def __call__(self, k: int) -> tuple[int, int]:
-        return self.source, int(k)
+        return self.source, self.first + int(k)
 
 
 def open_stream(
@@ -168,6 +197,8 @@ def open_stream(
     token_dtype: str = "uint16",
     eod_id: int | None = None,
     key: str = "data.sources",
+    holdout: float = 0.0,
+    split: str = "train",
 ) -> SequenceStream:
     """The stream of ``data.sources`` (path -> weight), each source checked against the run's
     tokenizer: a store that records its tokenizer must name this one; every id of the others
@@ -194,9 +225,20 @@ def open_stream(
                 st._flat, st.path if st.kind == "tokens" else st.path + ".bin", vocab_size=vocab, key=f"{key}.{p}"
             )
         stores.append(st)
-    stream = SequenceStream(stores, [float(w) for w in sources.values()], seq_len=seq_len, seed=seed, key=key)
+    weights = [float(w) for w in sources.values()]
+    stream = SequenceStream(stores, weights, seq_len=seq_len, seed=seed, key=key, holdout=holdout, split=split)
     stream.vocab_size = vocab
     return stream
+
+
+def load_validation(cfg: Any) -> SequenceStream:
+    """The validation stream of an experiment: ``data.val_sources``, else the sequences
+    ``data.holdout`` keeps out of the training sources."""
+    d = cfg.data
+    common = dict(seq_len=cfg.model.seq_len, seed=cfg.seed, tokenizer=d.tokenizer, token_dtype=d.token_dtype)
+    if d.val_sources:
+        return open_stream(d.val_sources, eod_id=d.eod_id, key="data.val_sources", **common)
+    return open_stream(d.sources, eod_id=d.eod_id, holdout=d.holdout, split="val", **common)
 
 
 def load_data(cfg: Any) -> TokenDataset | SequenceStream:
@@ -212,6 +254,7 @@ def load_data(cfg: Any) -> TokenDataset | SequenceStream:
             tokenizer=d.tokenizer,
             token_dtype=d.token_dtype,
             eod_id=d.eod_id,
+            holdout=d.holdout,
         )
     from h2jax.data._dataset import load_dataset
 

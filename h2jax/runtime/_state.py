@@ -123,6 +123,7 @@ def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int, consum
             "global_batch": cfg.plan.global_batch,
             "num_microbatches": cfg.plan.num_microbatches,
             "sources": dict(cfg.data.sources) if cfg.data.sources else None,
+            "holdout": cfg.data.holdout,
         },
         # the seed made the initial parameters, the data and every dropout mask (keys from seed, step,
         # microbatch, layer): nothing random is carried in the model
@@ -166,10 +167,11 @@ def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tu
     warning = None
     batch = (data.get("global_batch"), data.get("num_microbatches"))
     sources = dict(cfg.data.sources) if cfg.data.sources else None
-    if sources is not None and data.get("sources") not in (None, sources):
+    was = (data.get("sources"), data.get("holdout", 0.0))
+    if sources is not None and was[0] is not None and was != (sources, cfg.data.holdout):
         warning = (
-            f"the checkpoint's run read data.sources {data['sources']}, this run {sources}: the stream "
-            f"continues at sequence {consumed:,} of the new mixture"
+            f"the checkpoint's run read data.sources {was[0]} (holdout {was[1]}), this run {sources} (holdout "
+            f"{cfg.data.holdout}): the stream continues at sequence {consumed:,} of the new mixture"
         )
     elif sources is None and batch != (cfg.plan.global_batch, cfg.plan.num_microbatches):
         warning = (

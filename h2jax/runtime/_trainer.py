@@ -470,20 +470,11 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------
     def val_data(self) -> Any:
-        """The stream of data.val_sources (opened on first use, on the processes that read data)."""
+        """The validation stream (h2jax.data.load_validation), opened on first use."""
         if self._val is None:
-            from h2jax.data import open_stream
+            from h2jax.data import load_validation
 
-            d = self.cfg.data
-            self._val = open_stream(
-                d.val_sources,
-                seq_len=self.cfg.model.seq_len,
-                seed=self.cfg.seed,
-                tokenizer=d.tokenizer,
-                token_dtype=d.token_dtype,
-                eod_id=d.eod_id,
-                key="data.val_sources",
-            )
+            self._val = load_validation(self.cfg)
         return self._val
 
     def evaluate(self) -> float:

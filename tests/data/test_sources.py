@@ -169,3 +169,32 @@ def test_the_reader_that_runs_ahead_gives_what_random_access_gives(stores):
         a, b = s.batch(start, 8), s.next_batch(start, 8)
         for f in ("tokens", "segments", "source", "sequence"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+
+
+def test_held_out_sequences_are_never_trained_on(stores):
+    d = stores["dir"]
+    src = {str(d / "a"): 1.0, str(d / "b"): 1.0}
+    train = open_stream(src, seq_len=SEQ, seed=2, holdout=0.1)
+    val = open_stream(src, seq_len=SEQ, seed=2, holdout=0.1, split="val")
+    whole = open_stream(src, seq_len=SEQ, seed=2)
+    for j, n in enumerate(whole.sizes):
+        held = -(-n // 10)
+        assert (train.sizes[j], val.sizes[j]) == (n - held - 1, held)
+        seen_train = set(train.ids(0, 4 * train.epoch_length)[:, 1][train.ids(0, 4 * train.epoch_length)[:, 0] == j])
+        seen_val = set(val.ids(0, 2 * val.epoch_length)[:, 1][val.ids(0, 2 * val.epoch_length)[:, 0] == j])
+        assert seen_train == set(range(n - held - 1)) and seen_val == set(range(n - held, n))
+        # no token is in both: the last training window ends before the first validation window starts
+        assert (n - held - 2) * SEQ + SEQ + 1 <= (n - held) * SEQ
+
+
+def test_a_resume_with_another_mixture_says_so_in_one_line(stores):
+    from h2jax.runtime._state import checkpoint_meta, data_position
+
+    d = stores["dir"]
+    before = _cfg({str(d / "a"): 3.0, str(d / "b"): 1.0})
+    after = _cfg({str(d / "a"): 1.0, str(d / "b"): 1.0})
+    meta = checkpoint_meta(before, 2, 0, 16)
+    step, _, consumed, warning = data_position(meta, after, "ckpt step 2")
+    assert (step, consumed) == (2, 16)
+    assert "the stream continues at sequence 16 of the new mixture" in warning and "\n" not in warning
+    assert data_position(meta, before, "ckpt step 2")[3] is None
