@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 from h2jax._errors import fail, say
 from h2jax._paths import claim_folder
 from h2jax._strict import ConfigError
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``convert`` and ``tokenize`` on the ``h2jax`` parser."""
+    """Register ``convert``, ``tokenize`` and ``data`` on the ``h2jax`` parser."""
     c = subparsers.add_parser(
         "convert",
         help="Hugging Face LLaMA directory <-> h2jax checkpoint directory (direction from what SRC holds)",
@@ -80,6 +82,18 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--batch-mb", type=float, default=8.0, help="text per parallel batch, MB")
     t.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     t.set_defaults(func=cmd_tokenize)
+
+    d = subparsers.add_parser("data", help="look at token stores: `h2jax data inspect PATH ...`")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    i = dsub.add_parser("inspect", help="what token stores hold, and a few of their documents decoded")
+    i.add_argument("paths", nargs="+", help="token stores: arrayrecord folders, Megatron prefixes, flat token files")
+    i.add_argument(
+        "--tokenizer", default=None, help="decode with this ('byte' or a tokenizer.json; default: the store's)"
+    )
+    i.add_argument("--samples", type=int, default=2, help="documents to show from each store (default 2)")
+    i.add_argument("--chars", type=int, default=200, help="characters of each sample shown (default 200)")
+    i.add_argument("--token-dtype", default="uint16", choices=("uint16", "uint32"), help="flat files: the id dtype")
+    i.set_defaults(func=cmd_data_inspect)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -157,4 +171,37 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         f"in {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s); "
         f"train with data.token_file={args.out} data.token_dtype={stats.dtype} data.tokenizer={args.tokenizer}"
     )
+    return 0
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    from h2jax.data import load_tokenizer, open_store
+
+    for path in args.paths:
+        try:
+            st = open_store(path, key=path, token_dtype=args.token_dtype)
+            spec = args.tokenizer or (st.tokenizer_path if st.tokenizer_path else None)
+            tok = load_tokenizer(spec) if spec else None
+        except ConfigError as e:
+            return fail("data error", str(e))
+        docs = "-" if st.num_documents is None else f"{st.num_documents:,}"
+        print(f"{path}: {st.kind}, {docs} documents, {st.num_tokens:,} tokens ({st.dtype.name})")
+        if st.num_documents:
+            lengths = np.diff(st.offsets)
+            print(
+                f"  document length: mean {lengths.mean():,.1f}, median {np.median(lengths):,.0f}, "
+                f"min {lengths.min():,}, max {lengths.max():,} tokens"
+            )
+        ident = f", {st.tokenizer}" if st.tokenizer else ""
+        vocab = f"vocabulary {st.vocab_size:,}" if st.vocab_size else "vocabulary not recorded"
+        print(f"  tokenizer: {st.tokenizer_path or 'not recorded'} ({vocab}{ident}); end-of-document id: {st.eod_id}")
+        if tok is None:
+            print("  (no tokenizer to decode with: --tokenizer)")
+            continue
+        count = min(args.samples, st.num_documents or 1)
+        for k in range(count):
+            ids = st.document(k) if st.num_documents else st.read(0, min(st.num_tokens, 4 * args.chars))[0]
+            text = tok.decode(np.asarray(ids).tolist())
+            more = "..." if len(text) > args.chars else ""
+            print(f"  [{k}] {len(ids):,} tokens: {text[: args.chars]!r}{more}")
     return 0

@@ -62,6 +62,7 @@ class TokenStore:
     eod_id: int | None = None
     vocab_size: int | None = None
     tokenizer: str | None = None  # tokenizer_identity() of the tokenizer that wrote it, when recorded
+    tokenizer_path: str | None = None  # where that tokenizer was, as `h2jax tokenize` was given it
     _flat: np.ndarray | None = field(default=None, repr=False)  # the stream itself, where it is one array
     _records: object | None = field(default=None, repr=False)  # Grain data source of documents
 
@@ -183,6 +184,7 @@ def _open_arrayrecord(folder: Path, key: str) -> TokenStore:
         eod_id=m.get("eod_id"),
         vocab_size=int(m["vocab_size"]),
         tokenizer=m["tokenizer"],
+        tokenizer_path=m.get("tokenizer_path"),
         _records=records,
     )
 

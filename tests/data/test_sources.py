@@ -198,3 +198,26 @@ def test_a_resume_with_another_mixture_says_so_in_one_line(stores):
     assert (step, consumed) == (2, 16)
     assert "the stream continues at sequence 16 of the new mixture" in warning and "\n" not in warning
     assert data_position(meta, before, "ckpt step 2")[3] is None
+
+
+def test_data_inspect_says_what_a_store_holds_and_decodes_documents(stores, capsys):
+    import argparse
+
+    from h2jax import cli_models
+
+    args = argparse.Namespace(
+        paths=[str(stores["dir"] / "b"), str(stores["dir"] / "a")],
+        tokenizer=None,
+        samples=2,
+        chars=30,
+        token_dtype="uint16",
+    )
+    assert cli_models.cmd_data_inspect(args) == 0
+    out = capsys.readouterr().out
+    paras = stores["b_text"].split("\n\n")
+    assert "arrayrecord, 300 documents" in out and "megatron, 400 documents" in out
+    assert repr(paras[0][:30]) in out and repr(paras[3][:30]) in out  # shard 0 holds documents 0, 3, ...
+    assert "(no tokenizer to decode with: --tokenizer)" in out  # a Megatron store records none
+    args.paths = [str(stores["dir"] / "nothing")]
+    assert cli_models.cmd_data_inspect(args) == 2
+    assert "nothing' does not exist" in capsys.readouterr().err
