@@ -106,3 +106,20 @@ def test_the_cli_logs_the_eval_loss_in_metrics_and_summary(stores, tmp_path):
     summary = json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())
     assert summary["eval_losses"] == [[2, evals[0][1]], [3, evals[1][1]]]
     assert summary["data"]["sequences_consumed"] == 3 * 8
+
+
+@pytest.mark.multiproc
+def test_the_eval_loss_under_mpirun_is_the_one_process_eval_loss(stores, tmp_path):
+    import sys
+
+    from tests._harness import mpirun
+
+    src = "data.sources=" + json.dumps({str(stores / "train"): 1})
+    common = [TINY, *QUIET, src, "data.holdout=0.1", "train.eval_every=2", "train.steps=2", "checkpoint.enabled=false"]
+    one = _run([*common, "name=one"], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    mp = mpirun(2, [sys.executable, "-m", "h2jax.cli", "train", *common, "name=mp"], tmp_path)  # ffi transport
+    assert mp.returncode == 0, mp.stderr[-3000:]
+    got = [json.loads((tmp_path / "runs" / n / "summary.json").read_text())["eval_losses"] for n in ("one", "mp")]
+    assert len(got[0]) == 1 and got[0][0][0] == 2
+    assert abs(got[0][0][1] - got[1][0][1]) <= EVAL_TOL, got
