@@ -145,6 +145,9 @@ def run_job(
             f"{f' (from step {start})' if start else ''}{procs}; median {med:,.0f} tokens/s"
             f"{f'; {skipped} non-finite steps skipped' if skipped else ''}"
         )
+        if trainer.eval_losses:
+            evals = ", ".join(f"{v:.4f} after step {s}" for s, v in trainer.eval_losses[-3:])
+            console.print(f"eval loss: {evals}{' (the last 3)' if len(trainer.eval_losses) > 3 else ''}")
         if cfg.checkpoint.enabled:
             console.print(f"checkpoints: {trainer.checkpoint_dir} (latest step {trainer.step})")
         console.print(
