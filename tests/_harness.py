@@ -165,10 +165,10 @@ class Sequential:
 
         return nnx.merge(self.graphdef, self.params)
 
-    def grads(self, tokens, targets) -> tuple[float, dict]:
+    def grads(self, tokens, targets, segments=None) -> tuple[float, dict]:
         from h2jax.runtime import flatten, reference_loss_and_grads
 
-        loss, self.grads_tree = reference_loss_and_grads(self.model(), tokens, targets)
+        loss, self.grads_tree = reference_loss_and_grads(self.model(), tokens, targets, segments=segments)
         return float(loss), flatten(self.grads_tree)
 
     def norm(self) -> float:
@@ -204,7 +204,7 @@ def assert_pipeline_equals_sequential(
     for step in range(steps):
         loss = float(trainer.forward_backward(step))
         tokens, targets = trainer.batch(step)
-        ref_loss, want = ref.grads(tokens, targets)
+        ref_loss, want = ref.grads(tokens, targets, trainer.segments(step))
         assert abs(loss - ref_loss) <= TOL, (step, loss, ref_loss)
         bad = differing(trainer.grads_by_layer(), want)
         assert not bad, f"gradients of step {step} differ: {bad}"
@@ -224,13 +224,13 @@ def assert_pipeline_equals_sequential(
 def sequential_steps(cfg, steps: int = 3) -> tuple[list[tuple[float, dict, float]], dict]:
     """The reference on the job's own data stream (what a CLI or mpirun run trains on): per step
     (loss, flat gradients, global norm), and the flat parameters after ``steps`` updates."""
-    from h2jax.data import load_data, step_batch
+    from h2jax.data import load_data, step_batch, step_segments
 
     dataset = load_data(cfg)
     ref = Sequential(cfg)
     out = []
     for step in range(steps):
-        loss, grads = ref.grads(*step_batch(dataset, cfg, step))
+        loss, grads = ref.grads(*step_batch(dataset, cfg, step), step_segments(dataset, cfg, step))
         out.append((loss, grads, ref.norm()))
         ref.update()
     return out, ref.flat_params()

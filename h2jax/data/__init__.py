@@ -3,7 +3,7 @@
 Pure numpy; no JAX import.
 """
 
-from h2jax.data._batching import get_global_batch, get_microbatch, step_batch
+from h2jax.data._batching import get_global_batch, get_microbatch, step_batch, step_segments
 from h2jax.data._corpus import default_corpus_text, load_text
 from h2jax.data._dataset import TokenDataset, check_token_ids, load_dataset, open_token_file
 from h2jax.data._sequences import SequenceBatch, SequenceStream, load_data, load_validation, open_stream
@@ -38,6 +38,7 @@ __all__ = [
     "load_text",
     "load_tokenizer",
     "step_batch",
+    "step_segments",
     "open_token_file",
     "token_dtype_for",
 ]

@@ -107,3 +107,17 @@ def step_batch(dataset: Any, cfg: Any, step: int, *, position: int | None = None
         microbatch_size=p.microbatch_size,
         seq_len=cfg.model.seq_len,
     )
+
+
+def step_segments(dataset: Any, cfg: Any, step: int, *, position: int | None = None) -> np.ndarray | None:
+    """The document segment ids of the inputs of :func:`step_batch`'s batch (int32
+    [num_microbatches, microbatch_size, seq_len], from 1 in each row) for packed data
+    (``data.sources``); None for the windows of a flat corpus, whose attention is causal."""
+    from h2jax.data._sequences import SequenceStream
+
+    if not isinstance(dataset, SequenceStream):
+        return None
+    p = cfg.plan
+    start = step * p.global_batch if position is None else position
+    seg = dataset.next_batch(start, p.global_batch).segments[:, :-1]
+    return seg.reshape(p.num_microbatches, p.microbatch_size, seg.shape[-1])

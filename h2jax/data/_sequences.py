@@ -4,7 +4,9 @@ plan-free position.
 A source's documents are one stream (stored order, each document ending where the next
 begins); its sequence ``k`` is the ``seq_len + 1`` tokens from ``k * seq_len`` (inputs and
 next-token targets; packing, as Megatron and MaxText pack), with a per-token segment id that
-starts at 1 and grows at every document start inside the window.
+starts at 1 and grows at every document start inside the window; the runtime hands the ids
+of a step's inputs to every stage (h2jax.models.document_segments), whose attention then
+stays inside each document.
 
 The order is Grain's: each source's sequence numbers shuffled (``MapDataset.shuffle``, a
 global shuffle by seed), repeated so that one *epoch* of the mixture reads its largest
@@ -106,6 +108,7 @@ class SequenceStream:
         self.epoch_length = len(mix)
         self._order = mix.repeat(None, reseed_each_epoch=True)
         self._reader, self._reader_at = None, (-1, -1)  # next_batch's reader and where it stands
+        self._last: tuple[tuple[int, int], SequenceBatch] | None = None  # next_batch's last answer
 
     def ids(self, start: int, count: int) -> np.ndarray:
         """int64 [count, 2]: (source, sequence of that source) of run sequences ``start..``."""
@@ -121,7 +124,7 @@ class SequenceStream:
             parts.append(f"{st.path} {w:.0%} ({st.kind}, {docs}{st.num_tokens:,} tokens, {n:,} sequences)")
         return (
             f"data: {len(self.stores)} source(s), documents packed into sequences of {self.seq_len + 1} tokens "
-            f"(attention spans document boundaries), one epoch = {self.epoch_length:,} sequences: " + "; ".join(parts)
+            f"(attention stays inside each document), one epoch = {self.epoch_length:,} sequences: " + "; ".join(parts)
         )
 
     def epoch(self, position: int) -> float:
@@ -143,10 +146,13 @@ class SequenceStream:
         """What :meth:`batch` returns, from a reader that runs ahead: Grain threads read and
         pack the following batches while the caller trains on this one. A call that does not
         continue where the last one ended (the first, or after a restore) starts a new reader."""
+        if self._last is not None and self._last[0] == (start, count):  # asked again (tokens, then segments)
+            return self._last[1]
         if self._reader is None or self._reader_at != (start, count):
             self._reader = iter(self.reader(start, count))
         out = next(self._reader)
         self._reader_at = (start + count, count)
+        self._last = ((start, count), out)
         return out
 
     def reader(self, start: int, count: int, *, threads: int = 2, ahead: int = 2):

@@ -31,6 +31,9 @@ Dropout: `Dropout` (an nnx.Dropout without a stored stream) draws its masks from
 and site it holds, so a pipelined, recomputed or resumed step draws the masks of the
 sequential model; outside `dropout_step` it is the identity. A stageable model may hold
 only Params (no batch statistics, no stored RNG streams).
+
+Packed documents: within `document_segments(segment_ids)` the built-in attention keeps each
+token inside its own document (`current_segments()` gives a user's model the same ids).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ _LAZY = {
     "Block": "h2jax.models._llama",
     "Dropout": "h2jax.models._dropout",
     "dropout_step": "h2jax.models._dropout",
+    "document_segments": "h2jax.models._segments",
+    "current_segments": "h2jax.models._segments",
     "Embed": "h2jax.models._llama",
     "Head": "h2jax.models._llama",
     "build_model": "h2jax.models._llama",
@@ -64,6 +69,7 @@ __all__ = sorted([*_LAZY, "GPTConfig", "RopeScaling", "tensor_divisible_dims"])
 if TYPE_CHECKING:
     from h2jax.models._dropout import Dropout, dropout_step
     from h2jax.models._llama import GPT, TENSOR, Block, Embed, Head, build_model
+    from h2jax.models._segments import current_segments, document_segments
     from h2jax.models._stage import (
         SharedParam,
         StageModule,

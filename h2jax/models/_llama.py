@@ -1,7 +1,8 @@
 """A LLaMA-family decoder-only transformer in the stageable form: Embed, a list of Blocks, Head.
 
 Pre-norm RMSNorm, rotary positions (optionally scaled: LLaMA 3.1's or linear), grouped-query
-attention through `jax.nn.dot_product_attention` (causal, no mask array), SwiGLU MLP, no
+attention through `jax.nn.dot_product_attention` (causal; within `document_segments`, also
+same-document: packed data), SwiGLU MLP, no
 biases, optionally an lm_head tied to the embedding, optional dropout (``model.dropout``: on
 the embedding output and on the attention and MLP outputs before each residual add, with
 keys from (seed, step, microbatch, layer): `h2jax.models._dropout`). h2jax's default GPT is this model with
@@ -46,6 +47,7 @@ from flax import nnx
 
 from h2jax.models._config import GPTConfig, RopeScaling
 from h2jax.models._dropout import EMBED_LAYER, Dropout
+from h2jax.models._segments import current_segments
 
 TENSOR = "tensor"
 """Mesh axis name that tensor parallelism shards over (stage meshes are ("data", "tensor"))."""
@@ -131,8 +133,10 @@ def _have_cudnn() -> bool:
         return False
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str) -> jax.Array:
-    """Causal attention of q [b, s, n_heads, hd] over k, v [b, s, n_kv_heads, hd].
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, segments: jax.Array | None = None) -> jax.Array:
+    """Causal attention of q [b, s, n_heads, hd] over k, v [b, s, n_kv_heads, hd]; with
+    ``segments`` (int32 [b, s], packed documents) a token attends only to its own document's
+    tokens (XLA's implementation, a [b, 1, s, s] mask).
 
     `impl` "auto": on NVIDIA, in bfloat16/float16, when this process has cuDNN, the program
     lowers to cuDNN's fused kernel (chosen per platform at lowering, so a CPU stage of the same
@@ -149,6 +153,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str) -> jax.Array:
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def xla(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    if segments is not None:
+
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+        def masked(q, k, v, segments):
+            same = (segments[:, :, None] == segments[:, None, :])[:, None]  # [b, 1, s, s]
+            return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation="xla")
+
+        return masked(q, k, v, segments)
 
     fused_ok = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0
     if impl == "auto" and fused_ok and _have_cudnn():
@@ -184,7 +197,7 @@ class Attention(nnx.Module):
         q = _rope(heads(self.wq, self.n_heads), inv_freq)
         k = _rope(heads(self.wk, self.n_kv_heads), inv_freq)
         v = heads(self.wv, self.n_kv_heads)
-        out = attend(q, k, v, impl=self.impl).reshape(b, s, self.n_heads * self.head_dim)
+        out = attend(q, k, v, impl=self.impl, segments=current_segments()).reshape(b, s, self.n_heads * self.head_dim)
         return out @ self.wo[...].astype(dt)
 
 

@@ -35,7 +35,9 @@ def check_memory(
             like = jax.ShapeDtypeStruct((mb, seq), jnp.int32) if st.first else boundaries[st.position - 1]
             x = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=st.act_sharding)
             t = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding) if st.last else None
-            mems.append(st.memory(x, t, in_flight=1 if runner.chunked else in_flight[s]))
+            # packed data (data.sources): every stage's programs take the microbatch's segment ids
+            seg = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding) if cfg.data.sources else None
+            mems.append(st.memory(x, t, in_flight=1 if runner.chunked else in_flight[s], example_segments=seg))
         if runner.chunked:
             peak, count = chunk_activation_peak(
                 schedule.stage_ops(s), [m.activations for m in mems], split=runner.split

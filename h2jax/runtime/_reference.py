@@ -4,7 +4,8 @@ The pipeline's loss of a step is the mean of its microbatch losses, and its grad
 gradient of that mean; this computes both without any pipeline, for the equivalence tests
 and for ``h2jax``'s own sanity checks. Given the ``step``, microbatch i runs inside
 ``dropout_step([step, i])``, so a model with dropout draws the masks the pipeline draws at
-that step; without it the model runs deterministic (no dropout).
+that step; without it the model runs deterministic (no dropout). Packed data's segment ids
+keep each microbatch's attention inside its documents, as the stage programs do.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from h2jax.models import dropout_step
+from h2jax.models import document_segments, dropout_step
 from h2jax.runtime._stage import check_params_only
 
 
 @functools.lru_cache(maxsize=16)
-def _value_and_grad(graphdef: Any, dropout: bool) -> Any:
+def _value_and_grad(graphdef: Any, dropout: bool, segmented: bool) -> Any:
     """The jitted (loss, grads) of the mean microbatch loss of models of ``graphdef``.
 
     Tokens, targets and the (step, microbatch) counters are arguments, not constants of the
@@ -31,29 +32,37 @@ def _value_and_grad(graphdef: Any, dropout: bool) -> Any:
     so the program holds one copy of the model whatever their number: unrolled, 8
     microbatches of a 4-layer test model took 10 s to compile, against 5 s."""
 
-    def loss_fn(params, tokens, targets, counters):
+    def loss_fn(params, tokens, targets, counters, segments):
         m = nnx.merge(graphdef, params)
 
         def one(xs):
-            tok, tgt, counter = xs
-            with dropout_step(counter if dropout else None):
+            tok, tgt, counter, seg = xs
+            with dropout_step(counter if dropout else None), document_segments(seg if segmented else None):
                 return m(tok, tgt)
 
-        return jnp.mean(jax.lax.map(one, (tokens, targets, counters)))
+        return jnp.mean(jax.lax.map(one, (tokens, targets, counters, segments)))
 
     return jax.jit(jax.value_and_grad(loss_fn))
 
 
 def reference_loss_and_grads(
-    model: nnx.Module, tokens: np.ndarray, targets: np.ndarray, *, device: Any = None, step: int | None = None
+    model: nnx.Module,
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    *,
+    device: Any = None,
+    step: int | None = None,
+    segments: np.ndarray | None = None,
 ) -> tuple[float, Any]:
     """(mean microbatch loss, gradient pytree) on one device; tokens/targets are [M, b, s].
-    ``step``: the training step whose dropout masks to draw (None: no dropout)."""
+    ``step``: the training step whose dropout masks to draw (None: no dropout); ``segments``:
+    the inputs' document segment ids [M, b, s] of packed data (None: causal attention)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     check_params_only(rest, "the model")
     device = device or jax.devices("cpu")[0]
     num = np.shape(tokens)[0]
     counters = np.stack([np.full(num, 0 if step is None else step), np.arange(num)], axis=1).astype(np.uint32)
-    args = jax.device_put((params, jnp.asarray(tokens), jnp.asarray(targets), counters), device)
-    loss, grads = _value_and_grad(graphdef, step is not None)(*args)
+    segs = np.zeros(np.shape(tokens), np.int32) if segments is None else np.asarray(segments, np.int32)
+    args = jax.device_put((params, jnp.asarray(tokens), jnp.asarray(targets), counters, segs), device)
+    loss, grads = _value_and_grad(graphdef, step is not None, segments is not None)(*args)
     return float(loss), grads

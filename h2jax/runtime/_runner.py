@@ -160,14 +160,22 @@ class StageRunner:
         )
 
     def run_step(
-        self, step: int, tokens: Sequence[Any] | None, targets: Sequence[Any] | None, *, forward_only: bool = False
+        self,
+        step: int,
+        tokens: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        *,
+        forward_only: bool = False,
+        segments: Sequence[Any] | None = None,
     ) -> list[Any]:
         """Dispatch every task of ``step``; returns the microbatch losses (last stage) as device
-        scalars. ``tokens`` on the first stage, ``targets`` on the last, else None.
-        ``forward_only`` (an evaluation): the forwards alone, in the schedule's order, nothing
-        kept for a backward, nothing on the timeline; no gradient is touched."""
+        scalars. ``tokens`` on the first stage, ``targets`` on the last, else None;
+        ``segments``: each microbatch's document segment ids on this stage's mesh (packed
+        data), else None. ``forward_only`` (an evaluation): the forwards alone, in the
+        schedule's order, nothing kept for a backward, nothing on the timeline; no gradient
+        is touched."""
         if forward_only:
-            return self._forwards(step, tokens, targets)
+            return self._forwards(step, tokens, targets, segments)
         self.step = step
         saved: dict[tuple[int, int], Any] = {}  # (chunk, microbatch) -> what its backward needs
         kept: dict[tuple[int, int], Any] = {}  # B's hand-over to W, split schedules
@@ -184,6 +192,7 @@ class StageRunner:
                 st, ch = self.programs[c], self.channels[c]
                 q = st.position
                 tgt = targets[m] if st.last else None
+                seg = {} if segments is None else {"segments": segments[m]}
                 chunk = {"chunk": c} if self.chunked else {}
                 if task.kind == FORWARD:
                     if st.first:
@@ -193,7 +202,7 @@ class StageRunner:
                     else:
                         x = ch.recv(FWD, m, after=last)
                     t0 = time.perf_counter()
-                    y, residuals = st.forward(m, x, tgt, split=self.split, step=step)
+                    y, residuals = st.forward(m, x, tgt, split=self.split, step=step, **seg)
                     if not self._evaluating:  # an evaluation keeps nothing for a backward
                         saved[(c, m)] = residuals
                     last = y
@@ -213,9 +222,9 @@ class StageRunner:
                         dy = ch.recv(BWD, m, after=last)
                     t0 = time.perf_counter()
                     if self.split:
-                        dx, kept[(c, m)] = st.input_backward(m, saved.pop((c, m)), tgt, dy, step=step)
+                        dx, kept[(c, m)] = st.input_backward(m, saved.pop((c, m)), tgt, dy, step=step, **seg)
                     else:
-                        dx = st.backward(m, saved.pop((c, m)), tgt, dy, step=step)
+                        dx = st.backward(m, saved.pop((c, m)), tgt, dy, step=step, **seg)
                     last = dx
                     ready = self.watcher.watch("bwd", step, m, t0, dx, **part, **chunk) if self.watcher else None
                     if st.local_in:
@@ -238,7 +247,9 @@ class StageRunner:
             raise StageFailure(self.stage_idx, step, what, e) from e
         return losses
 
-    def _forwards(self, step: int, tokens: Sequence[Any] | None, targets: Sequence[Any] | None) -> list[Any]:
+    def _forwards(
+        self, step: int, tokens: Sequence[Any] | None, targets: Sequence[Any] | None, segments: Sequence[Any] | None
+    ) -> list[Any]:
         records = [ch.record for ch in self.channels]
         for ch in self.channels:
             ch.record = None  # an evaluation's transfers are not the training step's
@@ -246,7 +257,7 @@ class StageRunner:
         tasks, self.tasks = self.tasks, [t for t in self.tasks if t.kind == FORWARD]
         self._evaluating = True
         try:
-            return self.run_step(step, tokens, targets)  # the training step's forward programs
+            return self.run_step(step, tokens, targets, segments=segments)  # the training step's forward programs
         finally:
             self.tasks, self.watcher, self._evaluating = tasks, watcher, False
             for ch, r in zip(self.channels, records):
@@ -271,13 +282,17 @@ def run_stages(
     *,
     hub: Any = None,
     forward_only: bool = False,
+    segments: dict[int, Sequence[Any]] | None = None,
 ) -> list[Any]:
     """One step of several local stages: one runner per stage on its own thread (a blocking
     receive must never hold up another stage's dispatch). A failure anywhere aborts the
     step everywhere and is re-raised naming the stage. Returns the last stage's losses.
-    ``forward_only``: an evaluation (:meth:`StageRunner.run_step`)."""
+    ``forward_only``: an evaluation (:meth:`StageRunner.run_step`); ``segments``: stage ->
+    each microbatch's segment ids on that stage's mesh (packed data)."""
+    segs = segments or {}
     if len(runners) == 1:
-        return runners[0].run_step(step, tokens, targets, forward_only=forward_only)
+        r = runners[0]
+        return r.run_step(step, tokens, targets, forward_only=forward_only, segments=segs.get(r.stage_idx))
     if hub is not None:
         hub.reset()
     # every runner is in the step before any thread starts: the hub records a transfer into a
@@ -292,7 +307,11 @@ def run_stages(
         first, last = any(st.first for st in r.programs), any(st.last for st in r.programs)
         try:
             results[r.stage_idx] = r.run_step(
-                step, tokens if first else None, targets if last else None, forward_only=forward_only
+                step,
+                tokens if first else None,
+                targets if last else None,
+                forward_only=forward_only,
+                segments=segs.get(r.stage_idx),
             )
         except PipelineAborted:
             pass

@@ -53,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from h2jax._jaxpr import apply_policy
-from h2jax.models import Dropout, StageModule, dropout_step, partition_specs
+from h2jax.models import Dropout, StageModule, document_segments, dropout_step, partition_specs
 from h2jax.plan import StageSpec
 from h2jax.runtime._split import SplitJaxpr, analyse
 
@@ -184,7 +184,8 @@ class StageProgram:
     def _apply(self, params: Any, x: jax.Array, targets: jax.Array | None, rng: jax.Array | None = None) -> jax.Array:
         def run(p: Any, x_: jax.Array, t: jax.Array | None, r: jax.Array | None) -> jax.Array:
             module = nnx.merge(self._graphdef, p)
-            with dropout_step(r):
+            counter, segments = r if isinstance(r, tuple) else (r, None)  # see rng()
+            with dropout_step(counter), document_segments(segments):
                 return module(x_, t) if self.last else module(x_)
 
         if self.numerics is not None:  # every op re-emitted as this chip type computes it
@@ -345,23 +346,39 @@ class StageProgram:
 
     # -- what the runner calls ------------------------------------------------------------------------
     def forward(
-        self, microbatch: int, x: jax.Array | None, targets: jax.Array | None, *, split: bool = False, step: int = 0
+        self,
+        microbatch: int,
+        x: jax.Array | None,
+        targets: jax.Array | None,
+        *,
+        split: bool = False,
+        step: int = 0,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
         """Dispatch the forward of one microbatch of ``step``; returns (output, loss or send
         token; what backward needs -- with ``split``, what B needs). ``x`` is None when the
-        program receives it."""
+        program receives it; ``segments``: the microbatch's document segment ids (packed
+        data), on this stage's mesh."""
         from h2jax.comm import FWD
 
         program = self._fwd_split if split else self._fwd
-        return program(self.params, x, targets, self._base(microbatch, FWD), self.rng(step, microbatch))
+        return program(self.params, x, targets, self._base(microbatch, FWD), self.rng(step, microbatch, segments))
 
     def input_backward(
-        self, microbatch: int, saved: Any, targets: jax.Array | None, dy: jax.Array | None, *, step: int = 0
+        self,
+        microbatch: int,
+        saved: Any,
+        targets: jax.Array | None,
+        dy: jax.Array | None,
+        *,
+        step: int = 0,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
         """Dispatch B of one microbatch: returns (dx as :meth:`backward` does, what W needs)."""
         from h2jax.comm import BWD
 
-        return self._bwd_in(self.params, saved, targets, dy, self._base(microbatch, BWD), self.rng(step, microbatch))
+        base, r = self._base(microbatch, BWD), self.rng(step, microbatch, segments)
+        return self._bwd_in(self.params, saved, targets, dy, base, r)
 
     def weight_backward(self, microbatch: int, kept: Any) -> jax.Array:
         """Dispatch W of one microbatch; accumulates into ``self.acc``; returns a scalar that is
@@ -370,22 +387,30 @@ class StageProgram:
         return done
 
     def backward(
-        self, microbatch: int, saved: Any, targets: jax.Array | None, dy: jax.Array | None, *, step: int = 0
+        self,
+        microbatch: int,
+        saved: Any,
+        targets: jax.Array | None,
+        dy: jax.Array | None,
+        *,
+        step: int = 0,
+        segments: jax.Array | None = None,
     ) -> jax.Array:
         """Dispatch the backward of one microbatch of ``step``; accumulates into ``self.acc``;
         returns dx (on the first stage a scalar, with in-program sends their token), ready
         with the work."""
         from h2jax.comm import BWD
 
-        self.acc, dx = self._bwd(
-            self.params, saved, targets, dy, self.acc, self._base(microbatch, BWD), self.rng(step, microbatch)
-        )
+        base, r = self._base(microbatch, BWD), self.rng(step, microbatch, segments)
+        self.acc, dx = self._bwd(self.params, saved, targets, dy, self.acc, base, r)
         return dx
 
-    def rng(self, step: int, microbatch: int) -> np.ndarray | None:
-        """What the programs take for dropout: uint32 [step, microbatch], or None on a stage
-        without dropout."""
-        return np.array([step, microbatch], np.uint32) if self.dropout else None
+    def rng(self, step: int, microbatch: int, segments: jax.Array | None = None) -> Any:
+        """What the programs take per microbatch: for dropout uint32 [step, microbatch] (None on
+        a stage without dropout); with ``segments`` (packed documents) the pair (that, segments),
+        so that a recompute and a split backward see the forward's masks and segments alike."""
+        counter = np.array([step, microbatch], np.uint32) if self.dropout else None
+        return counter if segments is None else (counter, segments)
 
     def _base(self, microbatch: int, direction: int) -> jax.Array | None:
         if not self._in_program:
@@ -409,11 +434,13 @@ class StageProgram:
         """The accumulated gradient (fp32) as a pure pytree (for tests and tools)."""
         return self.acc
 
-    def memory(self, example_x: jax.Array, example_t: jax.Array | None, *, in_flight: int) -> StageMemory:
+    def memory(
+        self, example_x: jax.Array, example_t: jax.Array | None, *, in_flight: int, example_segments: Any = None
+    ) -> StageMemory:
         """Per-device memory estimate from array shardings and XLA's compiled memory analysis."""
         params = _tree_bytes_per_device(self.params)
         opt = _tree_bytes_per_device(self.opt_state)
-        lowered = jax.jit(self.forward_fn).lower(self.params, example_x, example_t, self.rng(0, 0))
+        lowered = jax.jit(self.forward_fn).lower(self.params, example_x, example_t, self.rng(0, 0, example_segments))
         fwd_mem = lowered.compile().memory_analysis()
         if self.recompute:
             kept = example_x.sharding.shard_shape(example_x.shape)

@@ -42,7 +42,7 @@ from h2jax._console import make_console
 from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftover_steps, on_disk
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
-from h2jax.data import load_data, step_batch
+from h2jax.data import load_data, step_batch, step_segments
 from h2jax.models import build_model, check_calls, check_stageable
 from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
 from h2jax.runtime._memory import check_memory
@@ -173,6 +173,21 @@ class Trainer:
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         return step_batch(self.dataset, self.cfg, step, position=self.data_position(step))
 
+    def segments(self, step: int) -> np.ndarray | None:
+        """The document segment ids of ``step``'s inputs (packed data), else None."""
+        return step_segments(self.dataset, self.cfg, step, position=self.data_position(step))
+
+    def device_segments(self, rows: np.ndarray | None) -> dict[int, list[jax.Array]] | None:
+        """Segment ids [num_microbatches, microbatch, seq] placed on every local stage's mesh
+        (each stage's attention reads them), by stage; None for None."""
+        if rows is None:
+            return None
+        out: dict[int, list[jax.Array]] = {}
+        for r in self.runners:
+            sharding = r.program.act_sharding
+            out[r.stage_idx] = [global_array(x, sharding) for x in rows]
+        return out
+
     def device_batch(self, step: int) -> tuple[list[jax.Array] | None, list[jax.Array] | None]:
         first = next((st for st in self.stages if st.first), None)
         last = next((st for st in self.stages if st.last), None)
@@ -199,8 +214,10 @@ class Trainer:
         Returns the step's loss (mean over microbatches) as a device scalar where the last
         stage runs, else None."""
         tokens, targets = self.device_batch(step)
+        segments = self.device_segments(self.segments(step))  # every stage reads them: packed data
         try:
-            losses = run_stages(self.runners, step, tokens, targets, hub=self.hub if self._own_hub else None)
+            hub = self.hub if self._own_hub else None
+            losses = run_stages(self.runners, step, tokens, targets, hub=hub, segments=segments)
         except PipelineAborted:
             err = self.hub.error if self.hub is not None else None
             if err is None:
@@ -353,8 +370,8 @@ class Trainer:
                     gc.collect()
                     gc.freeze()
                     frozen = True
-                every = cfg.train.eval_every
-                evaluated = bool(every) and (self.step % every == 0 or self.step == steps)
+                n_eval = cfg.train.eval_every
+                evaluated = n_eval > 0 and (self.step % n_eval == 0 or self.step == steps)
                 if evaluated:
                     self.eval_losses.append((self.step, self.evaluate()))
                 if stats.step % cfg.train.log_every == 0 or self.step == steps or stats.skipped or evaluated:
@@ -486,17 +503,18 @@ class Trainer:
         first = next((st for st in self.stages if st.first), None)
         last = next((st for st in self.stages if st.last), None)
         total = 0.0
+        shape = (p.num_microbatches, p.microbatch_size, -1)
         for i in range(self.cfg.train.eval_batches):
             tokens = targets = None
-            if first is not None or last is not None:
-                rows = self.val_data().batch(i * p.global_batch, p.global_batch).tokens
-                rows = rows.reshape(p.num_microbatches, p.microbatch_size, rows.shape[-1])
-                if first is not None:
-                    tokens = [global_array(t, first.act_sharding) for t in rows[..., :-1]]
-                if last is not None:
-                    targets = [global_array(t, last.act_sharding) for t in rows[..., 1:]]
+            val = self.val_data().batch(i * p.global_batch, p.global_batch)  # every stage reads the segments
+            rows = val.tokens.reshape(shape)
+            if first is not None:
+                tokens = [global_array(t, first.act_sharding) for t in rows[..., :-1]]
+            if last is not None:
+                targets = [global_array(t, last.act_sharding) for t in rows[..., 1:]]
+            segments = self.device_segments(val.segments[:, :-1].reshape(shape))
             hub = self.hub if self._own_hub else None
-            losses = run_stages(self.runners, self.step, tokens, targets, hub=hub, forward_only=True)
+            losses = run_stages(self.runners, self.step, tokens, targets, hub=hub, forward_only=True, segments=segments)
             local = float(local_value(jnp.mean(jnp.stack(losses)))) if losses else None
             total += float(self.world.from_stage(self.loss_stage, local))
         return total / self.cfg.train.eval_batches

@@ -77,13 +77,14 @@ def test_the_eval_loss_is_the_sequential_loss_on_the_validation_sequences(stores
     p = cfg.plan
     want = []
     for i in range(2):
-        rows = val.batch(i * p.global_batch, p.global_batch).tokens
-        rows = rows.reshape(p.num_microbatches, p.microbatch_size, -1)
-        want.append(ref.grads(rows[..., :-1], rows[..., 1:])[0])
+        b = val.batch(i * p.global_batch, p.global_batch)
+        rows = b.tokens.reshape(p.num_microbatches, p.microbatch_size, -1)
+        segs = b.segments[:, :-1].reshape(p.num_microbatches, p.microbatch_size, -1)
+        want.append(ref.grads(rows[..., :-1], rows[..., 1:], segs)[0])
     assert abs(got - float(np.mean(want))) <= EVAL_TOL, (got, want)
     # a training step after it is the step without it: the evaluation left nothing behind
     loss = float(trainer.forward_backward(0))
-    assert abs(loss - ref.grads(*trainer.batch(0))[0]) <= EVAL_TOL
+    assert abs(loss - ref.grads(*trainer.batch(0), trainer.segments(0))[0]) <= EVAL_TOL
     trainer.close()
 
 

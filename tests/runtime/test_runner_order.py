@@ -77,9 +77,9 @@ def test_a_transfer_counts_in_its_own_step_when_the_receiver_starts_late(tmp_pat
     late = trainer.runners[1]
     run_step = late.run_step
 
-    def slow_start(step, tokens, targets):
+    def slow_start(step, tokens, targets, **kw):
         time.sleep(0.3)  # stage 0 sends its first forwards of the step meanwhile
-        return run_step(step, tokens, targets)
+        return run_step(step, tokens, targets, **kw)
 
     late.run_step = slow_start
     for _ in range(2):
