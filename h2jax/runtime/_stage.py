@@ -103,6 +103,9 @@ def _tree_bytes_per_device(tree: Any) -> int:
     return total
 
 
+Maybe = jax.Array | None  # an array a stage may not have (targets off the last stage, no segments)
+
+
 @dataclass
 class StageMemory:
     """Estimated bytes per device of one stage (what the memory check compares)."""
@@ -365,14 +368,7 @@ class StageProgram:
         return program(self.params, x, targets, self._base(microbatch, FWD), self.rng(step, microbatch, segments))
 
     def input_backward(
-        self,
-        microbatch: int,
-        saved: Any,
-        targets: jax.Array | None,
-        dy: jax.Array | None,
-        *,
-        step: int = 0,
-        segments: jax.Array | None = None,
+        self, microbatch: int, saved: Any, targets: Maybe, dy: Maybe, *, step: int = 0, segments: Maybe = None
     ) -> tuple[jax.Array, Any]:
         """Dispatch B of one microbatch: returns (dx as :meth:`backward` does, what W needs)."""
         from h2jax.comm import BWD
@@ -387,14 +383,7 @@ class StageProgram:
         return done
 
     def backward(
-        self,
-        microbatch: int,
-        saved: Any,
-        targets: jax.Array | None,
-        dy: jax.Array | None,
-        *,
-        step: int = 0,
-        segments: jax.Array | None = None,
+        self, microbatch: int, saved: Any, targets: Maybe, dy: Maybe, *, step: int = 0, segments: Maybe = None
     ) -> jax.Array:
         """Dispatch the backward of one microbatch of ``step``; accumulates into ``self.acc``;
         returns dx (on the first stage a scalar, with in-program sends their token), ready
