@@ -68,8 +68,8 @@ class SequenceStream:
             raise ConfigError(key, f"{bad[0][0]!r} has weight {bad[0][1]!r}; expected a finite weight > 0")
         self.stores, self.seq_len, self.seed = stores, seq_len, seed
         self.vocab_size: int | None = None  # the run's tokenizer's, set by open_stream
-        total = float(sum(weights))
-        self.weights = [w / total for w in weights]
+        wsum = float(sum(weights))
+        self.weights = [w / wsum for w in weights]
         if not 0.0 <= holdout < 1.0 or split not in ("train", "val"):
             raise ValueError(f"holdout in [0, 1) and split train or val, got {holdout}, {split!r}")
         self.split = split

@@ -517,6 +517,8 @@ class Trainer:
             losses = run_stages(self.runners, self.step, tokens, targets, hub=hub, forward_only=True, segments=segments)
             local = float(local_value(jnp.mean(jnp.stack(losses)))) if losses else None
             total += float(self.world.from_stage(self.loss_stage, local))
+            if self.fail_fast is not None:
+                self.fail_fast.heartbeat()  # each batch is progress: many of them may outlast the watchdog
         return total / self.cfg.train.eval_batches
 
     # -- checkpoints ---------------------------------------------------------------------------
