@@ -42,13 +42,13 @@ from h2jax._console import make_console
 from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftover_steps, on_disk
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
-from h2jax.data import load_data, step_batch, step_segments
 from h2jax.models import build_model, check_calls, check_stageable
+from h2jax.runtime._feed import DataFeed, place_ends, place_segments
 from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
 from h2jax.runtime._memory import check_memory
 from h2jax.runtime._metrics import MetricsLogger
 from h2jax.runtime._outputs import RunLock, prepare_run_dir, step_metrics, write_outputs
-from h2jax.runtime._procgroup import fetch, global_array, local_value
+from h2jax.runtime._procgroup import fetch, local_value
 from h2jax.runtime._runner import StageFailure, run_stages
 from h2jax.runtime._stage import StageMemory, check_params_only
 from h2jax.runtime._state import (
@@ -122,10 +122,8 @@ class Trainer:
             from h2jax.runtime._cluster import register_backends
 
             register_backends(cfg.cluster)
-        self.dataset = load_data(cfg)
-        self._data_base = (0, 0)  # (a step, the sequences consumed before it): restore() moves it
-        self.data_wait_s = 0.0  # seconds the last step's batch took to read (device_batch)
-        self._val: Any = None  # data.val_sources' stream, opened by the first evaluation
+        self.feed = DataFeed(cfg)
+        self.dataset = self.feed.dataset
         self.eval_losses: list[tuple[int, float]] = []  # (steps trained, eval loss) of every evaluation
         if self.dataset.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
@@ -163,43 +161,25 @@ class Trainer:
         if cfg.train.memory_check:
             self.memory = w.all(self.check_memory, "config error")
 
-    # -- data ----------------------------------------------------------------------------------
+    # -- data (h2jax.runtime._feed) -------------------------------------------------------------
     def data_position(self, step: int) -> int:
-        """Sequences consumed before ``step``: the count at the checkpoint the run continues from
-        (0 for a new run) and the global batch of every step since."""
-        base_step, base = self._data_base
-        return base + (step - base_step) * self.cfg.plan.global_batch
+        """Sequences consumed before ``step`` (h2jax.runtime._feed)."""
+        return self.feed.position(step)
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        return step_batch(self.dataset, self.cfg, step, position=self.data_position(step))
+        return self.feed.batch(step)
 
     def segments(self, step: int) -> np.ndarray | None:
         """The document segment ids of ``step``'s inputs (packed data), else None."""
-        return step_segments(self.dataset, self.cfg, step, position=self.data_position(step))
-
-    def device_segments(self, rows: np.ndarray | None) -> dict[int, list[jax.Array]] | None:
-        """Segment ids [num_microbatches, microbatch, seq] placed on every local stage's mesh
-        (each stage's attention reads them), by stage; None for None."""
-        if rows is None:
-            return None
-        out: dict[int, list[jax.Array]] = {}
-        for r in self.runners:
-            sharding = r.program.act_sharding
-            out[r.stage_idx] = [global_array(x, sharding) for x in rows]
-        return out
+        return self.feed.segments(step)
 
     def device_batch(self, step: int) -> tuple[list[jax.Array] | None, list[jax.Array] | None]:
-        first = next((st for st in self.stages if st.first), None)
-        last = next((st for st in self.stages if st.last), None)
-        if first is None and last is None:
+        if not any(st.first or st.last for st in self.stages):
             return None, None
         t0 = time.perf_counter()
         tokens, targets = self.batch(step)
-        self.data_wait_s = time.perf_counter() - t0  # what the step waited for (data.sources: read ahead)
-        return (
-            [global_array(t, first.act_sharding) for t in tokens] if first is not None else None,
-            [global_array(t, last.act_sharding) for t in targets] if last is not None else None,
-        )
+        self.feed.wait_s = time.perf_counter() - t0  # what the step waited for (data.sources: read ahead)
+        return place_ends(self.stages, tokens, targets)
 
     # -- memory --------------------------------------------------------------------------------
     def check_memory(self) -> list[StageMemory]:
@@ -214,7 +194,7 @@ class Trainer:
         Returns the step's loss (mean over microbatches) as a device scalar where the last
         stage runs, else None."""
         tokens, targets = self.device_batch(step)
-        segments = self.device_segments(self.segments(step))  # every stage reads them: packed data
+        segments = place_segments(self.runners, self.segments(step))  # every stage reads them: packed data
         try:
             hub = self.hub if self._own_hub else None
             losses = run_stages(self.runners, step, tokens, targets, hub=hub, segments=segments)
@@ -316,10 +296,8 @@ class Trainer:
         events = self.gather_events(stats.step)
         m = step_metrics(self.cfg, stats, skipped_steps=self.skipped_steps, events=events, with_mfu=self.builtin_model)
         # the time this process spent reading the step's batch (0 where it holds neither end stage)
-        m["data_wait_fraction"] = self.data_wait_s / stats.step_time_s if stats.step_time_s > 0 else 0.0
-        if self.cfg.data.sources:  # where the step's sequences start in the run's stream, and its epoch
-            m["data_position"] = pos = self.data_position(stats.step)
-            m["epoch"] = self.dataset.epoch(pos)
+        m["data_wait_fraction"] = self.feed.wait_s / stats.step_time_s if stats.step_time_s > 0 else 0.0
+        m.update(self.feed.metrics(stats.step))  # where the step's sequences start, and their epoch
         return m
 
     # -- the loop ------------------------------------------------------------------------------
@@ -474,12 +452,7 @@ class Trainer:
     def _summary_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.cfg.data.sources:
-            pos = self.data_position(self.step)
-            out["data"] = {
-                "sources": dict(self.cfg.data.sources),
-                "sequences_consumed": pos,
-                "epochs": self.dataset.epoch(pos),
-            }
+            out["data"] = self.feed.summary(self.step)
         if self.eval_losses:
             out["eval_losses"] = [[s, v] for s, v in self.eval_losses]
             out["eval_loss"] = self.eval_losses[-1][1]
@@ -488,31 +461,18 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
     def val_data(self) -> Any:
         """The validation stream (h2jax.data.load_validation), opened on first use."""
-        if self._val is None:
-            from h2jax.data import load_validation
-
-            self._val = load_validation(self.cfg)
-        return self._val
+        return self.feed.validation()
 
     def evaluate(self) -> float:
         """The mean loss over the validation sequences (train.eval_batches global batches of
         data.val_sources, the same at every call): the forwards alone, through this job's
         stages, schedule order and programs; no gradient, parameter or optimizer state changes.
         Collective: every process calls it at the same step."""
-        p = self.cfg.plan
-        first = next((st for st in self.stages if st.first), None)
-        last = next((st for st in self.stages if st.last), None)
         total = 0.0
-        shape = (p.num_microbatches, p.microbatch_size, -1)
         for i in range(self.cfg.train.eval_batches):
-            tokens = targets = None
-            val = self.val_data().batch(i * p.global_batch, p.global_batch)  # every stage reads the segments
-            rows = val.tokens.reshape(shape)
-            if first is not None:
-                tokens = [global_array(t, first.act_sharding) for t in rows[..., :-1]]
-            if last is not None:
-                targets = [global_array(t, last.act_sharding) for t in rows[..., 1:]]
-            segments = self.device_segments(val.segments[:, :-1].reshape(shape))
+            tok, tgt, seg = self.feed.validation_batch(i)  # every stage reads the segments
+            tokens, targets = place_ends(self.stages, tok, tgt)
+            segments = place_segments(self.runners, seg)
             hub = self.hub if self._own_hub else None
             losses = run_stages(self.runners, self.step, tokens, targets, hub=hub, forward_only=True, segments=segments)
             local = float(local_value(jnp.mean(jnp.stack(losses)))) if losses else None
@@ -600,7 +560,7 @@ class Trainer:
         self.world.all(read, "checkpoint error")
         if not plan["params_only"]:
             self.step, self.skipped_steps = plan["next_step"], plan["skipped_steps"]
-            self._data_base = (self.step, plan["sequences_consumed"])
+            self.feed.base = (self.step, plan["sequences_consumed"])
             self._saved_step = self.step
             if plan.get("warning") and self.world.is_writer:
                 self.console.print(f"[yellow]h2jax: {plan['warning']}[/]")
