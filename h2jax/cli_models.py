@@ -47,9 +47,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     c.set_defaults(func=cmd_convert)
 
     t = subparsers.add_parser(
-        "tokenize", help="text / jsonl files -> a flat token file (data.token_file) or a token store (data.sources)"
+        "tokenize",
+        help="text / jsonl / parquet files -> a flat token file (data.token_file) or a token store (data.sources)",
     )
-    t.add_argument("inputs", nargs="+", help="text (.txt, ...) or JSON-lines (.jsonl) files, in this order")
+    t.add_argument(
+        "inputs",
+        nargs="+",
+        help="text (.txt, ...), JSON-lines (.jsonl) or Parquet (.parquet) files, or folders of them, in this order",
+    )
     t.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json, or 'byte' (256 ids)")
     t.add_argument(
         "--out",
@@ -64,7 +69,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "document and a manifest (data.sources)",
     )
     t.add_argument("--shards", type=int, default=1, help="arrayrecord: the number of shard files")
-    t.add_argument("--field", default="text", help="jsonl: the field holding the text (default: text)")
+    t.add_argument(
+        "--field", default="text", help="jsonl / parquet: the field (column) holding the text (default: text)"
+    )
     t.add_argument(
         "--split",
         default="paragraph",

@@ -1,4 +1,4 @@
-"""Text and JSON-lines files -> token files h2jax reads (``h2jax tokenize``).
+"""Text, JSON-lines and Parquet files -> token files h2jax reads (``h2jax tokenize``).
 
 Two outputs. ``tokens`` (the default): nanoGPT's layout, the flat file ``data.token_file``
 reads: raw little-endian uint16 or uint32 ids, no header, every document's ids followed by
@@ -7,8 +7,9 @@ folder ``data.sources`` reads (h2jax.data._stores): ``--shards`` ArrayRecord fil
 record per document (document ``i`` goes to shard ``i % shards``), each with its documents'
 lengths, and ``manifest.json`` with the counts, dtype, vocabulary, end-of-document id and the
 tokenizer's identity (its sha256), so a run with another tokenizer is refused. A
-*document* is a JSON-lines record's text field, or a piece of a text file: a paragraph
-(blank-line separated, the default), a line, or the whole file. Documents are encoded
+*document* is a JSON-lines record's or a Parquet row's text field, or a piece of a text
+file: a paragraph (blank-line separated, the default), a line, or the whole file. A folder
+stands for the files under it with a known suffix (INPUT_SUFFIXES), in path order. Documents are encoded
 whole, in batches of about `batch_bytes` of text with the tokenizers package's
 ``encode_batch`` (Rust threads over every core), so the file is exactly what encoding each
 document alone, in order, gives (tests/data/test_tokenize.py). Files are streamed: memory
@@ -36,6 +37,8 @@ EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end
 """End-of-text tokens ``eos="auto"`` looks for, in this order (GPT-2, LLaMA 3, LLaMA 2, Gemma, Qwen)."""
 
 SPLITS = ("paragraph", "line", "file")
+INPUT_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".parquet")
+"""What a folder given to ``h2jax tokenize`` contributes: its files with these suffixes."""
 _PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n\s*")
 _READ_BYTES = 4 << 20
 
@@ -65,10 +68,14 @@ def iter_documents(path: str | Path, *, field: str = "text", split: str = "parag
     """(document, bytes of the file consumed so far) in file order.
 
     ``.jsonl`` / ``.json`` files: one JSON object per line, its `field` (a string) is the
-    document; other files: UTF-8 text cut into documents by `split`."""
+    document; ``.parquet`` files: the `field` column of every row (read a row group at a time,
+    through pyarrow); other files: UTF-8 text cut into documents by `split`."""
     path = Path(path)
     if split not in SPLITS:
         raise ConfigError("--split", f"{split!r}; expected one of {list(SPLITS)}")
+    if path.suffix == ".parquet":
+        yield from _parquet_documents(path, field)
+        return
     if path.suffix in (".jsonl", ".json"):
         with path.open("rb") as f:
             done = 0
@@ -115,6 +122,46 @@ def iter_documents(path: str | Path, *, field: str = "text", split: str = "parag
                 yield d, done
         for d in _split_docs(carry, split):
             yield d, done
+
+
+def _parquet_documents(path: Path, field: str) -> Iterator[tuple[str, int]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        f = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(str(path), f"not a readable Parquet file ({e})") from None
+    names = f.schema_arrow.names
+    if field not in names:
+        raise ConfigError(str(path), f"no column {field!r} (--field); the file has {names}")
+    kind = f.schema_arrow.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ConfigError(str(path), f"column {field!r} holds {kind}; expected text (string)")
+    size, groups = path.stat().st_size, max(f.num_row_groups, 1)
+    for g in range(f.num_row_groups):
+        done = size * (g + 1) // groups  # progress: row groups read, in bytes of the file
+        for text in f.read_row_group(g, columns=[field]).column(0).to_pylist():
+            if text:
+                yield text, done
+
+
+def input_files(inputs: Sequence[str | Path]) -> list[Path]:
+    """The files `inputs` name, in order: a file itself, a folder its files with a suffix of
+    INPUT_SUFFIXES (recursively, sorted by path)."""
+    out: list[Path] = []
+    for given in inputs:
+        p = Path(given)
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in INPUT_SUFFIXES)
+            if not found:
+                raise ConfigError(str(p), f"is a folder with no input files; expected files ending in {INPUT_SUFFIXES}")
+            out.extend(found)
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise ConfigError(str(p), "no such file or folder")
+    return out
 
 
 def _last_boundary(text: str, split: str) -> int:
@@ -183,10 +230,7 @@ def tokenize_files(
     else:
         eos_id = None if eos == "none" else _token_id(tok, eos, "--eos")
     bos_id = None if bos == "none" else _token_id(tok, bos, "--bos")
-    paths = [Path(p) for p in inputs]
-    for p in paths:
-        if not p.is_file():
-            raise ConfigError(str(p), "no such file")
+    paths = input_files(inputs)
     total = sum(p.stat().st_size for p in paths)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: no offsets computed
 

@@ -81,6 +81,33 @@ def test_jsonl_field_bos_and_uint32(tmp_path, tokenizer_file):
     np.testing.assert_array_equal(np.fromfile(out, dtype=np.uint32), np.asarray(expected, np.uint32))
 
 
+def test_parquet_and_folders(tmp_path, tokenizer_file, capsys):
+    """A Parquet file's text column over several row groups (empty rows skipped), within a
+    folder of inputs (its files in path order, other suffixes left out), gives what encoding
+    each document alone gives; a missing or non-text column is one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [_text(2, seed=10 + i) for i in range(30)] + [""]
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    pq.write_table(pa.table({"id": list(range(31)), "body": texts}), corpus / "b.parquet", row_group_size=7)
+    (corpus / "sub" / "c.jsonl").write_text(json.dumps({"body": "omega psi"}) + "\n")
+    (corpus / "a.txt").write_text("alpha beta\n\ngamma")
+    (corpus / "notes.csv").write_text("not,an,input\n")
+    out = tmp_path / "t.bin"
+    stats = tokenize_files([corpus], out, tokenizer=tokenizer_file, field="body", progress=False, batch_bytes=200)
+    docs = ["alpha beta", "gamma", *texts[:-1], "omega psi"]  # a.txt, b.parquet, sub/c.jsonl
+    assert stats.documents == len(docs)
+    np.testing.assert_array_equal(np.fromfile(out, dtype=np.uint16), _reference(docs, tokenizer_file))
+    args = ["--tokenizer", str(tokenizer_file), "--no-progress", "--out", str(tmp_path / "x.bin")]
+    assert _run("tokenize", str(corpus / "b.parquet"), *args) == 2
+    assert "no column 'text' (--field); the file has ['id', 'body']" in capsys.readouterr().err
+    assert _run("tokenize", str(corpus / "b.parquet"), *args, "--field", "id") == 2
+    assert "column 'id' holds int64; expected text (string)" in capsys.readouterr().err
+    assert _run("tokenize", str(corpus / "sub"), *args, "--field", "body") == 0
+
+
 def _run(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="h2jax")
     cli_models.add_commands(parser.add_subparsers(dest="command", required=True))
