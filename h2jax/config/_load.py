@@ -252,6 +252,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     d = cfg.data
     if not 0.0 <= d.holdout < 1.0:
         raise ConfigError("data.holdout", f"holdout={d.holdout}; expected a fraction 0 <= holdout < 1")
+    if not d.packing and not d.sources:
+        raise ConfigError("data.packing", "packing=false makes documents of data.sources sequences; it is not set")
     if d.holdout and not d.sources:
         raise ConfigError("data.holdout", f"holdout={d.holdout} holds out sequences of data.sources, which is not set")
     if t.eval_every and not (d.val_sources or (d.sources and d.holdout)):

@@ -100,6 +100,11 @@ class DataConfig:
     eod_id: int | None = None
     """The end-of-document id of flat token files in sources (their documents end with it);
     null: a flat file is one document. Stores with an index know their documents."""
+    packing: bool = True
+    """sources: true packs documents into sequences (a per-token segment id keeps attention
+    inside each document); false makes each document one sequence: its first seq_len + 1
+    tokens (longer documents are cut, the run header counts them), padded after its end,
+    with no loss on the padding (the step's loss is the mean over its real targets)."""
 
 
 @dataclass(frozen=True)

@@ -97,8 +97,7 @@ def step_batch(dataset: Any, cfg: Any, step: int, *, position: int | None = None
     if isinstance(dataset, SequenceStream):
         start = step * p.global_batch if position is None else position
         rows = dataset.next_batch(start, p.global_batch).tokens
-        rows = rows.reshape(p.num_microbatches, p.microbatch_size, rows.shape[-1])
-        return rows[..., :-1], rows[..., 1:]
+        return split_rows(rows.reshape(p.num_microbatches, p.microbatch_size, rows.shape[-1]))
     return get_global_batch(
         dataset,
         seed=cfg.seed,
@@ -109,14 +108,37 @@ def step_batch(dataset: Any, cfg: Any, step: int, *, position: int | None = None
     )
 
 
+def split_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) of rows of ``seq_len + 1`` ids [..., seq_len + 1]: targets are the next
+    ids, with PAD (-1, no loss) where a row is padded; inputs see id 0 there instead."""
+    from h2jax.data._sequences import PAD
+
+    inputs = rows[..., :-1]
+    if (inputs == PAD).any():
+        inputs = np.where(inputs == PAD, 0, inputs).astype(rows.dtype)
+    return inputs, rows[..., 1:]
+
+
+def loss_weights(targets: np.ndarray) -> np.ndarray | None:
+    """Each microbatch's share of the step's loss, for targets [microbatches, ...] with PAD
+    (negative) ones: its real targets over the step's, float32 [microbatches]; then the step's
+    loss (the sum of each microbatch's mean over its real targets times its share) is the mean
+    over the step's real targets, whatever the microbatch split. None when no target is PAD:
+    every microbatch weighs 1 / microbatches (the same number)."""
+    real = (targets >= 0).reshape(len(targets), -1).sum(axis=1)
+    if int(real.sum()) == targets.size:
+        return None
+    return (real / max(int(real.sum()), 1)).astype(np.float32)
+
+
 def step_segments(dataset: Any, cfg: Any, step: int, *, position: int | None = None) -> np.ndarray | None:
     """The document segment ids of the inputs of :func:`step_batch`'s batch (int32
     [num_microbatches, microbatch_size, seq_len], from 1 in each row) for packed data
     (``data.sources``); None for the windows of a flat corpus, whose attention is causal."""
     from h2jax.data._sequences import SequenceStream
 
-    if not isinstance(dataset, SequenceStream):
-        return None
+    if not isinstance(dataset, SequenceStream) or not dataset.packing:
+        return None  # one document per row (or windows of a flat corpus): causal attention
     p = cfg.plan
     start = step * p.global_batch if position is None else position
     seg = dataset.next_batch(start, p.global_batch).segments[:, :-1]

@@ -6,7 +6,11 @@ begins); its sequence ``k`` is the ``seq_len + 1`` tokens from ``k * seq_len`` (
 next-token targets; packing, as Megatron and MaxText pack), with a per-token segment id that
 starts at 1 and grows at every document start inside the window; the runtime hands the ids
 of a step's inputs to every stage (h2jax.models.document_segments), whose attention then
-stays inside each document.
+stays inside each document. Without packing (``data.packing: false``) a source's sequence
+``k`` is its document ``k``: the first ``seq_len + 1`` tokens (a longer document is cut),
+then PAD up to ``seq_len + 1``; a PAD target carries no loss (h2jax.data.loss_weights), and
+one document per row needs no segment ids (causal attention never looks ahead to the
+padding).
 
 The order is Grain's: each source's sequence numbers shuffled (``MapDataset.shuffle``, a
 global shuffle by seed), repeated so that one *epoch* of the mixture reads its largest
@@ -31,6 +35,11 @@ from h2jax.data._stores import TokenStore
 
 if TYPE_CHECKING:
     from h2jax.data._dataset import TokenDataset
+
+
+PAD = -1
+"""A padded position of an unpacked row (``data.packing: false``): as a target it carries no
+loss; as an input the model sees id 0 there (h2jax.data.split_rows)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class SequenceStream:
         key: str,
         holdout: float = 0.0,
         split: str = "train",
+        packing: bool = True,
     ):
         import grain
 
@@ -66,33 +76,38 @@ class SequenceStream:
         bad = [(s.path, w) for s, w in zip(stores, weights) if not (w > 0 and math.isfinite(w))]
         if bad:
             raise ConfigError(key, f"{bad[0][0]!r} has weight {bad[0][1]!r}; expected a finite weight > 0")
-        self.stores, self.seq_len, self.seed = stores, seq_len, seed
+        self.stores, self.seq_len, self.seed, self.packing = stores, seq_len, seed, packing
         self.vocab_size: int | None = None  # the run's tokenizer's, set by open_stream
         wsum = float(sum(weights))
         self.weights = [w / wsum for w in weights]
         if not 0.0 <= holdout < 1.0 or split not in ("train", "val"):
             raise ValueError(f"holdout in [0, 1) and split train or val, got {holdout}, {split!r}")
         self.split = split
-        # sequences k of a source: training [0, n - held - 1), validation [n - held, n); the one
-        # between them is left out, so that no token is in both (a window's last token is the
-        # next window's first)
-        total = [(s.num_tokens - 1) // seq_len for s in stores]
+        # packed, sequences k of a source: training [0, n - held - 1), validation [n - held, n);
+        # the one between them is left out, so that no token is in both (a window's last token
+        # is the next window's first). Unpacked: documents, training [0, n - held), validation after.
+        self.offsets = [None if packing else document_offsets(s, key) for s in stores]
+        total = [(s.num_tokens - 1) // seq_len if o is None else len(o) - 1 for s, o in zip(stores, self.offsets)]
         held = [math.ceil(n * holdout) if holdout > 0 else 0 for n in total]
+        gap = 1 if packing else 0
         if split == "val":
             self.first = [n - h for n, h in zip(total, held)]
             self.sizes = held
         else:
             self.first = [0] * len(stores)
-            self.sizes = [n - h - 1 if h else n for n, h in zip(total, held)]  # sequences per source
+            self.sizes = [n - h - gap if h else n for n, h in zip(total, held)]  # sequences per source
         short = [(s, n, t) for s, n, t in zip(stores, self.sizes, total) if n < 1]
         if short:
             s, _, t = short[0]
+            unit = f"sequences of model.seq_len + 1 = {seq_len + 1} tokens" if packing else "documents"
             if t >= 1:  # the source holds sequences, too few for both parts
                 raise ConfigError(
                     "data.holdout",
-                    f"{s.path!r} holds {t} sequences of model.seq_len + 1 = {seq_len + 1} tokens: too few to hold "
-                    f"out {holdout} of them for validation and train on the rest; expected a larger source",
+                    f"{s.path!r} holds {t} {unit}: too few to hold out {holdout} of them for validation and "
+                    "train on the rest; expected a larger source",
                 )
+            if not packing:
+                raise ConfigError(key, f"{s.path!r} holds no document; expected a source with documents")
             raise ConfigError(
                 key,
                 f"{s.path!r} holds {s.num_tokens} tokens, fewer than one sequence (model.seq_len + 1 = "
@@ -119,12 +134,19 @@ class SequenceStream:
     def describe(self) -> str:
         """One line: the sources, their weights and sizes, and the epoch."""
         parts = []
-        for st, w, n in zip(self.stores, self.weights, self.sizes):
+        for st, w, n, off in zip(self.stores, self.weights, self.sizes, self.offsets):
             docs = "" if st.num_documents is None else f"{st.num_documents:,} documents, "
+            if off is not None:
+                cut = int(np.count_nonzero(np.diff(off) > self.seq_len + 1))
+                docs = f"{len(off) - 1:,} documents ({cut:,} cut to {self.seq_len + 1} tokens), "
             parts.append(f"{st.path} {w:.0%} ({st.kind}, {docs}{st.num_tokens:,} tokens, {n:,} sequences)")
-        return (
-            f"data: {len(self.stores)} source(s), documents packed into sequences of {self.seq_len + 1} tokens "
-            f"(attention stays inside each document), one epoch = {self.epoch_length:,} sequences: " + "; ".join(parts)
+        how = (
+            f"documents packed into sequences of {self.seq_len + 1} tokens (attention stays inside each document)"
+            if self.packing
+            else f"one document per sequence of {self.seq_len + 1} tokens, cut or padded (no loss on the padding)"
+        )
+        return f"data: {len(self.stores)} source(s), {how}, one epoch = {self.epoch_length:,} sequences: " + "; ".join(
+            parts
         )
 
     def epoch(self, position: int) -> float:
@@ -132,7 +154,16 @@ class SequenceStream:
         return position / self.epoch_length
 
     def sequence(self, source: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sequence ``k`` of ``source``: (ids, segment ids), each [seq_len + 1]."""
+        """Sequence ``k`` of ``source``: (ids, segment ids), each [seq_len + 1]. Unpacked: its
+        document ``k``, cut or PAD-ded; segment 1 on the document, 0 on the padding."""
+        off = self.offsets[source]
+        if off is not None:
+            n = self.seq_len + 1
+            start = int(off[k])
+            stop = min(int(off[k + 1]), start + n)
+            ids = np.full(n, PAD, np.int64)
+            ids[: stop - start] = self.stores[source].read(start, stop)[0]
+            return ids, (ids != PAD).astype(np.int64)
         start = k * self.seq_len
         ids, docs = self.stores[source].read(start, start + self.seq_len + 1)
         return ids, (docs - docs[0] + 1)
@@ -194,6 +225,24 @@ class _Tag:
         return self.source, self.first + int(k)
 
 
+def document_offsets(store: TokenStore, key: str) -> np.ndarray:
+    """Where each document of ``store`` starts, and the end: int64 [documents + 1]. A flat file's
+    documents end at its end-of-document ids (one scan of the file); without ``data.eod_id``
+    it has no document boundaries, and unpacked data needs them."""
+    if store.offsets is not None:
+        return store.offsets
+    if store.eod_id is None:
+        raise ConfigError(
+            "data.packing",
+            f"false makes each document a sequence, and {store.path!r} (a flat token file) has no document "
+            f"boundaries; expected data.eod_id (the id that ends its documents) or packing=true [{key}]",
+        )
+    ends = np.flatnonzero(np.asarray(store._flat) == store.eod_id) + 1
+    if not len(ends) or ends[-1] != store.num_tokens:
+        ends = np.append(ends, store.num_tokens)  # the last document needs no end id
+    return np.concatenate([[0], ends]).astype(np.int64)
+
+
 def open_stream(
     sources: Mapping[str, float],
     *,
@@ -205,6 +254,7 @@ def open_stream(
     key: str = "data.sources",
     holdout: float = 0.0,
     split: str = "train",
+    packing: bool = True,
 ) -> SequenceStream:
     """The stream of ``data.sources`` (path -> weight), each source checked against the run's
     tokenizer: a store that records its tokenizer must name this one; every id of the others
@@ -232,7 +282,9 @@ def open_stream(
             )
         stores.append(st)
     weights = [float(w) for w in sources.values()]
-    stream = SequenceStream(stores, weights, seq_len=seq_len, seed=seed, key=key, holdout=holdout, split=split)
+    stream = SequenceStream(
+        stores, weights, seq_len=seq_len, seed=seed, key=key, holdout=holdout, split=split, packing=packing
+    )
     stream.vocab_size = vocab
     return stream
 
@@ -241,7 +293,9 @@ def load_validation(cfg: Any) -> SequenceStream:
     """The validation stream of an experiment: ``data.val_sources``, else the sequences
     ``data.holdout`` keeps out of the training sources."""
     d = cfg.data
-    common = dict(seq_len=cfg.model.seq_len, seed=cfg.seed, tokenizer=d.tokenizer, token_dtype=d.token_dtype)
+    common = dict(
+        seq_len=cfg.model.seq_len, seed=cfg.seed, tokenizer=d.tokenizer, token_dtype=d.token_dtype, packing=d.packing
+    )
     if d.val_sources:
         return open_stream(d.val_sources, eod_id=d.eod_id, key="data.val_sources", **common)
     return open_stream(d.sources, eod_id=d.eod_id, holdout=d.holdout, split="val", **common)
@@ -261,6 +315,7 @@ def load_data(cfg: Any) -> TokenDataset | SequenceStream:
             token_dtype=d.token_dtype,
             eod_id=d.eod_id,
             holdout=d.holdout,
+            packing=d.packing,
         )
     from h2jax.data._dataset import load_dataset
 

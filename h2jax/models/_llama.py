@@ -255,7 +255,10 @@ class Block(nnx.Module):
 
 class Head(nnx.Module):
     """Final RMSNorm, lm_head (its own [d_model, vocab], or the embedding [vocab, d_model] when
-    tied), mean token cross-entropy in float32 -> scalar loss."""
+    tied), mean token cross-entropy in float32 -> scalar loss. Negative targets (padding,
+    h2jax.data.PAD) carry no loss: the mean is over the others."""
+
+    masked_targets = True  # the runtime trains unpacked (padded) data only with a head that says so
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, embedding: nnx.Param | None = None):
         self.dtype = jnp.dtype(cfg.dtype)
@@ -276,8 +279,9 @@ class Head(nnx.Module):
         return jnp.einsum("bsd,dv->bsv", self.norm(h), w, preferred_element_type=jnp.float32)
 
     def __call__(self, h: jax.Array, targets: jax.Array) -> jax.Array:
-        losses = optax.softmax_cross_entropy_with_integer_labels(self.logits(h), targets)
-        return jnp.mean(losses)
+        real = targets >= 0
+        losses = optax.softmax_cross_entropy_with_integer_labels(self.logits(h), jnp.where(real, targets, 0))
+        return jnp.sum(jnp.where(real, losses, 0.0)) / jnp.maximum(jnp.sum(real), 1)
 
 
 class GPT(nnx.Module):

@@ -4,16 +4,18 @@ stream, and their arrays on the stages' meshes.
 The position of a ``data.sources`` run is the count of sequences consumed
 (h2jax.data._sequences): the count at the checkpoint the run continues from, plus the global
 batch of every step since. Tokens go to the first stage's mesh, targets to the last's, and
-packed data's segment ids to every stage's (each stage's attention reads them).
+packed data's segment ids to every stage's (each stage's attention reads them), and padded
+data's loss shares of the microbatches to the last stage's (h2jax.data.loss_weights).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
-from h2jax.data import load_data, step_batch, step_segments
+from h2jax.data import load_data, loss_weights, split_rows, step_batch, step_segments
 from h2jax.runtime._procgroup import global_array
 
 
@@ -47,13 +49,15 @@ class DataFeed:
             self._val = load_validation(self.cfg)
         return self._val
 
-    def validation_batch(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens, targets, segment ids) of validation batch ``i``, each [microbatches, microbatch, seq]."""
+    def validation_batch(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(tokens, targets, segment ids or None: unpacked) of validation batch ``i``, each
+        [microbatches, microbatch, seq]."""
         p = self.cfg.plan
-        got = self.validation().batch(i * p.global_batch, p.global_batch)
+        val = self.validation()
+        got = val.batch(i * p.global_batch, p.global_batch)
         shape = (p.num_microbatches, p.microbatch_size, -1)
-        rows = got.tokens.reshape(shape)
-        return rows[..., :-1], rows[..., 1:], got.segments[:, :-1].reshape(shape)
+        tokens, targets = split_rows(got.tokens.reshape(shape))
+        return tokens, targets, got.segments[:, :-1].reshape(shape) if val.packing else None
 
     def metrics(self, step: int) -> dict[str, Any]:
         """A metrics row's data keys: where the step's sequences start, and their epoch."""
@@ -67,7 +71,13 @@ class DataFeed:
         if not self.cfg.data.sources:
             return {}
         pos = self.position(step)
-        return {"sources": dict(self.cfg.data.sources), "sequences_consumed": pos, "epochs": self.dataset.epoch(pos)}
+        d = self.cfg.data
+        return {
+            "sources": dict(d.sources),
+            "packing": d.packing,
+            "sequences_consumed": pos,
+            "epochs": self.dataset.epoch(pos),
+        }
 
 
 def place_ends(stages: list[Any], tokens: Any, targets: Any) -> tuple[list[Any] | None, list[Any] | None]:
@@ -79,6 +89,22 @@ def place_ends(stages: list[Any], tokens: Any, targets: Any) -> tuple[list[Any] 
         [global_array(t, first.act_sharding) for t in tokens] if first is not None else None,
         [global_array(t, last.act_sharding) for t in targets] if last is not None else None,
     )
+
+
+def place_weights(stages: list[Any], targets: np.ndarray | None) -> list[Any] | None:
+    """The microbatches' loss shares (h2jax.data.loss_weights of ``targets``) on the last
+    stage's mesh, where this process holds it and some target is padding; else None."""
+    last = next((st for st in stages if st.last), None)
+    w = None if last is None or targets is None else loss_weights(targets)
+    return None if w is None else [global_array(np.float32(x), last.scalar_sharding) for x in w]
+
+
+def step_loss(losses: list[Any], weights: list[Any] | None) -> Any:
+    """The step's loss from its microbatch losses: their mean, or with loss shares their
+    weighted sum (the mean over the step's real targets)."""
+    if weights is None:
+        return jnp.mean(jnp.stack(losses))
+    return jnp.sum(jnp.stack(losses) * jnp.stack(weights))
 
 
 def place_segments(runners: list[Any], rows: np.ndarray | None) -> dict[int, list[Any]] | None:

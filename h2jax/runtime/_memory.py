@@ -36,7 +36,8 @@ def check_memory(
             x = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=st.act_sharding)
             t = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding) if st.last else None
             # packed data (data.sources): every stage's programs take the microbatch's segment ids
-            seg = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding) if cfg.data.sources else None
+            seg = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding)
+            seg = seg if cfg.data.sources and cfg.data.packing else None
             mems.append(st.memory(x, t, in_flight=1 if runner.chunked else in_flight[s], example_segments=seg))
         if runner.chunked:
             peak, count = chunk_activation_peak(

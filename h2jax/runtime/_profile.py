@@ -520,7 +520,7 @@ class DriverProfiler:
                     tr.train_step()
             tr1 = self.trainers[(1, 3)]
             st = tr1.stages[0]
-            tok, tgt = tr1.device_batch(0)
+            tok, tgt, _ = tr1.device_batch(0)
             dloss = tr1.runners[0].dloss
             self._call = {"fb": lambda: st.backward(0, st.forward(0, tok[0], tgt[0])[1], tgt[0], dloss)}
             jax.block_until_ready(self._call["fb"]())

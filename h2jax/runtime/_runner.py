@@ -167,11 +167,14 @@ class StageRunner:
         *,
         forward_only: bool = False,
         segments: Sequence[Any] | None = None,
+        weights: Sequence[Any] | None = None,
     ) -> list[Any]:
         """Dispatch every task of ``step``; returns the microbatch losses (last stage) as device
         scalars. ``tokens`` on the first stage, ``targets`` on the last, else None;
         ``segments``: each microbatch's document segment ids on this stage's mesh (packed
-        data), else None. ``forward_only`` (an evaluation): the forwards alone, in the
+        data), else None; ``weights``: each microbatch's share of the step's loss on the last
+        stage (h2jax.data.loss_weights: padded targets), else None (1 / microbatches each).
+        ``forward_only`` (an evaluation): the forwards alone, in the
         schedule's order, nothing kept for a backward, nothing on the timeline; no gradient
         is touched."""
         if forward_only:
@@ -215,7 +218,7 @@ class StageRunner:
                         ch.send(FWD, m, y, ready=ready)
                 elif task.kind == BACKWARD:
                     if st.last:
-                        dy = self.dloss
+                        dy = self.dloss if weights is None else weights[m]
                     elif st.local_out:
                         dy = handed.pop((BWD, q, m))
                     else:
@@ -283,16 +286,20 @@ def run_stages(
     hub: Any = None,
     forward_only: bool = False,
     segments: dict[int, Sequence[Any]] | None = None,
+    weights: Sequence[Any] | None = None,
 ) -> list[Any]:
     """One step of several local stages: one runner per stage on its own thread (a blocking
     receive must never hold up another stage's dispatch). A failure anywhere aborts the
     step everywhere and is re-raised naming the stage. Returns the last stage's losses.
     ``forward_only``: an evaluation (:meth:`StageRunner.run_step`); ``segments``: stage ->
-    each microbatch's segment ids on that stage's mesh (packed data)."""
+    each microbatch's segment ids on that stage's mesh (packed data); ``weights``: the loss
+    shares of the microbatches on the last stage (padded data)."""
     segs = segments or {}
     if len(runners) == 1:
         r = runners[0]
-        return r.run_step(step, tokens, targets, forward_only=forward_only, segments=segs.get(r.stage_idx))
+        return r.run_step(
+            step, tokens, targets, forward_only=forward_only, segments=segs.get(r.stage_idx), weights=weights
+        )
     if hub is not None:
         hub.reset()
     # every runner is in the step before any thread starts: the hub records a transfer into a
@@ -312,6 +319,7 @@ def run_stages(
                 targets if last else None,
                 forward_only=forward_only,
                 segments=segs.get(r.stage_idx),
+                weights=weights if last else None,
             )
         except PipelineAborted:
             pass

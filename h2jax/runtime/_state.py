@@ -124,6 +124,7 @@ def checkpoint_meta(cfg: ExperimentConfig, step: int, skipped_steps: int, consum
             "num_microbatches": cfg.plan.num_microbatches,
             "sources": dict(cfg.data.sources) if cfg.data.sources else None,
             "holdout": cfg.data.holdout,
+            "packing": cfg.data.packing,
         },
         # the seed made the initial parameters, the data and every dropout mask (keys from seed, step,
         # microbatch, layer): nothing random is carried in the model
@@ -167,11 +168,12 @@ def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tu
     warning = None
     batch = (data.get("global_batch"), data.get("num_microbatches"))
     sources = dict(cfg.data.sources) if cfg.data.sources else None
-    was = (data.get("sources"), data.get("holdout", 0.0))
-    if sources is not None and was[0] is not None and was != (sources, cfg.data.holdout):
+    was = (data.get("sources"), data.get("holdout", 0.0), data.get("packing", True))
+    if sources is not None and was[0] is not None and was != (sources, cfg.data.holdout, cfg.data.packing):
         warning = (
-            f"the checkpoint's run read data.sources {was[0]} (holdout {was[1]}), this run {sources} (holdout "
-            f"{cfg.data.holdout}): the stream continues at sequence {consumed:,} of the new mixture"
+            f"the checkpoint's run read data.sources {was[0]} (holdout {was[1]}, packing {was[2]}), this run "
+            f"{sources} (holdout {cfg.data.holdout}, packing {cfg.data.packing}): the stream continues at "
+            f"sequence {consumed:,} of the new mixture"
         )
     elif sources is None and batch != (cfg.plan.global_batch, cfg.plan.num_microbatches):
         warning = (

@@ -43,7 +43,7 @@ from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftov
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
 from h2jax.models import build_model, check_calls, check_stageable
-from h2jax.runtime._feed import DataFeed, place_ends, place_segments
+from h2jax.runtime._feed import DataFeed, place_ends, place_segments, place_weights, step_loss
 from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
 from h2jax.runtime._memory import check_memory
 from h2jax.runtime._metrics import MetricsLogger
@@ -138,6 +138,13 @@ class Trainer:
         elif not isinstance(model, nnx.Module):  # a builder (e.g. a gin-selected class): the chip types exist now
             model = model()
             _check_model(model, cfg)
+        if not cfg.data.packing and not getattr(getattr(model, "head", None), "masked_targets", False):
+            raise ConfigError(
+                "data.packing",
+                f"false pads rows with targets of -1 (no loss there), and {_class_name(model)}.head does not "
+                "say it leaves them out; expected a head whose loss is the mean over targets >= 0 and that sets "
+                "masked_targets = True (as h2jax's LLaMA head), or packing=true",
+            )
         self.model = model
         chunked = plan.schedule.chunks > 1  # interleaved may run v = 1 (one chunk each)
         n = plan.num_stages
@@ -173,13 +180,15 @@ class Trainer:
         """The document segment ids of ``step``'s inputs (packed data), else None."""
         return self.feed.segments(step)
 
-    def device_batch(self, step: int) -> tuple[list[jax.Array] | None, list[jax.Array] | None]:
+    def device_batch(self, step: int) -> tuple[list[jax.Array] | None, list[jax.Array] | None, list | None]:
+        """``step``'s tokens on the first stage, targets and (padded data) the microbatches' loss
+        shares on the last; None where this process holds neither end."""
         if not any(st.first or st.last for st in self.stages):
-            return None, None
+            return None, None, None
         t0 = time.perf_counter()
         tokens, targets = self.batch(step)
         self.feed.wait_s = time.perf_counter() - t0  # what the step waited for (data.sources: read ahead)
-        return place_ends(self.stages, tokens, targets)
+        return *place_ends(self.stages, tokens, targets), place_weights(self.stages, targets)
 
     # -- memory --------------------------------------------------------------------------------
     def check_memory(self) -> list[StageMemory]:
@@ -191,20 +200,20 @@ class Trainer:
     def forward_backward(self, step: int) -> jax.Array | None:
         """Every forward and backward of ``step`` on this process's stages; gradients
         accumulate in the stages (a tied parameter's in its owner: h2jax.runtime._tied).
-        Returns the step's loss (mean over microbatches) as a device scalar where the last
-        stage runs, else None."""
-        tokens, targets = self.device_batch(step)
+        Returns the step's loss (the mean over microbatches; padded data: over real targets)
+        as a device scalar where the last stage runs, else None."""
+        tokens, targets, weights = self.device_batch(step)
         segments = place_segments(self.runners, self.segments(step))  # every stage reads them: packed data
         try:
             hub = self.hub if self._own_hub else None
-            losses = run_stages(self.runners, step, tokens, targets, hub=hub, segments=segments)
+            losses = run_stages(self.runners, step, tokens, targets, hub=hub, segments=segments, weights=weights)
         except PipelineAborted:
             err = self.hub.error if self.hub is not None else None
             if err is None:
                 raise
             raise StageFailure(err.stage, step, err.what, err.cause) from err
         self.tied.sum_grads()
-        return jnp.mean(jnp.stack(losses)) if losses else None
+        return step_loss(losses, weights) if losses else None
 
     def _grad_sqnorms(self) -> list[float]:
         """Every stage's squared gradient norm (the sum over its chunks, in chunk order), in stage order."""
@@ -468,18 +477,21 @@ class Trainer:
         data.val_sources, the same at every call): the forwards alone, through this job's
         stages, schedule order and programs; no gradient, parameter or optimizer state changes.
         Collective: every process calls it at the same step."""
-        total = 0.0
+        total = count = 0.0
         for i in range(self.cfg.train.eval_batches):
             tok, tgt, seg = self.feed.validation_batch(i)  # every stage reads the segments
             tokens, targets = place_ends(self.stages, tok, tgt)
             segments = place_segments(self.runners, seg)
+            weights = place_weights(self.stages, tgt)
             hub = self.hub if self._own_hub else None
             losses = run_stages(self.runners, self.step, tokens, targets, hub=hub, forward_only=True, segments=segments)
-            local = float(local_value(jnp.mean(jnp.stack(losses)))) if losses else None
-            total += float(self.world.from_stage(self.loss_stage, local))
+            local = float(local_value(step_loss(losses, weights))) if losses else None
+            real = float((tgt >= 0).sum())  # every batch weighs its real targets (all of them unless padded)
+            total += real * float(self.world.from_stage(self.loss_stage, local))
+            count += real
             if self.fail_fast is not None:
                 self.fail_fast.heartbeat()  # each batch is progress: many of them may outlast the watchdog
-        return total / self.cfg.train.eval_batches
+        return total / max(count, 1.0)
 
     # -- checkpoints ---------------------------------------------------------------------------
     @property

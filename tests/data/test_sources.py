@@ -13,7 +13,7 @@ import pytest
 
 from h2jax._strict import ConfigError
 from h2jax.config import load_config
-from h2jax.data import load_data, open_store, open_stream, step_batch, write_megatron
+from h2jax.data import load_data, load_validation, open_store, open_stream, step_batch, write_megatron
 from h2jax.data._tokenize import tokenize_files
 
 SEQ = 16
@@ -185,6 +185,41 @@ def test_held_out_sequences_are_never_trained_on(stores):
         assert seen_train == set(range(n - held - 1)) and seen_val == set(range(n - held, n))
         # no token is in both: the last training window ends before the first validation window starts
         assert (n - held - 2) * SEQ + SEQ + 1 <= (n - held) * SEQ
+
+
+def test_unpacked_each_document_is_one_sequence_cut_or_padded_and_padding_has_no_loss(stores, tmp_path):
+    from h2jax.data import PAD, loss_weights, split_rows, step_segments
+
+    d, docs = stores["dir"], stores["a"]
+    flat = tmp_path / "e.bin"  # stores["c"], each document ended by id 0
+    np.concatenate([np.append(x, 0) for x in stores["c"]]).astype("<u2").tofile(flat)
+    cfg = _cfg({str(d / "a"): 1.0, str(flat): 1.0}, **{"data.packing": False, "data.eod_id": 0})
+    s = load_data(cfg)
+    assert s.sizes == [400, 150] and "one document per sequence" in s.describe()
+    assert f"400 documents ({sum(len(x) > SEQ + 1 for x in docs)} cut to {SEQ + 1} tokens)" in s.describe()
+    for k in (0, 7, 399):  # document k, cut to SEQ + 1 tokens or padded after its end
+        ids, seg = s.sequence(0, k)
+        n = min(len(docs[k]), SEQ + 1)
+        np.testing.assert_array_equal(ids[:n], docs[k][:n])
+        assert (ids[n:] == PAD).all() and seg.tolist() == [1] * n + [0] * (SEQ + 1 - n)
+    for k in (0, 149):  # a flat file's documents end at data.eod_id (which they keep)
+        want = np.append(stores["c"][k], 0)[: SEQ + 1]
+        np.testing.assert_array_equal(s.sequence(1, k)[0][: len(want)], want)
+    ids = s.ids(0, s.epoch_length)
+    assert sorted(ids[ids[:, 0] == 0, 1].tolist()) == list(range(400))  # one epoch: every document once
+    tokens, targets = step_batch(s, cfg, 0)
+    rows = s.batch(0, cfg.plan.global_batch).tokens.reshape(tokens.shape[0], tokens.shape[1], -1)
+    assert (targets == rows[..., 1:]).all() and (tokens == np.where(rows[..., :-1] == PAD, 0, rows[..., :-1])).all()
+    assert step_segments(s, cfg, 0) is None  # one document a row: causal attention is enough
+    w = loss_weights(targets)
+    real = (targets >= 0).sum(axis=(1, 2))
+    assert (targets < 0).any() and np.allclose(w, real / real.sum()) and abs(w.sum() - 1) < 1e-6
+    assert loss_weights(split_rows(np.arange(2 * 3 * 5).reshape(2, 3, 5))[1]) is None  # nothing padded
+    with pytest.raises(ConfigError, match="has no document boundaries; expected data.eod_id"):
+        load_data(_cfg({str(d / "c.bin"): 1.0}, **{"data.packing": False}))
+    held = load_data(_cfg({str(d / "a"): 1.0}, **{"data.packing": False, "data.holdout": 0.1}))
+    val = load_validation(_cfg({str(d / "a"): 1.0}, **{"data.packing": False, "data.holdout": 0.1}))
+    assert (held.sizes, val.sizes, val.first) == ([360], [40], [360])  # documents, no gap needed
 
 
 def test_a_resume_with_another_mixture_says_so_in_one_line(stores):

@@ -66,6 +66,25 @@ def test_the_loss_of_a_packed_row_is_the_token_weighted_loss_of_its_documents():
     assert abs(packed - (10 * alone_a + 13 * alone_b) / 23) <= 1e-5
 
 
+def test_a_padded_row_has_the_loss_of_its_document_alone():
+    """Unpacked data (data.packing: false): targets of -1 carry no loss; the row's loss is its
+    document's alone, and a batch's is the mean over its real targets."""
+    model = build_model(CFG, seed=2)
+    rng = np.random.default_rng(3)
+    doc = rng.integers(0, 64, size=9)
+    row = np.concatenate([doc, np.zeros(15, int)])
+    tgt = np.concatenate([doc[1:], np.full(16, -1)])
+    padded = float(_loss(model, jnp.asarray(row[None, :-1]), jnp.asarray(tgt[None, :23]), None))
+    alone = float(_loss(model, jnp.asarray(doc[None, :-1]), jnp.asarray(doc[None, 1:]), None))
+    assert abs(padded - alone) <= 1e-6
+    full = rng.integers(0, 64, size=24)  # a second row, no padding: 23 targets against 8
+    both = float(
+        _loss(model, jnp.asarray(np.stack([row, full])[:, :-1]), jnp.asarray(np.stack([tgt[:23], full[1:]])), None)
+    )
+    other = float(_loss(model, jnp.asarray(full[None, :-1]), jnp.asarray(full[None, 1:]), None))
+    assert abs(both - (8 * alone + 23 * other) / 31) <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def packed_store(tmp_path_factory):
     d = tmp_path_factory.mktemp("packed")
@@ -75,18 +94,30 @@ def packed_store(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "schedule, stages",
+    "schedule, stages, packing",
     [
         pytest.param(  # the fast lane checks packing through the model tests above
-            "1f1b", [S("sim_a", (0, 2), data=2), S("sim_b", (2, 4), tensor=2, recompute=True)], marks=pytest.mark.slow
+            "1f1b",
+            [S("sim_a", (0, 2), data=2), S("sim_b", (2, 4), tensor=2, recompute=True)],
+            True,
+            marks=pytest.mark.slow,
         ),
-        pytest.param("zb-h1", [S("sim_c", (0, 2), tensor=2), S("sim_d", (2, 4), data=2)], marks=pytest.mark.slow),
+        pytest.param("zb-h1", [S("sim_c", (0, 2), tensor=2), S("sim_d", (2, 4), data=2)], True, marks=pytest.mark.slow),
+        pytest.param(  # unpacked: a document per row, padded; the loss is over the real targets
+            "gpipe", [S("sim_a", (0, 2), data=2), S("sim_b", (2, 4), tensor=2)], False, marks=pytest.mark.slow
+        ),
     ],
 )
-def test_the_pipeline_on_packed_data_equals_the_sequential_model(packed_store, schedule, stages, tmp_path):
-    cfg = plan_cfg(4, schedule, stages, **{"data.sources": json.dumps({packed_store: 1})})
+def test_the_pipeline_on_packed_data_equals_the_sequential_model(packed_store, schedule, stages, packing, tmp_path):
+    over = {"data.sources": json.dumps({packed_store: 1}), "data.packing": str(packing).lower()}
+    cfg = plan_cfg(4, schedule, stages, **over)
     trainer = Trainer(cfg, run_dir=tmp_path)
     segs = trainer.segments(0)
-    assert segs is not None and segs.max() > 2  # short documents: every row holds several
+    if packing:
+        assert segs is not None and segs.max() > 2  # short documents: every row holds several
+    else:
+        _, targets = trainer.batch(0)
+        real = (targets >= 0).sum(axis=(1, 2))
+        assert segs is None and (targets < 0).any() and len(set(real.tolist())) > 1  # the microbatches differ
     assert_pipeline_equals_sequential(cfg, trainer, 2, check_norm=True)
     trainer.close()
