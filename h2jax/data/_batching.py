@@ -1,10 +1,12 @@
-"""Deterministic, resumable batching: a batch is a pure function of (seed, step, microbatch_idx).
+"""Deterministic, resumable batching: a step's batch is a pure function of (seed, step).
 
-No iterator state exists, so resuming at step ``s`` needs only ``s``; and since every
-microbatch is drawn from its own generator seeded with ``[seed, step, microbatch_idx]``,
-the global batch of a step is the concatenation of its microbatches. Changing
-``num_microbatches`` at a fixed microbatch size keeps microbatches ``0..n-1`` of every
-step identical; a stage of the pipeline can draw microbatch ``i`` without drawing the others.
+No iterator state exists, so resuming at step ``s`` needs only ``s``. Row ``g`` of step
+``s``'s global batch is the window starting at the ``g``-th draw of
+``np.random.default_rng([seed, step])`` (numpy's draws are prefix-stable: the first ``g``
+of more draws are the same), and microbatch ``i`` of size ``b`` is rows ``i*b .. (i+1)*b``.
+So a step's global batch is the same sequences whatever the plan splits it into (the
+microbatch count and size, the data degree, the number of pipelines or processes: an
+elastic re-plan trains the same data), and a larger global batch extends it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,27 @@ import numpy as np
 
 from h2jax._strict import ConfigError
 from h2jax.data._dataset import TokenDataset
+
+
+def _starts(dataset: TokenDataset, *, seed: int, step: int, rows: int, seq_len: int) -> np.ndarray:
+    """The window starts of the first ``rows`` rows of step ``step``'s batch (module docstring)."""
+    if rows < 1 or seq_len < 1:
+        raise ValueError(f"microbatch_size and seq_len must be >= 1, got {rows} rows and {seq_len}")
+    if min(seed, step) < 0:
+        raise ValueError(f"seed and step must be >= 0, got {seed}, {step}")
+    num_starts = len(dataset) - seq_len
+    if num_starts < 1:
+        raise ConfigError(
+            "model.seq_len",
+            f"the dataset has {len(dataset)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+            "expected a larger corpus (data.corpus, data.token_file) or a smaller model.seq_len",
+        )
+    return np.random.default_rng([seed, step]).integers(0, num_starts, size=rows)
+
+
+def _windows(dataset: TokenDataset, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    # Gather only the needed windows: works on a memmap without reading the whole file.
+    return np.stack([np.asarray(dataset.tokens[s : s + seq_len + 1]) for s in starts]).astype(np.int32)
 
 
 def get_microbatch(
@@ -28,27 +51,16 @@ def get_microbatch(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One microbatch: ``(tokens, targets)``, both int32 of shape [microbatch_size, seq_len].
 
-    Each row is a window of ``seq_len + 1`` consecutive tokens whose start is drawn
-    uniformly from the ``len(dataset) - seq_len`` valid starts by
-    ``np.random.default_rng([seed, step, microbatch_idx])``; ``targets`` is ``tokens``
+    Rows ``microbatch_idx * microbatch_size ..`` of step ``step``'s batch: each a window of
+    ``seq_len + 1`` consecutive tokens whose start is drawn uniformly from the
+    ``len(dataset) - seq_len`` valid starts (module docstring); ``targets`` is ``tokens``
     shifted left by one (the next token at every position).
     """
-    if microbatch_size < 1 or seq_len < 1:
-        raise ValueError(f"microbatch_size and seq_len must be >= 1, got {microbatch_size} and {seq_len}")
-    if min(seed, step, microbatch_idx) < 0:
-        raise ValueError(f"seed, step and microbatch_idx must be >= 0, got {seed}, {step}, {microbatch_idx}")
-    num_starts = len(dataset) - seq_len
-    if num_starts < 1:
-        raise ConfigError(
-            "model.seq_len",
-            f"the dataset has {len(dataset)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
-            "expected a larger corpus (data.corpus, data.token_file) or a smaller model.seq_len",
-        )
-    rng = np.random.default_rng([seed, step, microbatch_idx])
-    starts = rng.integers(0, num_starts, size=microbatch_size)
-    # Gather only the needed windows: works on a memmap without reading the whole file.
-    windows = np.stack([np.asarray(dataset.tokens[s : s + seq_len + 1]) for s in starts])
-    windows = windows.astype(np.int32)
+    if microbatch_idx < 0:
+        raise ValueError(f"microbatch_idx must be >= 0, got {microbatch_idx}")
+    lo = microbatch_idx * microbatch_size
+    starts = _starts(dataset, seed=seed, step=step, rows=lo + microbatch_size, seq_len=seq_len)[lo:]
+    windows = _windows(dataset, starts, seq_len)
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -65,22 +77,15 @@ def get_global_batch(
     [num_microbatches, microbatch_size, seq_len].
 
     Exactly ``get_microbatch(..., microbatch_idx=i)`` stacked for ``i`` in
-    ``range(num_microbatches)``; global batch = num_microbatches x microbatch_size sequences.
+    ``range(num_microbatches)``: the step's first num_microbatches x microbatch_size rows,
+    whatever the split.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    pairs = [
-        get_microbatch(
-            dataset,
-            seed=seed,
-            step=step,
-            microbatch_idx=i,
-            microbatch_size=microbatch_size,
-            seq_len=seq_len,
-        )
-        for i in range(num_microbatches)
-    ]
-    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    rows = num_microbatches * microbatch_size
+    windows = _windows(dataset, _starts(dataset, seed=seed, step=step, rows=rows, seq_len=seq_len), seq_len)
+    windows = windows.reshape(num_microbatches, microbatch_size, seq_len + 1)
+    return windows[..., :-1], windows[..., 1:]
 
 
 def step_batch(dataset: Any, cfg: Any, step: int, *, position: int | None = None) -> tuple[np.ndarray, np.ndarray]:

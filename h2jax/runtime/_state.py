@@ -175,11 +175,12 @@ def data_position(meta: dict[str, Any], cfg: ExperimentConfig, where: str) -> tu
             f"{sources} (holdout {cfg.data.holdout}, packing {cfg.data.packing}): the stream continues at "
             f"sequence {consumed:,} of the new mixture"
         )
-    elif sources is None and batch != (cfg.plan.global_batch, cfg.plan.num_microbatches):
+    elif sources is None and batch[0] not in (None, cfg.plan.global_batch):
+        # a step's batch is its first global_batch rows (h2jax.data._batching): another split is
+        # the same sequences, another global batch is not
         warning = (
-            f"the checkpoint's run used global batch {batch[0]} in {batch[1]} microbatches, this run "
-            f"{cfg.plan.global_batch} in {cfg.plan.num_microbatches}: the data stream continues from "
-            f"step {step} but its batches differ"
+            f"the checkpoint's run used global batch {batch[0]}, this run {cfg.plan.global_batch}: the data "
+            f"stream continues from step {step}, each step with {cfg.plan.global_batch} sequences"
         )
     return step, int(meta.get("skipped_steps", 0)), consumed, warning
 

@@ -256,9 +256,13 @@ def test_global_batch_is_stacked_microbatches(small_dataset: TokenDataset) -> No
         )
         np.testing.assert_array_equal(tokens[i], mb_tokens)
         np.testing.assert_array_equal(targets[i], mb_targets)
-    # A plan with more microbatches keeps the first ones (the stream survives replanning).
+    # A plan with more microbatches keeps the first ones; another split of the same global
+    # batch is the same rows (a re-plan trains the same sequences)
     more, _ = get_global_batch(small_dataset, seed=7, step=5, num_microbatches=5, microbatch_size=2, seq_len=8)
     np.testing.assert_array_equal(more[:3], tokens)
+    for m, b in ((1, 10), (2, 5), (10, 1)):
+        other, _ = get_global_batch(small_dataset, seed=7, step=5, num_microbatches=m, microbatch_size=b, seq_len=8)
+        np.testing.assert_array_equal(other.reshape(10, 8), more.reshape(10, 8))
 
 
 def test_batching_works_on_memmap(tmp_path: Path) -> None:
