@@ -546,8 +546,9 @@ class CheckpointStore:
         # each printing that traceback from its thread: the failure is reported once, by the job
         _DropClosedLoopTracebacks.install()
         mgr = self._manager()
-        if not self.keeper:
-            mgr.reload()  # the keeper may have deleted steps (retention, a re-save): orbax caches the list
+        # orbax caches the step list: steps deleted since (retention, a re-save; the keeper's own
+        # delete() of a step it saves again, while an earlier async save was still in flight)
+        mgr.reload()
         # one synchronous save at a time per process: two orbax managers finalising at once in one
         # process (simulated ranks on threads) race on their temporary directories
         with _SYNC_SAVES if not self.async_save else contextlib.nullcontext():

@@ -57,6 +57,23 @@ def test_save_commit_restore_and_retention(tmp_path, async_save):
     assert store.read_meta(5) == {"step": 5}
 
 
+def test_a_run_resumed_from_an_older_step_saves_over_its_later_steps_while_a_save_is_in_flight(tmp_path):
+    """--restore-step 2 of a run that went to step 6, async saves: each later step is cleared
+    and saved again, also while the previous save is still in flight (orbax's cached step
+    list must not keep the cleared step)."""
+    first = CheckpointStore(tmp_path, keep_last=10, async_save=True)
+    for step in (2, 4, 6):
+        first.save(step, _state(step), {"step": step})
+    first.close()
+    again = CheckpointStore(tmp_path, keep_last=10, async_save=True)
+    for step in (4, 6):
+        again.clear(step)
+        again.save(step, _state(10.0 * step), {"step": step})
+    again.close()
+    assert again.committed_steps() == [2, 4, 6]
+    assert float(again.restore(6, _targets(_state(0)))["params/embed/table"][0, 0]) == 60.0
+
+
 def test_what_a_failure_line_says_was_saved_names_the_steps_a_rerun_trains_again(tmp_path):
     """Read from the disk when printed: the committed steps, and which steps the job had
     trained past the newest of them (a stuck-rank timeout after step index 12 with step 5 the
