@@ -144,6 +144,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         launch = detect_launch()
     except LauncherError as e:
         return fail("launcher error", str(e), console=console)
+    if args.elastic:
+        return _train_elastic(args, launch, console)
+    if args.inject_fault or args.launcher:
+        flag = "--inject-fault" if args.inject_fault else "--launcher"
+        return fail("config error", f"{flag} belongs to --elastic (the supervisor); add --elastic", console=console)
     fail_fast = None
     if launch is not None and launch.size > 1:
         fail_fast = FailFast(launch)
@@ -205,6 +210,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
 
 
+def _train_elastic(args: argparse.Namespace, launch, console) -> int:
+    """``h2jax train --elastic``: the supervisor (h2jax.elastic) runs the job and heals it."""
+    from h2jax.config import ConfigError
+    from h2jax.elastic import Options, parse_fault, supervise
+
+    if launch is not None:
+        return fail(
+            "config error",
+            f"--elastic: this process was started by {launch.launcher}; run `h2jax train --elastic` itself, "
+            "with the launcher in --launcher (e.g. --launcher 'mpirun -np {stages}')",
+            console=console,
+        )
+    if args.restore_step is not None:
+        return fail(
+            "config error", "--elastic resumes from the newest committed step; drop --restore-step", console=console
+        )
+    cfg = _load(args)
+    try:
+        faults = [parse_fault(spec, i) for i, spec in enumerate(args.inject_fault)]
+        for key, v in (("--max-restarts", args.max_restarts), ("--backoff-s", args.backoff_s)):
+            if v < 0:
+                raise ConfigError(key, f"{v}; expected >= 0")
+        if args.hang_timeout_s <= 0:
+            raise ConfigError("--hang-timeout-s", f"{args.hang_timeout_s}; expected > 0")
+        run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.train.out_dir) / cfg.name
+        opts = Options(
+            config=list(args.config),
+            run_dir=run_dir,
+            launcher=args.launcher,
+            max_restarts=args.max_restarts,
+            backoff_s=args.backoff_s,
+            hang_timeout_s=args.hang_timeout_s,
+            faults=faults,
+            init_from=args.init_from,
+        )
+        return supervise(cfg, opts, console)
+    except ConfigError as e:
+        return fail("config error", str(e), console=console)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="h2jax", description="Train one model across chip types of different vendors.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -225,6 +270,39 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="start a new run (step 0, fresh optimizer) from the weights of the latest committed "
         "checkpoint in DIR, under this run's plan",
+    )
+    e = t.add_argument_group("elastic (h2jax.elastic: a node dies, the job goes on)")
+    e.add_argument(
+        "--elastic",
+        action="store_true",
+        help="run the job under a supervisor that re-plans onto the surviving chips and resumes from the "
+        "newest committed checkpoint when a process or node dies (events in <run>/events.jsonl)",
+    )
+    e.add_argument(
+        "--launcher",
+        default=None,
+        metavar="CMD",
+        help="--elastic: the command that starts the job's processes, {stages} standing for the plan's stage "
+        "count (e.g. 'mpirun --oversubscribe -np {stages}'); default: one process",
+    )
+    e.add_argument("--max-restarts", type=int, default=3, metavar="N", help="--elastic: restarts before it gives up")
+    e.add_argument(
+        "--backoff-s", type=float, default=5.0, metavar="S", help="--elastic: wait S before the first restart, doubling"
+    )
+    e.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="--elastic: a job with no finished step for S seconds (or 10x its slowest step) is ended as hung",
+    )
+    e.add_argument(
+        "--inject-fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="--elastic, to rehearse: node:CHIP:NODE@STEP (that node dies), kill:RANK@STEP (kill -9 of one "
+        "process), stop:RANK@STEP (it stops responding); repeatable",
     )
     t.set_defaults(func=cmd_train)
     c = sub.add_parser("check-config", help="validate a config without touching any device")

@@ -105,6 +105,9 @@ def find_mpirun() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("mpirun")
 
 
+ELASTIC_DIR_ENV = "H2JAX_ELASTIC_DIR"
+"""Under ``h2jax train --elastic``: the folder where the job's processes leave records for the
+supervisor (h2jax.elastic, h2jax.runtime._faults)."""
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 """What asks a run to stop: SIGTERM and SIGINT as anywhere, and SIGUSR1 because ``mpirun``
 forwards it to every rank without ending the job (module docstring of FailFast)."""
@@ -312,6 +315,25 @@ class FailFast:
         """This process is about to exit on its own: a late signal ends it without a line."""
         self._finished = True
 
+    def _record_dead(self, dead: list[tuple[int, int, int, str]]) -> None:
+        """Under ``h2jax train --elastic`` (h2jax.elastic): the peers seen dead, as a record the
+        supervisor reads (``lost-by-rank-<R>.json`` in ``$H2JAX_ELASTIC_DIR``), not a message."""
+        import json
+        import time
+
+        d = os.environ.get(ELASTIC_DIR_ENV)
+        if not d:
+            return
+        peers = [{"rank": r, "stage": st, "pid": pid, "host": host} for r, st, pid, host in dead]
+        rec = {"seen_by": self.launch.rank, "time": time.time(), "peers": peers}
+        path = os.path.join(d, f"lost-by-rank-{self.launch.rank}.json")
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(rec, f)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass  # the line still goes out: the supervisor then knows less
+
     def _exit(self, why: str, *, to_launcher: bool = False) -> None:
         """Say the line and end this process. ``to_launcher``: the launcher itself is ending
         the job (Open MPI's daemon, this process's parent, sent the signal), and stops relaying
@@ -361,6 +383,7 @@ class FailFast:
                 os._exit(1)
             dead = self.dead_peers()
             if dead:  # no step boundary can come: say who, and end now
+                self._record_dead(dead)
                 who = ", ".join(f"rank {r} (stage {st}, pid {pid})" for r, st, pid, _ in dead)
                 self._exit(
                     f"stopped by {name}: {who} of this host ended (killed or crashed), so the job cannot "

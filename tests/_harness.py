@@ -264,7 +264,7 @@ def cli_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "H2JAX_FAULT")
+        if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "H2JAX_FAULT", "H2JAX_FAULTS", "H2JAX_ELASTIC_DIR")
         and not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_"))
     }
     for k in SHARE_CORES:  # the suite's two settings for mpirun jobs (tests/conftest.py)

@@ -6,6 +6,15 @@ channel per stage (h2jax.comm). See docs/ARCHITECTURE.md.
 """
 
 from h2jax.runtime._cluster import StagePlacement, place_stages, stage_mesh
+from h2jax.runtime._faults import (
+    CLOCK_ENV,
+    ELASTIC_DIR_ENV,
+    FAULT_KINDS,
+    FAULTS_ENV,
+    ElasticHooks,
+    stage_nodes,
+    write_record,
+)
 from h2jax.runtime._job import run_job
 from h2jax.runtime._layout import flatten, model_layout
 from h2jax.runtime._metrics import MetricsLogger, read_metrics
@@ -20,6 +29,13 @@ from h2jax.runtime._trainer import Trainer, TrainResult, train
 from h2jax.runtime._world import JobError, LocalWorld, MpiWorld, ThreadGroup, World, setup_backends
 
 __all__ = [
+    "CLOCK_ENV",
+    "ELASTIC_DIR_ENV",
+    "FAULT_KINDS",
+    "FAULTS_ENV",
+    "ElasticHooks",
+    "stage_nodes",
+    "write_record",
     "LOCK_FILENAME",
     "JobError",
     "LocalWorld",

@@ -43,6 +43,7 @@ from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftov
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
 from h2jax.models import build_model, check_calls, check_stageable
+from h2jax.runtime._faults import ElasticHooks
 from h2jax.runtime._feed import DataFeed, place_ends, place_segments, place_weights, step_loss
 from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
 from h2jax.runtime._memory import check_memory
@@ -151,6 +152,7 @@ class Trainer:
         self.schedule = plan.schedule.bind(n, plan.num_microbatches)
         self.tx, self.lr_schedule = make_optimizer(cfg)
         self.local = w.local_stages
+        self.elastic = ElasticHooks(cfg, w.rank, list(w.local_stages))  # under --elastic: faults, records
         wiring = wire(cfg, model, w, self.schedule, tx=self.tx, chunked=chunked, hub=hub)
         self.stages, self.runners, self.tied = wiring.stages, wiring.runners, wiring.tied
         self.boundaries, self.labels, self.backends = wiring.boundaries, wiring.labels, wiring.backends
@@ -307,6 +309,7 @@ class Trainer:
         # the time this process spent reading the step's batch (0 where it holds neither end stage)
         m["data_wait_fraction"] = self.feed.wait_s / stats.step_time_s if stats.step_time_s > 0 else 0.0
         m.update(self.feed.metrics(stats.step))  # where the step's sequences start, and their epoch
+        m.update(self.elastic.metrics())  # under --elastic: the goodput so far
         return m
 
     # -- the loop ------------------------------------------------------------------------------
@@ -346,9 +349,12 @@ class Trainer:
             )
         self._catch_signals()
         frozen = False
+        elastic = self.elastic
         try:
             while self.step < steps:
+                elastic.before_step(self.step)
                 stats = self.train_step()
+                elastic.after_step(stats.step, stats.step_time_s)
                 history.append(stats)
                 if not frozen:
                     # the first step compiled; the model, its state and programs exist. Keep every

@@ -287,6 +287,11 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
         ["--chip", "h100_sxm", "--model", "@model.yaml", "--measure"],
         ["--chip: h100_sxm: --measure times the chip's own devices (cuda), and this host has none"],
     ),
+    "train_elastic_bad_fault": (
+        "train",
+        ["--elastic", "--inject-fault", "node:sim_b@1"],
+        ["--inject-fault: 'node:sim_b@1'; expected node:CHIP:NODE@STEP, kill:RANK@STEP or stop:RANK@STEP"],
+    ),
     "train_tokenizer_vocab": (
         "train",
         ["data.tokenizer=@tokenizer.json", "model.vocab_size=16"],

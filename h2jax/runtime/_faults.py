@@ -1,0 +1,114 @@
+"""The training side of an elastic run (h2jax.elastic): injected faults, and the records the
+supervisor reads.
+
+The supervisor starts each launch of the job with two variables:
+
+- ``H2JAX_ELASTIC_DIR``: the folder (``<run>/elastic``) where a process of the job leaves
+  what the supervisor needs to know, as files it writes whole (``os.replace``): a record of
+  an injected fault just before it fires (``fault-<id>.json``: what, the step, the time,
+  the rank, pid, host and stages), and its progress (``progress-<rank>.json``: the last step
+  it finished and when; the first one of a launch is its restart-to-first-step time);
+- ``H2JAX_ELASTIC_CLOCK``: ``[t0, s]``: when the supervisor started (time.time()) and the
+  seconds of the steps earlier launches trained that count (their rows before the step this
+  launch resumes from), so each metrics row carries the run's ``goodput`` so far (the steps'
+  own time over the wall time since t0);
+- ``H2JAX_FAULTS``: the faults still to inject, a JSON list of ``{"id", "kind", "step",
+  ...}``: ``node`` (``chip``, ``node``: every process with a stage on that node of that
+  chip type SIGKILLs itself, and the supervisor takes the node out of the cluster),
+  ``kill`` (``rank``: that process SIGKILLs itself; its node stays) and ``stop``
+  (``rank``: that process SIGSTOPs itself, a hang the others and the supervisor detect).
+
+A fault fires at the start of its step, before any of that step's work. SIGKILL and SIGSTOP
+cannot be caught: nothing after the record runs, as in a real failure. The checkpoint's
+failpoints (h2jax.checkpoint._faults) kill at points of a save instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from h2jax.launch import ELASTIC_DIR_ENV
+
+FAULTS_ENV = "H2JAX_FAULTS"
+FAULT_KINDS = ("node", "kill", "stop")
+CLOCK_ENV = "H2JAX_ELASTIC_CLOCK"
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """``record`` as JSON at ``path``, whole or not at all (a reader never sees half of it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def stage_nodes(cfg: Any) -> list[tuple[str, int]]:
+    """(chip type, node index) of each stage of ``cfg``'s plan, as h2jax places them
+    (h2jax.plan.assign_devices over the cluster's nodes)."""
+    from h2jax.plan import assign_devices
+
+    chips = cfg.cluster.chips
+    placed = assign_devices(
+        cfg.plan,
+        nodes={n: c.nodes for n, c in chips.items()},
+        devices_per_node={n: c.devices_per_node for n, c in chips.items()},
+    )
+    return [(st.chip, node) for st, (node, _) in zip(cfg.plan.stages, placed)]
+
+
+class ElasticHooks:
+    """What one process of an elastic launch does at step boundaries (module docstring).
+    Outside an elastic run (no ``H2JAX_ELASTIC_DIR``) every call does nothing."""
+
+    def __init__(self, cfg: Any, rank: int, stages: list[int]):
+        d = os.environ.get(ELASTIC_DIR_ENV)
+        self.dir = Path(d) if d else None
+        self.rank, self.stages = rank, list(stages)
+        self.faults: list[dict[str, Any]] = json.loads(os.environ.get(FAULTS_ENV) or "[]") if self.dir else []
+        self._nodes = stage_nodes(cfg) if any(f["kind"] == "node" for f in self.faults) else []
+        clock = json.loads(os.environ.get(CLOCK_ENV) or "null") if self.dir else None
+        self.t0, self.productive = (float(clock[0]), float(clock[1])) if clock else (None, 0.0)
+
+    def metrics(self) -> dict[str, float]:
+        """``goodput``: the productive step time over the wall time since the supervisor began."""
+        if self.t0 is None:
+            return {}
+        return {"goodput": self.productive / max(time.time() - self.t0, 1e-9)}
+
+    def before_step(self, step: int) -> None:
+        """Fire the faults of ``step`` that strike this process."""
+        for f in self.faults:
+            if f["step"] != step:
+                continue
+            if f["kind"] == "node":
+                hit = any(self._nodes[s] == (f["chip"], f["node"]) for s in self.stages)
+            else:
+                hit = f["rank"] == self.rank
+            if hit:
+                self._fire(f, step)
+
+    def _fire(self, fault: dict[str, Any], step: int) -> None:
+        record = {
+            **fault,
+            "fired_step": step,
+            "time": time.time(),
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "stages": self.stages,
+        }
+        write_record(self.dir / f"fault-{fault['id']}-rank{self.rank}.json", record)
+        os.kill(os.getpid(), signal.SIGSTOP if fault["kind"] == "stop" else signal.SIGKILL)
+
+    def after_step(self, step: int, step_time_s: float = 0.0) -> None:
+        """This process finished ``step`` (steps count from 0: ``step`` + 1 are done) in ``step_time_s``."""
+        self.productive += step_time_s
+        if self.dir is not None:
+            write_record(
+                self.dir / f"progress-{self.rank}.json", {"step": step, "time": time.time(), "pid": os.getpid()}
+            )
