@@ -244,6 +244,7 @@ def _train_elastic(args: argparse.Namespace, launch, console) -> int:
             hang_timeout_s=args.hang_timeout_s,
             faults=faults,
             init_from=args.init_from,
+            replan_stragglers=args.replan_stragglers,
         )
         return supervise(cfg, opts, console)
     except ConfigError as e:
@@ -302,7 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="--elastic, to rehearse: node:CHIP:NODE@STEP (that node dies), kill:RANK@STEP (kill -9 of one "
-        "process), stop:RANK@STEP (it stops responding); repeatable",
+        "process), stop:RANK@STEP (it stops responding), slow:STAGE:SECONDS@STEP (each fwd/bwd of the stage "
+        "takes SECONDS longer: a straggler); repeatable",
+    )
+    e.add_argument(
+        "--replan-stragglers",
+        action="store_true",
+        help="--elastic: when the job names a straggler stage, save, re-plan with its chip type priced at the "
+        "measured slowdown, and resume (default: the straggler is only reported)",
     )
     t.set_defaults(func=cmd_train)
     c = sub.add_parser("check-config", help="validate a config without touching any device")

@@ -59,7 +59,9 @@ from h2jax.runtime import (
 EVENTS = "events.jsonl"
 POLL_S = 0.1
 BACKOFF_CAP_S = 60.0
-_FAULT = re.compile(r"^(node):([^:@]+):(\d+)@(\d+)$|^(kill|stop):(\d+)@(\d+)$")
+_FAULT = re.compile(
+    r"^(node):([^:@]+):(\d+)@(\d+)$|^(kill|stop):(\d+)@(\d+)$|^(slow):(\d+):(\d+(?:\.\d*)?|\.\d+)@(\d+)$"
+)
 
 
 def parse_fault(spec: str, i: int) -> dict[str, Any]:
@@ -68,10 +70,19 @@ def parse_fault(spec: str, i: int) -> dict[str, Any]:
     if not m:
         raise ConfigError(
             "--inject-fault",
-            f"{spec!r}; expected node:CHIP:NODE@STEP, kill:RANK@STEP or stop:RANK@STEP (kinds {', '.join(FAULT_KINDS)})",
+            f"{spec!r}; expected node:CHIP:NODE@STEP, kill:RANK@STEP, stop:RANK@STEP or slow:STAGE:SECONDS@STEP "
+            f"(kinds {', '.join(FAULT_KINDS)})",
         )
     if m.group(1):
         return {"id": i, "kind": "node", "chip": m.group(2), "node": int(m.group(3)), "step": int(m.group(4))}
+    if m.group(8):
+        return {
+            "id": i,
+            "kind": "slow",
+            "stage": int(m.group(9)),
+            "delay_s": float(m.group(10)),
+            "step": int(m.group(11)),
+        }
     return {"id": i, "kind": m.group(5), "rank": int(m.group(6)), "step": int(m.group(7))}
 
 
@@ -88,6 +99,7 @@ class Options:
     startup_timeout_s: float = 600.0
     faults: list[dict[str, Any]] = field(default_factory=list)
     init_from: str | None = None
+    replan_stragglers: bool = False
 
 
 class Events:
@@ -106,19 +118,31 @@ class Events:
         return row
 
 
-def _cluster(cfg: Any, nodes: dict[str, int]) -> Any:
+def _cluster(cfg: Any, nodes: dict[str, int], slowdown: dict[str, float] | None = None) -> Any:
+    """The planner's cluster: ``cfg``'s chip types with ``nodes`` each, a chip type measured
+    ``slowdown`` times slower priced so (its peak and memory bandwidth divided by it)."""
+    import dataclasses
+
     from h2jax.plan import Cluster
 
-    return Cluster(tuple((p, nodes[n]) for n, p in cfg.cluster.chips.items() if nodes[n] > 0), name=cfg.name)
+    slow = slowdown or {}
+    chips = []
+    for n, p in cfg.cluster.chips.items():
+        if nodes[n] > 0:
+            k = slow.get(n, 1.0)
+            p = p if k == 1.0 else dataclasses.replace(p, peak_tflops=p.peak_tflops / k, mem_bw_gbps=p.mem_bw_gbps / k)
+            chips.append((p, nodes[n]))
+    return Cluster(tuple(chips), name=cfg.name)
 
 
-def replan(cfg: Any, nodes: dict[str, int]) -> tuple[Any, str]:
-    """(the planner's plan for ``cfg``'s model and global batch on the cluster of ``nodes``, or
-    None; its note). The options are ``h2jax plan``'s defaults."""
+def replan(cfg: Any, nodes: dict[str, int], slowdown: dict[str, float] | None = None) -> tuple[Any, str]:
+    """(the planner's plan for ``cfg``'s model and global batch on the cluster of ``nodes``
+    (``slowdown``: chip types measured slower), or None; its note). The options are ``h2jax
+    plan``'s defaults."""
     from h2jax.cli_plan import search_options
     from h2jax.plan import ModelShape, ProfileTable, search
 
-    cluster = _cluster(cfg, nodes)
+    cluster = _cluster(cfg, nodes, slowdown)
     if not cluster.chips:
         return None, "no node is left"
     res = search(
@@ -146,6 +170,8 @@ class Supervisor:
         self.pending = list(opts.faults)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.stop: str | None = None  # the stop signal the supervisor got (forwarded to the job)
+        self.slowdown: dict[str, float] = {}  # chip type -> measured slowdown (stragglers re-planned for)
+        self.straggler: dict[str, Any] | None = None  # the straggler the running launch was stopped for
         self._proc: subprocess.Popen | None = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -181,8 +207,9 @@ class Supervisor:
             plan = self.plan.to_dict()
             plan.pop("model", None)
             over.append("plan=" + json.dumps(plan))
-        if self.nodes != {n: c.nodes for n, c in self.cfg.cluster.chips.items()}:
-            over.append("cluster.chips=" + json.dumps(_cluster(self.cfg, self.nodes).to_config_chips()))
+        if self.slowdown or self.nodes != {n: c.nodes for n, c in self.cfg.cluster.chips.items()}:
+            cluster = _cluster(self.cfg, self.nodes, self.slowdown)
+            over.append("cluster.chips=" + json.dumps(cluster.to_config_chips()))
         argv = [sys.executable, "-m", "h2jax.cli", "train", *self.opts.config, *over, "--run-dir", str(self.run_dir)]
         if self.opts.init_from and self._committed() is None:
             argv += ["--init-from", self.opts.init_from]
@@ -200,6 +227,8 @@ class Supervisor:
         seen, its first step's progress record or None)."""
         for p in [*self.dir.glob("progress-*.json"), *self.dir.glob("lost-by-rank-*.json")]:
             p.unlink()  # the last launch's
+        (self.dir / "straggler.json").unlink(missing_ok=True)
+        self.straggler = None
         resume = self._committed() or 0
         kept = sum(r.get("step_time_s", 0.0) for r in _metrics(self.run_dir) if r["step"] < resume)
         env = {
@@ -227,13 +256,32 @@ class Supervisor:
                     seen[rec["pid"]] = rec["time"]
                     last_beat = max(last_beat, rec["time"])
                     first = first or rec
+            if self.straggler is None and (self.dir / "straggler.json").exists():
+                self._on_straggler(proc)
             limit = self.opts.startup_timeout_s if first is None else max(self.opts.hang_timeout_s, 10 * slowest)
-            if now - last_beat > limit and self.stop is None:  # a stop saves first: no step ends then
+            if (
+                now - last_beat > limit and self.stop is None and self.straggler is None
+            ):  # a stop saves first: no step ends then
                 why = f"no step finished for {now - last_beat:.0f} s (limit {limit:.0f} s): the job hangs"
                 self._kill(proc, seen)
                 rc = proc.wait()
                 break
         return rc, why, time.time(), first
+
+    def _on_straggler(self, proc: subprocess.Popen) -> None:
+        """The job named a straggler (h2jax.runtime._faults.Stragglers): an event; with
+        ``--replan-stragglers`` the job saves and stops, to be re-planned for the measured speed."""
+        try:
+            rec = json.loads((self.dir / "straggler.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        self.straggler = rec
+        act = self.opts.replan_stragglers
+        self.events.add("straggler", **{k: rec[k] for k in ("stage", "chip", "slowdown", "step")}, replan=act)
+        if act and proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1 if self.opts.launcher else signal.SIGTERM)
+        elif not act:
+            self.straggler = {**rec, "ignored": True}
 
     def _kill(self, proc: subprocess.Popen, seen: dict[int, float]) -> None:
         for pid in [*seen, None]:
@@ -273,20 +321,28 @@ class Supervisor:
                     step=first["step"],
                     restart_to_first_step_s=first["time"] - launch_t,
                 )
+            fired = [r for r in self._records("fault") if json.dumps(r, sort_keys=True) not in before]
+            ids = {r["id"] for r in fired}
+            self.pending = [f for f in self.pending if f["id"] not in ids]  # each fault fires once
+            progress = self._records("progress")
+            done = max((r["step"] + 1 for r in progress), default=None)
+            straggled = self.straggler is not None and not self.straggler.get("ignored")
+            if straggled and rc == 0 and why is None and (done or 0) < self.cfg.train.steps:
+                if self._replan_for_straggler(self.straggler):
+                    after_failure = self.events.rows[-1]
+                    attempt += 1
+                    continue
+                return self._give_up("the planner found no plan for the measured speeds")
             if rc == 0 and why is None:
                 break
             if rc == EXIT_CONFIG and why is None:
                 self.events.add("gave_up", why="a config error (exit 2): nothing to heal")
                 return EXIT_CONFIG
-            fired = [r for r in self._records("fault") if json.dumps(r, sort_keys=True) not in before]
-            ids = {r["id"] for r in fired}
-            self.pending = [f for f in self.pending if f["id"] not in ids]
-            progress = self._records("progress")
-            done = max((r["step"] + 1 for r in progress), default=None)
             committed = self._committed()
             resume = committed or 0
             redone = max(0, (done or resume) - resume)
             redone_total += redone
+            fired = [r for r in fired if r["kind"] != "slow"]  # a slow stage ended nothing
             lost = sorted({(r["chip"], r["node"]) for r in fired if r["kind"] == "node"})
             # processes a surviving peer saw gone (h2jax.launch.FailFast), besides those a fault named
             named = {r["pid"] for r in fired}
@@ -349,6 +405,33 @@ class Supervisor:
             after_failure = failure
             attempt += 1
         return self._finish(t_start, restarts, redone_total)
+
+    def _replan_for_straggler(self, rec: dict[str, Any]) -> bool:
+        """Re-plan with ``rec``'s chip type priced at its measured slowdown; False: no plan."""
+        chip = rec["chip"]
+        self.slowdown[chip] = self.slowdown.get(chip, 1.0) * float(rec["slowdown"])
+        t = time.perf_counter()
+        plan, note = replan(self.cfg, self.nodes, self.slowdown)
+        replan_s = time.perf_counter() - t
+        self.events.add(
+            "replan",
+            replan_s=replan_s,
+            nodes=dict(self.nodes),
+            slowdown=dict(self.slowdown),
+            plan=None if plan is None else plan.to_dict(),
+            note=note,
+        )
+        if plan is None:
+            return False
+        self.plan, self.replanned = plan, True
+        self._check_placement()
+        self.console.print(
+            f"[bold]h2jax elastic:[/] re-planned for {chip} at 1/{self.slowdown[chip]:.1f} of its speed in "
+            f"{replan_s:.2f} s: {plan.num_stages} stages, {plan.schedule}, layers "
+            + ", ".join(f"{s.chip} {s.layers[0]}-{s.layers[1] - 1}" for s in plan.stages),
+            highlight=False,
+        )
+        return True
 
     def _check_placement(self) -> None:
         """The new plan places (h2jax.plan.assign_devices): what the child's config check will do."""

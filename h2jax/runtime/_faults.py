@@ -16,7 +16,15 @@ The supervisor starts each launch of the job with two variables:
   ...}``: ``node`` (``chip``, ``node``: every process with a stage on that node of that
   chip type SIGKILLs itself, and the supervisor takes the node out of the cluster),
   ``kill`` (``rank``: that process SIGKILLs itself; its node stays) and ``stop``
-  (``rank``: that process SIGSTOPs itself, a hang the others and the supervisor detect).
+  (``rank``: that process SIGSTOPs itself, a hang the others and the supervisor detect) and
+  ``slow`` (``stage``, ``delay_s``: from its step on, each forward and backward of that
+  stage takes ``delay_s`` longer: a straggler).
+
+Stragglers are detected in the job (:class:`Stragglers`, on the process that writes the
+metrics, from the timeline's per-stage busy time; ``train.timeline`` must be on): a stage
+whose busy time per step stays at STRAGGLER_RATIO times its own earlier median or more, and
+as much above the other stages' (against theirs), for STRAGGLER_STEPS logged steps is named, with its chip type and the slowdown, in one line, a
+``straggler_stage`` metric, and (elastic) ``straggler.json``, which the supervisor may act on.
 
 A fault fires at the start of its step, before any of that step's work. SIGKILL and SIGSTOP
 cannot be caught: nothing after the record runs, as in a real failure. The checkpoint's
@@ -36,7 +44,10 @@ from typing import Any
 from h2jax.launch import ELASTIC_DIR_ENV
 
 FAULTS_ENV = "H2JAX_FAULTS"
-FAULT_KINDS = ("node", "kill", "stop")
+FAULT_KINDS = ("node", "kill", "stop", "slow")
+STRAGGLER_RATIO = 2.0  # busy time over the stage's own baseline that makes it a straggler
+STRAGGLER_STEPS = 3  # consecutive logged steps at that ratio
+BASELINE_STEPS = 3  # logged steps (after the first, which compiles) that set each stage's baseline
 CLOCK_ENV = "H2JAX_ELASTIC_CLOCK"
 
 
@@ -80,10 +91,18 @@ class ElasticHooks:
             return {}
         return {"goodput": self.productive / max(time.time() - self.t0, 1e-9)}
 
-    def before_step(self, step: int) -> None:
-        """Fire the faults of ``step`` that strike this process."""
+    def before_step(self, step: int, runners: list[Any] = ()) -> None:
+        """Fire the faults of ``step`` that strike this process (a ``slow`` one slows its stage's
+        runner from then on)."""
         for f in self.faults:
             if f["step"] != step:
+                continue
+            if f["kind"] == "slow":
+                for r in runners:
+                    if r.stage_idx == f["stage"]:
+                        r.delay_s = float(f["delay_s"])
+                        rec = {**f, "fired_step": step, "time": time.time(), "rank": self.rank, "pid": os.getpid()}
+                        write_record(self.dir / f"fault-{f['id']}-rank{self.rank}.json", rec)
                 continue
             if f["kind"] == "node":
                 hit = any(self._nodes[s] == (f["chip"], f["node"]) for s in self.stages)
@@ -112,3 +131,52 @@ class ElasticHooks:
             write_record(
                 self.dir / f"progress-{self.rank}.json", {"step": step, "time": time.time(), "pid": os.getpid()}
             )
+
+
+class Stragglers:
+    """Per-stage busy time per step (the timeline's fwd/bwd events), against each stage's own
+    baseline (the median of its first BASELINE_STEPS logged steps after the first): a stage at
+    STRAGGLER_RATIO or more for STRAGGLER_STEPS logged steps in a row is a straggler, said once."""
+
+    def __init__(self, cfg: Any, elastic_dir: Path | None):
+        self.chips = [st.chip for st in cfg.plan.stages]
+        self.dir = elastic_dir
+        self.busy: dict[int, list[float]] = {s: [] for s in range(len(self.chips))}
+        self.high: dict[int, int] = {}
+        self.named: dict[str, Any] | None = None
+
+    def observe(self, step: int, events: list[Any] | None) -> str | None:
+        """Take ``step``'s events (every stage's); returns the line naming a new straggler, else None."""
+        if not events or self.named is not None:
+            return None
+        busy = {s: 0.0 for s in self.busy}
+        for e in events:
+            if e.kind in ("fwd", "bwd") and e.stage in busy:
+                busy[e.stage] += e.dur_us / 1e6
+        ratios = {}
+        for s, b in busy.items():
+            hist = self.busy[s]
+            hist.append(b)
+            base = sorted(hist[1 : 1 + BASELINE_STEPS])
+            if len(hist) > 1 + BASELINE_STEPS and base and base[len(base) // 2] > 0:
+                ratios[s] = b / base[len(base) // 2]
+        for s, r in ratios.items():
+            # slower than its own baseline, and than the other stages are against theirs (a host
+            # that slows down as a whole slows every stage: no one of them is the straggler)
+            others = sorted(v for k, v in ratios.items() if k != s)
+            rel = r / others[len(others) // 2] if others else r
+            self.high[s] = self.high.get(s, 0) + 1 if min(r, rel) >= STRAGGLER_RATIO else 0
+        slow = [s for s, n in self.high.items() if n >= STRAGGLER_STEPS]
+        if not slow:
+            return None
+        s = max(slow, key=lambda k: ratios[k])
+        self.named = {"stage": s, "chip": self.chips[s], "slowdown": ratios[s], "step": step, "time": time.time()}
+        if self.dir is not None:
+            write_record(self.dir / "straggler.json", self.named)
+        return (
+            f"straggler: stage {s} ({self.chips[s]}) has taken {ratios[s]:.1f}x its usual busy time for "
+            f"{STRAGGLER_STEPS} steps (step {step})"
+        )
+
+    def metrics(self) -> dict[str, Any]:
+        return {} if self.named is None else {"straggler_stage": self.named["stage"]}

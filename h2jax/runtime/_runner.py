@@ -130,6 +130,7 @@ class StageRunner:
         if bad:
             raise ValueError(f"stage {self.stage_idx}: tasks of chunks {bad}, the stage has {len(self.programs)}")
         self.dloss = dloss  # d(mean over microbatches)/d(one microbatch's loss), on the last position's stage
+        self.delay_s = 0.0  # an injected straggler (h2jax.runtime._faults): each fwd / bwd takes this much longer
         self.timeline = timeline if record else None
         self.watcher = Watcher(timeline, self.stage_idx, self.program.spec.chip) if self.timeline is not None else None
         self.step = 0
@@ -205,6 +206,8 @@ class StageRunner:
                     else:
                         x = ch.recv(FWD, m, after=last)
                     t0 = time.perf_counter()
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
                     y, residuals = st.forward(m, x, tgt, split=self.split, step=step, **seg)
                     if not self._evaluating:  # an evaluation keeps nothing for a backward
                         saved[(c, m)] = residuals
@@ -224,6 +227,8 @@ class StageRunner:
                     else:
                         dy = ch.recv(BWD, m, after=last)
                     t0 = time.perf_counter()
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
                     if self.split:
                         dx, kept[(c, m)] = st.input_backward(m, saved.pop((c, m)), tgt, dy, step=step, **seg)
                     else:

@@ -43,7 +43,7 @@ from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftov
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
 from h2jax.models import build_model, check_calls, check_stageable
-from h2jax.runtime._faults import ElasticHooks
+from h2jax.runtime._faults import ElasticHooks, Stragglers
 from h2jax.runtime._feed import DataFeed, place_ends, place_segments, place_weights, step_loss
 from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
 from h2jax.runtime._memory import check_memory
@@ -153,6 +153,7 @@ class Trainer:
         self.tx, self.lr_schedule = make_optimizer(cfg)
         self.local = w.local_stages
         self.elastic = ElasticHooks(cfg, w.rank, list(w.local_stages))  # under --elastic: faults, records
+        self.stragglers = Stragglers(cfg, self.elastic.dir)
         wiring = wire(cfg, model, w, self.schedule, tx=self.tx, chunked=chunked, hub=hub)
         self.stages, self.runners, self.tied = wiring.stages, wiring.runners, wiring.tied
         self.boundaries, self.labels, self.backends = wiring.boundaries, wiring.labels, wiring.backends
@@ -310,6 +311,11 @@ class Trainer:
         m["data_wait_fraction"] = self.feed.wait_s / stats.step_time_s if stats.step_time_s > 0 else 0.0
         m.update(self.feed.metrics(stats.step))  # where the step's sequences start, and their epoch
         m.update(self.elastic.metrics())  # under --elastic: the goodput so far
+        if events is not None:  # the writer: every stage's busy time, against its own baseline
+            line = self.stragglers.observe(stats.step, events)
+            if line:
+                self.console.print(f"[bold yellow]h2jax: {line}[/]", highlight=False)
+            m.update(self.stragglers.metrics())
         return m
 
     # -- the loop ------------------------------------------------------------------------------
@@ -352,7 +358,7 @@ class Trainer:
         elastic = self.elastic
         try:
             while self.step < steps:
-                elastic.before_step(self.step)
+                elastic.before_step(self.step, self.runners)
                 stats = self.train_step()
                 elastic.after_step(stats.step, stats.step_time_s)
                 history.append(stats)

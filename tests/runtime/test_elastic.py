@@ -147,3 +147,24 @@ def test_kill_9_of_random_ranks_at_random_steps_keeps_every_step_once(tmp_path):
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+
+
+@pytest.mark.slow
+def test_a_straggler_is_named_per_chip_type_and_replanned_for_its_measured_speed(tmp_path):
+    (tmp_path / "el.yaml").write_text(EL)
+    args = ["el.yaml", *QUIET, "train.timeline=true", "train.steps=12", "--elastic", *FAST, "--replan-stragglers"]
+    r = train_cli([*args, "--inject-fault", "slow:2:0.05@4"], tmp_path)  # stage 2 (sim_b): +50 ms a fwd / bwd
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "h2jax: straggler: stage 2 (sim_b) has taken" in r.stderr
+    run = tmp_path / "runs" / "el"
+    ev = _events(run)
+    straggler = next(e for e in ev if e["event"] == "straggler")
+    assert (straggler["stage"], straggler["chip"], straggler["replan"]) == (2, "sim_b", True)
+    assert straggler["slowdown"] >= 2 and straggler["step"] >= 4 + 2  # three slow steps seen
+    replan = next(e for e in ev if e["event"] == "replan")
+    assert replan["slowdown"]["sim_b"] == straggler["slowdown"] and replan["nodes"] == {"sim_a": 2, "sim_b": 2}
+    stages = replan["plan"]["stages"]
+    on_b = sum(b - a for st in stages if st["chip"] == "sim_b" for a, b in st.get("chunks") or [st["layers"]])
+    assert on_b < 2  # the slow chip type now holds fewer of the 3 layers than its 2
+    assert not any(e["event"] == "failure" for e in ev)  # a save and a relaunch, nothing lost
+    assert [row["step"] for row in read_metrics(run / "metrics.jsonl")] == list(range(12))
