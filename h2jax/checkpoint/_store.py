@@ -377,6 +377,7 @@ class CheckpointStore:
         self.lead = lead and self.keeper
         self._mgr: ocp.CheckpointManager | None = None
         self._pending: int | None = None  # a step saved but not yet committed
+        self._stale = False  # steps were deleted while a save was in flight: reload before the next
         self._committed_here: dict[int, int] = {}  # step -> order of its (last) commit by this writer
         self._commits = 0
         self._readers: dict[str, ocp.CheckpointManager] = {}
@@ -546,9 +547,11 @@ class CheckpointStore:
         # each printing that traceback from its thread: the failure is reported once, by the job
         _DropClosedLoopTracebacks.install()
         mgr = self._manager()
-        # orbax caches the step list: steps deleted since (retention, a re-save; the keeper's own
-        # delete() of a step it saves again, while an earlier async save was still in flight)
-        mgr.reload()
+        if not self.keeper or self._stale:
+            # orbax caches the step list: steps deleted since (the keeper: retention, a re-save; the
+            # keeper's own delete() of a step it saves again while an earlier save was in flight)
+            mgr.reload()
+            self._stale = False
         # one synchronous save at a time per process: two orbax managers finalising at once in one
         # process (simulated ranks on threads) race on their temporary directories
         with _SYNC_SAVES if not self.async_save else contextlib.nullcontext():
@@ -629,6 +632,8 @@ class CheckpointStore:
             _rmdir_if_empty(d)
         if self._mgr is not None and self._pending is None:
             self._mgr.reload()  # orbax caches the step list
+        elif self._mgr is not None:
+            self._stale = True  # a save is in flight: save() reloads once it has committed
 
     def clear(self, step: int) -> bool:
         """Before saving ``step`` again (a run resumed from an earlier step reaches it): remove

@@ -281,7 +281,13 @@ class Head(nnx.Module):
     def __call__(self, h: jax.Array, targets: jax.Array) -> jax.Array:
         real = targets >= 0
         losses = optax.softmax_cross_entropy_with_integer_labels(self.logits(h), jnp.where(real, targets, 0))
-        return jnp.sum(jnp.where(real, losses, 0.0)) / jnp.maximum(jnp.sum(real), 1)
+        # the loss and the count of real targets in one reduction, after the losses: a reduction
+        # of the targets alone could be scheduled anywhere in a stage program, and across the
+        # processes of a data-parallel stage (one process per device) its collective then meets
+        # the program's blocking transfers in another order on each process (a hang, measured)
+        both = jnp.stack([jnp.where(real, losses, 0.0), real.astype(losses.dtype)])
+        total, count = jnp.sum(both, axis=tuple(range(1, both.ndim)))
+        return total / jnp.maximum(count, 1.0)
 
 
 class GPT(nnx.Module):
