@@ -251,6 +251,19 @@ def _train_elastic(args: argparse.Namespace, launch, console) -> int:
         return fail("config error", str(e), console=console)
 
 
+def cmd_admit(args: argparse.Namespace) -> int:
+    """``h2jax admit RUN CHIP``: the supervisor takes the nodes in at the job's next step
+    boundary (a save, a re-plan, a relaunch; h2jax.elastic)."""
+    from h2jax.elastic import request_admit
+
+    try:
+        where = request_admit(Path(args.run_dir), args.chip, args.nodes)
+    except ValueError as e:
+        return fail("admit", str(e))
+    print(f"asked the supervisor of {args.run_dir} to admit {args.nodes} {args.chip} node(s): {where}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="h2jax", description="Train one model across chip types of different vendors.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -313,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
         "measured slowdown, and resume (default: the straggler is only reported)",
     )
     t.set_defaults(func=cmd_train)
+    a = sub.add_parser("admit", help="tell the supervisor of an elastic run (train --elastic) that nodes are back")
+    a.add_argument("run_dir", help="the run folder of the elastic run")
+    a.add_argument("chip", help="the chip type whose nodes are back")
+    a.add_argument("--nodes", type=int, default=1, help="how many nodes of it (default 1)")
+    a.set_defaults(func=cmd_admit)
     c = sub.add_parser("check-config", help="validate a config without touching any device")
     c.add_argument("config", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     c.add_argument("--print", action="store_true", help="print the resolved config")

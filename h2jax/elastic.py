@@ -61,6 +61,7 @@ POLL_S = 0.1
 BACKOFF_CAP_S = 60.0
 _FAULT = re.compile(
     r"^(node):([^:@]+):(\d+)@(\d+)$|^(kill|stop):(\d+)@(\d+)$|^(slow):(\d+):(\d+(?:\.\d*)?|\.\d+)@(\d+)$"
+    r"|^(back):([^:@]+)@(\d+)$"
 )
 
 
@@ -70,11 +71,14 @@ def parse_fault(spec: str, i: int) -> dict[str, Any]:
     if not m:
         raise ConfigError(
             "--inject-fault",
-            f"{spec!r}; expected node:CHIP:NODE@STEP, kill:RANK@STEP, stop:RANK@STEP or slow:STAGE:SECONDS@STEP "
+            f"{spec!r}; expected node:CHIP:NODE@STEP, kill:RANK@STEP, stop:RANK@STEP, slow:STAGE:SECONDS@STEP or "
+            "back:CHIP@STEP "
             f"(kinds {', '.join(FAULT_KINDS)})",
         )
     if m.group(1):
         return {"id": i, "kind": "node", "chip": m.group(2), "node": int(m.group(3)), "step": int(m.group(4))}
+    if m.group(12):
+        return {"id": i, "kind": "back", "chip": m.group(13), "step": int(m.group(14))}
     if m.group(8):
         return {
             "id": i,
@@ -172,6 +176,7 @@ class Supervisor:
         self.stop: str | None = None  # the stop signal the supervisor got (forwarded to the job)
         self.slowdown: dict[str, float] = {}  # chip type -> measured slowdown (stragglers re-planned for)
         self.straggler: dict[str, Any] | None = None  # the straggler the running launch was stopped for
+        self.admit: dict[str, Any] | None = None  # nodes back, the running launch was stopped to take in
         self._proc: subprocess.Popen | None = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -229,6 +234,7 @@ class Supervisor:
             p.unlink()  # the last launch's
         (self.dir / "straggler.json").unlink(missing_ok=True)
         self.straggler = None
+        self.admit = None
         resume = self._committed() or 0
         kept = sum(r.get("step_time_s", 0.0) for r in _metrics(self.run_dir) if r["step"] < resume)
         env = {
@@ -258,9 +264,11 @@ class Supervisor:
                     first = first or rec
             if self.straggler is None and (self.dir / "straggler.json").exists():
                 self._on_straggler(proc)
+            if self.admit is None and first is not None:
+                self._on_admit(proc)
             limit = self.opts.startup_timeout_s if first is None else max(self.opts.hang_timeout_s, 10 * slowest)
             if (
-                now - last_beat > limit and self.stop is None and self.straggler is None
+                now - last_beat > limit and self.stop is None and self.straggler is None and self.admit is None
             ):  # a stop saves first: no step ends then
                 why = f"no step finished for {now - last_beat:.0f} s (limit {limit:.0f} s): the job hangs"
                 self._kill(proc, seen)
@@ -282,6 +290,25 @@ class Supervisor:
             proc.send_signal(signal.SIGUSR1 if self.opts.launcher else signal.SIGTERM)
         elif not act:
             self.straggler = {**rec, "ignored": True}
+
+    def _on_admit(self, proc: subprocess.Popen) -> None:
+        """Nodes came back (``h2jax admit``, or a rehearsed ``back`` fault): the job saves and
+        stops at its next step boundary, to be re-planned with them."""
+        for path in sorted(self.dir.glob("admit-*.json")):
+            try:
+                rec = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            os.replace(path, path.with_suffix(".taken"))
+            chip, n = rec.get("chip"), int(rec.get("nodes", 1))
+            if chip not in self.nodes or n < 1:
+                self.console.print(f"[yellow]h2jax elastic: ignored {path.name}: chip {chip!r}, nodes {n}[/]")
+                continue
+            self.admit = {"chip": chip, "nodes": n}
+            self.events.add("admit", chip=chip, nodes=n)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1 if self.opts.launcher else signal.SIGTERM)
+            return
 
     def _kill(self, proc: subprocess.Popen, seen: dict[int, float]) -> None:
         for pid in [*seen, None]:
@@ -327,12 +354,19 @@ class Supervisor:
             progress = self._records("progress")
             done = max((r["step"] + 1 for r in progress), default=None)
             straggled = self.straggler is not None and not self.straggler.get("ignored")
-            if straggled and rc == 0 and why is None and (done or 0) < self.cfg.train.steps:
-                if self._replan_for_straggler(self.straggler):
+            if (straggled or self.admit) and rc == 0 and why is None and (done or 0) < self.cfg.train.steps:
+                if straggled:
+                    chip = self.straggler["chip"]
+                    self.slowdown[chip] = self.slowdown.get(chip, 1.0) * float(self.straggler["slowdown"])
+                    what = f"for {chip} at 1/{self.slowdown[chip]:.1f} of its speed"
+                else:
+                    self.nodes[self.admit["chip"]] += self.admit["nodes"]
+                    what = f"onto {_nodes_text(self.nodes)} (nodes back)"
+                if self._replan_now(what):
                     after_failure = self.events.rows[-1]
                     attempt += 1
                     continue
-                return self._give_up("the planner found no plan for the measured speeds")
+                return self._give_up(f"the planner found no plan {what}")
             if rc == 0 and why is None:
                 break
             if rc == EXIT_CONFIG and why is None:
@@ -342,7 +376,7 @@ class Supervisor:
             resume = committed or 0
             redone = max(0, (done or resume) - resume)
             redone_total += redone
-            fired = [r for r in fired if r["kind"] != "slow"]  # a slow stage ended nothing
+            fired = [r for r in fired if r["kind"] not in ("slow", "back")]  # these ended nothing
             lost = sorted({(r["chip"], r["node"]) for r in fired if r["kind"] == "node"})
             # processes a surviving peer saw gone (h2jax.launch.FailFast), besides those a fault named
             named = {r["pid"] for r in fired}
@@ -382,23 +416,11 @@ class Supervisor:
             if lost:
                 for chip, _ in lost:
                     self.nodes[chip] -= 1
-                t = time.perf_counter()
-                plan, note = replan(self.cfg, self.nodes)
-                replan_s = time.perf_counter() - t
-                if plan is None:
-                    self.events.add("replan", replan_s=replan_s, nodes=dict(self.nodes), plan=None, note=note)
+                if not self._replan_now(f"onto {_nodes_text(self.nodes)}"):
                     return self._give_up(
                         f"the surviving chips ({_nodes_text(self.nodes)}) cannot hold the model at global batch "
-                        f"{self.cfg.plan.global_batch}: the planner found no plan ({note})"
+                        f"{self.cfg.plan.global_batch}: the planner found no plan ({self.events.rows[-1]['note']})"
                     )
-                self.plan, self.replanned = plan, True
-                self.events.add("replan", replan_s=replan_s, nodes=dict(self.nodes), plan=plan.to_dict())
-                self._check_placement()
-                self.console.print(
-                    f"[bold]h2jax elastic:[/] re-planned onto {_nodes_text(self.nodes)} in {replan_s:.2f} s: "
-                    f"{plan.num_stages} stages, {plan.schedule}, {plan.num_microbatches} microbatches",
-                    highlight=False,
-                )
             time.sleep(min(self.opts.backoff_s * 2 ** (restarts - 1), BACKOFF_CAP_S))
             if self.stop is not None:  # during the back-off: nothing runs, nothing to save
                 return self._give_up(f"stopped by {self.stop} before relaunching", code=EXIT_INTERRUPTED)
@@ -406,10 +428,8 @@ class Supervisor:
             attempt += 1
         return self._finish(t_start, restarts, redone_total)
 
-    def _replan_for_straggler(self, rec: dict[str, Any]) -> bool:
-        """Re-plan with ``rec``'s chip type priced at its measured slowdown; False: no plan."""
-        chip = rec["chip"]
-        self.slowdown[chip] = self.slowdown.get(chip, 1.0) * float(rec["slowdown"])
+    def _replan_now(self, what: str) -> bool:
+        """Re-plan for the current nodes and measured speeds (a straggler, nodes back); False: no plan."""
         t = time.perf_counter()
         plan, note = replan(self.cfg, self.nodes, self.slowdown)
         replan_s = time.perf_counter() - t
@@ -426,9 +446,8 @@ class Supervisor:
         self.plan, self.replanned = plan, True
         self._check_placement()
         self.console.print(
-            f"[bold]h2jax elastic:[/] re-planned for {chip} at 1/{self.slowdown[chip]:.1f} of its speed in "
-            f"{replan_s:.2f} s: {plan.num_stages} stages, {plan.schedule}, layers "
-            + ", ".join(f"{s.chip} {s.layers[0]}-{s.layers[1] - 1}" for s in plan.stages),
+            f"[bold]h2jax elastic:[/] re-planned {what} in {replan_s:.2f} s: {plan.num_stages} stages, "
+            f"{plan.schedule}, layers " + ", ".join(f"{s.chip} {s.layers[0]}-{s.layers[1] - 1}" for s in plan.stages),
             highlight=False,
         )
         return True
@@ -513,3 +532,29 @@ def supervise(cfg: Any, opts: Options, console: Any) -> int:
                 "--inject-fault", f"chip {f['chip']!r} is not in the cluster ({', '.join(cfg.cluster.chips)})"
             )
     return Supervisor(cfg, opts, console).run()
+
+
+def request_admit(run_dir: Path, chip: str, nodes: int) -> str:
+    """Leave the record that tells the supervisor of ``run_dir`` that ``nodes`` nodes of ``chip``
+    are back; returns its path. ValueError when no supervisor runs there or the input is bad."""
+    import fcntl
+
+    lock_path = run_dir / "elastic" / "supervisor.lock"
+    if nodes < 1:
+        raise ValueError(f"--nodes: {nodes}; expected >= 1")
+    if not lock_path.exists():
+        raise ValueError(
+            f"{run_dir}: no elastic run here (no elastic/supervisor.lock); expected `h2jax train --elastic`"
+        )
+    fd = os.open(lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        raise ValueError(f"{run_dir}: its supervisor is not running; add the nodes to cluster.chips and train again")
+    except BlockingIOError:
+        pass  # held: a supervisor runs
+    finally:
+        os.close(fd)
+    path = run_dir / "elastic" / f"admit-{time.time_ns()}.json"
+    write_record(path, {"chip": chip, "nodes": nodes, "time": time.time()})
+    return str(path)

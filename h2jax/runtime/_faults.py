@@ -18,7 +18,8 @@ The supervisor starts each launch of the job with two variables:
   ``kill`` (``rank``: that process SIGKILLs itself; its node stays) and ``stop``
   (``rank``: that process SIGSTOPs itself, a hang the others and the supervisor detect) and
   ``slow`` (``stage``, ``delay_s``: from its step on, each forward and backward of that
-  stage takes ``delay_s`` longer: a straggler).
+  stage takes ``delay_s`` longer: a straggler) and ``back`` (``chip``: a node of that chip
+  type comes back; rank 0 writes the ``admit-*.json`` record ``h2jax admit`` writes).
 
 Stragglers are detected in the job (:class:`Stragglers`, on the process that writes the
 metrics, from the timeline's per-stage busy time; ``train.timeline`` must be on): a stage
@@ -44,7 +45,7 @@ from typing import Any
 from h2jax.launch import ELASTIC_DIR_ENV
 
 FAULTS_ENV = "H2JAX_FAULTS"
-FAULT_KINDS = ("node", "kill", "stop", "slow")
+FAULT_KINDS = ("node", "kill", "stop", "slow", "back")
 STRAGGLER_RATIO = 2.0  # busy time over the stage's own baseline that makes it a straggler
 STRAGGLER_STEPS = 3  # consecutive logged steps at that ratio
 BASELINE_STEPS = 3  # logged steps (after the first, which compiles) that set each stage's baseline
@@ -96,6 +97,12 @@ class ElasticHooks:
         runner from then on)."""
         for f in self.faults:
             if f["step"] != step:
+                continue
+            if f["kind"] == "back":  # a node of that chip type is back: rank 0 tells the supervisor
+                if self.rank == 0:
+                    now = time.time()
+                    write_record(self.dir / f"admit-fault{f['id']}.json", {"chip": f["chip"], "nodes": 1, "time": now})
+                    write_record(self.dir / f"fault-{f['id']}-rank0.json", {**f, "fired_step": step, "time": now})
                 continue
             if f["kind"] == "slow":
                 for r in runners:

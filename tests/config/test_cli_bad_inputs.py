@@ -290,7 +290,7 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
     "train_elastic_bad_fault": (
         "train",
         ["--elastic", "--inject-fault", "node:sim_b@1"],
-        ["--inject-fault: 'node:sim_b@1'; expected node:CHIP:NODE@STEP, kill:RANK@STEP or stop:RANK@STEP"],
+        ["--inject-fault: 'node:sim_b@1'; expected node:CHIP:NODE@STEP, kill:RANK@STEP, stop:RANK@STEP"],
     ),
     "train_tokenizer_vocab": (
         "train",

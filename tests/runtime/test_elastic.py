@@ -168,3 +168,27 @@ def test_a_straggler_is_named_per_chip_type_and_replanned_for_its_measured_speed
     assert on_b < 2  # the slow chip type now holds fewer of the 3 layers than its 2
     assert not any(e["event"] == "failure" for e in ev)  # a save and a relaunch, nothing lost
     assert [row["step"] for row in read_metrics(run / "metrics.jsonl")] == list(range(12))
+
+
+@pytest.mark.slow
+def test_a_node_that_comes_back_is_admitted_at_a_step_boundary(tmp_path):
+    (tmp_path / "el.yaml").write_text(EL)
+    faults = ["--inject-fault", "node:sim_b:1@3", "--inject-fault", "back:sim_b@6"]
+    r = train_cli(["el.yaml", *QUIET, "train.steps=10", "--elastic", *FAST, *faults], tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    run = tmp_path / "runs" / "el"
+    ev = _events(run)
+    assert [e["event"] for e in ev if e["event"] in ("failure", "admit", "replan")] == [
+        "failure",
+        "replan",
+        "admit",
+        "replan",
+    ]
+    replans = [e for e in ev if e["event"] == "replan"]
+    assert replans[0]["nodes"] == {"sim_a": 2, "sim_b": 1} and replans[1]["nodes"] == {"sim_a": 2, "sim_b": 2}
+    assert sum(e["event"] == "failure" for e in ev) == 1  # taking a node in is a save and a relaunch
+    assert [row["step"] for row in read_metrics(run / "metrics.jsonl")] == list(range(10))
+    from tests._harness import run_cli
+
+    refused = run_cli(["admit", str(run), "sim_b"], tmp_path)  # the supervisor is gone: one line
+    assert refused.returncode == 2 and "its supervisor is not running" in refused.stderr
