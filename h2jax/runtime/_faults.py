@@ -1,7 +1,7 @@
 """The training side of an elastic run (h2jax.elastic): injected faults, and the records the
 supervisor reads.
 
-The supervisor starts each launch of the job with two variables:
+The supervisor starts each launch of the job with three variables:
 
 - ``H2JAX_ELASTIC_DIR``: the folder (``<run>/elastic``) where a process of the job leaves
   what the supervisor needs to know, as files it writes whole (``os.replace``): a record of
@@ -15,8 +15,8 @@ The supervisor starts each launch of the job with two variables:
 - ``H2JAX_FAULTS``: the faults still to inject, a JSON list of ``{"id", "kind", "step",
   ...}``: ``node`` (``chip``, ``node``: every process with a stage on that node of that
   chip type SIGKILLs itself, and the supervisor takes the node out of the cluster),
-  ``kill`` (``rank``: that process SIGKILLs itself; its node stays) and ``stop``
-  (``rank``: that process SIGSTOPs itself, a hang the others and the supervisor detect) and
+  ``kill`` (``rank``: that process SIGKILLs itself; its node stays), ``stop`` (``rank``:
+  that process SIGSTOPs itself, a hang the others and the supervisor detect),
   ``slow`` (``stage``, ``delay_s``: from its step on, each forward and backward of that
   stage takes ``delay_s`` longer: a straggler) and ``back`` (``chip``: a node of that chip
   type comes back; rank 0 writes the ``admit-*.json`` record ``h2jax admit`` writes).
@@ -24,8 +24,8 @@ The supervisor starts each launch of the job with two variables:
 Stragglers are detected in the job (:class:`Stragglers`, on the process that writes the
 metrics, from the timeline's per-stage busy time; ``train.timeline`` must be on): a stage
 whose busy time per step stays at STRAGGLER_RATIO times its own earlier median or more, and
-as much above the other stages' (against theirs), for STRAGGLER_STEPS logged steps is named, with its chip type and the slowdown, in one line, a
-``straggler_stage`` metric, and (elastic) ``straggler.json``, which the supervisor may act on.
+as much above the other stages' (against theirs), for STRAGGLER_STEPS logged steps is named,
+with its chip type and the slowdown, in one line, a ``straggler_stage`` metric, and (elastic) ``straggler.json``, which the supervisor may act on.
 
 A fault fires at the start of its step, before any of that step's work. SIGKILL and SIGSTOP
 cannot be caught: nothing after the record runs, as in a real failure. The checkpoint's
