@@ -1,4 +1,4 @@
-"""``h2jax`` command line: train | check-config | plan | simulate | profile | align | convert | tokenize.
+"""``h2jax`` command line: train | admit | check-config | plan | simulate | profile | align | convert | tokenize | data.
 
 ``h2jax train`` resumes from the latest committed checkpoint of its run when there is one
 (``--restore-step N`` picks another, ``--init-from DIR`` starts from another run's
