@@ -151,7 +151,12 @@ def test_profiler_rounds_accumulate_and_the_statistic_is_chosen():
         # the transfer is one timed call (no fit): its lower quartile is at most its median,
         # and both come from the same five rounds
         assert 0 < low[key][TRANSFER].fwd_s <= med[key][TRANSFER].fwd_s
-        assert med[key]["block"].fwd_s > 0 and not med[key]["block"].estimated
+        assert not med[key]["block"].estimated
+        # a tiny block on a loaded host may fit to no forward time at all; then the profiler
+        # must say so (profile_chip adds rounds on it and refuses if it stays)
+        t, b = key
+        said = [u for u in prof.unsure("median") if u.startswith(f"tensor {t}, microbatch {b}: a block's forward")]
+        assert (med[key]["block"].fwd_s > 0) != bool(said), (med[key]["block"], said)
     with pytest.raises(ValueError, match="statistic='p90'"):
         prof.rows("p90")
 
