@@ -51,6 +51,7 @@ from h2jax.runtime import (
     ELASTIC_DIR_ENV,
     FAULT_KINDS,
     FAULTS_ENV,
+    RESUME_ENV,
     read_metrics,
     stage_nodes,
     write_record,
@@ -177,6 +178,7 @@ class Supervisor:
         self.slowdown: dict[str, float] = {}  # chip type -> measured slowdown (stragglers re-planned for)
         self.straggler: dict[str, Any] | None = None  # the straggler the running launch was stopped for
         self.admit: dict[str, Any] | None = None  # nodes back, the running launch was stopped to take in
+        self.resumed: str | None = None  # why the next launch resumes (its trace marks it)
         self._proc: subprocess.Popen | None = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -243,8 +245,11 @@ class Supervisor:
             FAULTS_ENV: json.dumps(self.pending),
             CLOCK_ENV: json.dumps([self.t_start, kept]),
         }
-        argv = self.command(attempt)
+        env.pop(RESUME_ENV, None)
         t0 = time.time()
+        if self.resumed:  # the job marks the boundary in its trace and Gantt
+            env[RESUME_ENV] = json.dumps({"attempt": attempt, "after": self.resumed, "step": resume, "launched": t0})
+        argv = self.command(attempt)
         self.events.add(
             "launch", attempt=attempt, plan=self.plan.to_dict(), nodes=dict(self.nodes), command=shlex.join(argv)
         )
@@ -364,6 +369,7 @@ class Supervisor:
                     what = f"onto {_nodes_text(self.nodes)} (nodes back)"
                 if self._replan_now(what):
                     after_failure = self.events.rows[-1]
+                    self.resumed = f"a re-plan {what}"
                     attempt += 1
                     continue
                 return self._give_up(f"the planner found no plan {what}")
@@ -402,10 +408,11 @@ class Supervisor:
                 resume_step=resume,
                 steps_redone=redone,
             )
+            ended = f"launch {attempt} ended ({failure['why']})" + (
+                f"; lost {', '.join(f'{c} node {n}' for c, n in lost)}" if lost else ""
+            )
             self.console.print(
-                f"[bold yellow]h2jax elastic:[/] launch {attempt} ended ({failure['why']})"
-                + (f"; lost {', '.join(f'{c} node {n}' for c, n in lost)}" if lost else "")
-                + f"; resuming from step {resume}"
+                f"[bold yellow]h2jax elastic:[/] {ended}; resuming from step {resume}"
                 + (f" ({redone} step(s) to train again)" if redone else ""),
                 highlight=False,
                 soft_wrap=True,
@@ -425,6 +432,7 @@ class Supervisor:
             if self.stop is not None:  # during the back-off: nothing runs, nothing to save
                 return self._give_up(f"stopped by {self.stop} before relaunching", code=EXIT_INTERRUPTED)
             after_failure = failure
+            self.resumed = ended
             attempt += 1
         return self._finish(t_start, restarts, redone_total)
 

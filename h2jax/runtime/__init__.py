@@ -11,6 +11,7 @@ from h2jax.runtime._faults import (
     ELASTIC_DIR_ENV,
     FAULT_KINDS,
     FAULTS_ENV,
+    RESUME_ENV,
     ElasticHooks,
     stage_nodes,
     write_record,
@@ -30,6 +31,7 @@ from h2jax.runtime._world import JobError, LocalWorld, MpiWorld, ThreadGroup, Wo
 
 __all__ = [
     "CLOCK_ENV",
+    "RESUME_ENV",
     "ELASTIC_DIR_ENV",
     "FAULT_KINDS",
     "FAULTS_ENV",

@@ -1,7 +1,7 @@
 """The training side of an elastic run (h2jax.elastic): injected faults, and the records the
 supervisor reads.
 
-The supervisor starts each launch of the job with three variables:
+The supervisor starts each launch of the job with these variables:
 
 - ``H2JAX_ELASTIC_DIR``: the folder (``<run>/elastic``) where a process of the job leaves
   what the supervisor needs to know, as files it writes whole (``os.replace``): a record of
@@ -12,6 +12,10 @@ The supervisor starts each launch of the job with three variables:
   seconds of the steps earlier launches trained that count (their rows before the step this
   launch resumes from), so each metrics row carries the run's ``goodput`` so far (the steps'
   own time over the wall time since t0);
+- ``H2JAX_ELASTIC_RESUME`` (a launch after the first): ``{"attempt", "after", "step",
+  "launched"}``: why this launch resumes, from which step, and when the supervisor started it;
+  the job marks the boundary on its timeline (an ``other`` event on each stage, from the launch
+  to the first step) and in the Gantt's title and ``summary.json`` (``resumed``);
 - ``H2JAX_FAULTS``: the faults still to inject, a JSON list of ``{"id", "kind", "step",
   ...}``: ``node`` (``chip``, ``node``: every process with a stage on that node of that
   chip type SIGKILLs itself, and the supervisor takes the node out of the cluster),
@@ -50,6 +54,7 @@ STRAGGLER_RATIO = 2.0  # busy time over the stage's own baseline that makes it a
 STRAGGLER_STEPS = 3  # consecutive logged steps at that ratio
 BASELINE_STEPS = 3  # logged steps (after the first, which compiles) that set each stage's baseline
 CLOCK_ENV = "H2JAX_ELASTIC_CLOCK"
+RESUME_ENV = "H2JAX_ELASTIC_RESUME"
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
@@ -85,6 +90,30 @@ class ElasticHooks:
         self._nodes = stage_nodes(cfg) if any(f["kind"] == "node" for f in self.faults) else []
         clock = json.loads(os.environ.get(CLOCK_ENV) or "null") if self.dir else None
         self.t0, self.productive = (float(clock[0]), float(clock[1])) if clock else (None, 0.0)
+        self.resumed: dict[str, Any] | None = json.loads(os.environ.get(RESUME_ENV) or "null") if self.dir else None
+
+    def mark_resume(self, timeline: Any, step: int, chips: dict[int, str]) -> None:
+        """A launch that resumes after a failure or a re-plan: one ``other`` event on each of
+        this process's stages (``chips``: stage -> chip type), from the launch (or the
+        timeline's origin, if later) to now, the start of its first step ``step``."""
+        if self.resumed is None or timeline is None:
+            return
+        now = time.perf_counter()
+        start = max(now - (time.time() - float(self.resumed["launched"])), timeline.t0)
+        for stage, chip in chips.items():
+            timeline.add(
+                "other",
+                stage=stage,
+                step=step,
+                microbatch=None,
+                start=min(start, now),
+                end=now,
+                chip=chip,
+                name=f"resumed after {self.resumed['after']}",
+                recovery=True,
+                attempt=self.resumed["attempt"],
+                from_step=self.resumed["step"],
+            )
 
     def metrics(self) -> dict[str, float]:
         """``goodput``: the productive step time over the wall time since the supervisor began."""

@@ -266,14 +266,24 @@ def write_outputs(
         merged = Timeline(stage_labels=labels, t0=t0)
         merged.extend(events)
         merged.save(run_dir / "trace.json")
-        ev = merged.events(gstep)
+        # an elastic launch that resumed (h2jax.runtime._faults.ElasticHooks.mark_resume): the
+        # trace holds its boundary; the Gantt says it under its title
+        mark = next((e for e in merged.events() if e.extra.get("recovery")), None)
+        if mark is not None:
+            summary["resumed"] = {"step": mark.step, "after": mark.name.removeprefix("resumed after ")}
+        ev = [e for e in merged.events(gstep) if not e.extra.get("recovery")]
         if ev:
             plot_gantt(
                 ev,
                 run_dir / "gantt.png",
                 stage_labels=labels,
                 title=f"{cfg.name}: step {gstep}, {cfg.plan.schedule}, {cfg.plan.num_microbatches} "
-                f"microbatches, {w.size} process{'es' if w.size > 1 else ''}, {cfg.train.transport}",
+                f"microbatch{'es' if cfg.plan.num_microbatches != 1 else ''}, {w.size} process{'es' if w.size > 1 else ''}, {cfg.train.transport}"
+                + (
+                    ""
+                    if mark is None
+                    else f"\nthis launch resumed at step {mark.step} after {summary['resumed']['after']}"
+                ),
             )
             summary["gantt_step"] = gstep
             summary["bubble_fraction_gantt_step"] = bubble_fraction(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from h2jax.elastic import parse_fault
-from h2jax.runtime import read_metrics
+from h2jax.runtime import load_trace, read_metrics
 from tests._harness import MPIRUN, QUIET, final_params, run_losses, train_cli
 
 EL = """
@@ -57,7 +57,10 @@ def test_fault_specs_and_their_bad_input():
 
 def _lost_node_is_replanned(tmp_path, launcher: list[str]):
     (tmp_path / "el.yaml").write_text(EL)
-    r = train_cli(["el.yaml", *QUIET, "--elastic", *FAST, "--inject-fault", "node:sim_b:1@5", *launcher], tmp_path)
+    trace = "train.timeline=true"
+    r = train_cli(
+        ["el.yaml", *QUIET, trace, "--elastic", *FAST, "--inject-fault", "node:sim_b:1@5", *launcher], tmp_path
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     run = tmp_path / "runs" / "el"
     ev = _events(run)
@@ -77,17 +80,25 @@ def _lost_node_is_replanned(tmp_path, launcher: list[str]):
     summary = json.loads((run / "summary.json").read_text())["elastic"]
     assert summary["restarts"] == 1 and summary["lost_nodes"] == [{"chip": "sim_b", "node": 1}]
     assert 0 < summary["goodput"] < 1
+    # the trace marks the boundary: on each stage of the new plan, from the relaunch to its first step
+    marks = [e for e in load_trace(run / "trace.json") if e.extra.get("recovery")]
+    assert sorted(e.stage for e in marks) == list(range(len(replan["plan"]["stages"]))), marks
+    assert {(e.step, e.extra["from_step"], e.extra["attempt"]) for e in marks} == {(resume, resume, 1)}
+    assert marks[0].name.startswith("resumed after launch 0 ended (") and marks[0].name.endswith("lost sim_b node 1")
+    resumed = json.loads((run / "summary.json").read_text())["resumed"]
+    assert resumed == {"step": resume, "after": marks[0].name.removeprefix("resumed after ")}
     # a person's restore of the same checkpoint under the plan the planner chose trains the same steps
     manual = tmp_path / "manual"
     shutil.copytree(run / "checkpoints", manual / "checkpoints")
     plan = {k: v for k, v in replan["plan"].items() if k != "model"}
     cluster = json.dumps({"sim_a": {"nodes": 2}, "sim_b": {"nodes": 1}})
     m = train_cli(
-        ["el.yaml", *QUIET, f"plan={json.dumps(plan)}", f"cluster.chips={cluster}", "--run-dir", str(manual),
+        ["el.yaml", *QUIET, trace, f"plan={json.dumps(plan)}", f"cluster.chips={cluster}", "--run-dir", str(manual),
          "--restore-step", str(resume)],
         tmp_path,
     )  # fmt: skip
     assert m.returncode == 0, m.stderr[-3000:]
+    assert "resumed" not in json.loads((manual / "summary.json").read_text())  # not an elastic relaunch
     got, want = run_losses(run), run_losses(manual)
     assert sorted(want) == list(range(resume, 8))
     for s in want:
