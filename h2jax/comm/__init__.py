@@ -24,6 +24,10 @@ tokens order the calls)::
     y, tok = recv(shape, dtype, peer=1, tag=8, comm=comm, token=tok)
     y, tok = sendrecv(x, shape, dtype, dest=1, source=1, send_tag=7, recv_tag=8, comm=comm, token=tok)
 
+Which path a link's bytes take -- ``direct``, ``staged`` (through host memory) or ``host`` --
+is :func:`classify_link` (``_paths.py``, pure); the runtime's link table
+(h2jax.runtime._links) names and times every link of a run.
+
 A receive whose message never comes fails after ``timeout_s`` naming rank, peer, tag and
 tensor. ``stash_stats()`` counts the messages that took the deadlock-free detour.
 
@@ -52,6 +56,7 @@ _LAZY = {
     "DEFAULT_TIMEOUT_S": "h2jax.comm._ffi",
     "FfiUnavailableError": "h2jax.comm._ffi",
     "is_available": "h2jax.comm._ffi",
+    "mpi_device_aware": "h2jax.comm._ffi",
     "new_token": "h2jax.comm._ffi",
     "recv": "h2jax.comm._ffi",
     "register": "h2jax.comm._ffi",
@@ -59,6 +64,11 @@ _LAZY = {
     "sendrecv": "h2jax.comm._ffi",
     "stash_stats": "h2jax.comm._ffi",
     "HostTransport": "h2jax.comm._host",
+    "LinkEnd": "h2jax.comm._paths",
+    "MpiFacts": "h2jax.comm._paths",
+    "classify_link": "h2jax.comm._paths",
+    "library_name": "h2jax.comm._paths",
+    "not_direct": "h2jax.comm._paths",
     "FfiTransport": "h2jax.comm._peer",
     "PeerTransport": "h2jax.comm._peer",
     "BWD": "h2jax.comm._routing",
@@ -84,6 +94,7 @@ if TYPE_CHECKING:
         DEFAULT_TIMEOUT_S,
         FfiUnavailableError,
         is_available,
+        mpi_device_aware,
         new_token,
         recv,
         register,
@@ -92,6 +103,7 @@ if TYPE_CHECKING:
         stash_stats,
     )
     from h2jax.comm._host import HostTransport
+    from h2jax.comm._paths import LinkEnd, MpiFacts, classify_link, library_name, not_direct
     from h2jax.comm._peer import FfiTransport, PeerTransport
     from h2jax.comm._routing import BWD, FWD, Boundary, RoutingUnsupported, tag_base
 

@@ -102,6 +102,18 @@ def stash_stats(platform: str = "cpu") -> dict[str, int]:
     return {k: int(v) for k, v in _extension(platform).stash_stats().items()}
 
 
+def mpi_device_aware(platform: str) -> bool:
+    """The MPI library under the handlers takes ``platform``'s device pointers (asked by the
+    compiled handlers: MPIX_Query_cuda_support for cuda); False where no handlers for it are
+    built (they then cannot run there at all) or the library says no. CPU: False."""
+    try:
+        ext = _extension(platform)
+    except FfiUnavailableError:
+        return False
+    query = getattr(ext, f"{platform}_aware_mpi", None)
+    return bool(query()) if query is not None else False
+
+
 def _register_all() -> None:
     register("cpu")
     try:  # a GPU stage needs it; a CPU-only build simply has no cuda handlers

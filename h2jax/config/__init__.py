@@ -23,6 +23,7 @@ from h2jax.config._schema import (
     CheckpointConfig,
     ChipSpec,
     ClusterConfig,
+    CommConfig,
     DataConfig,
     ExperimentConfig,
     OptimizerConfig,
@@ -31,6 +32,7 @@ from h2jax.config._schema import (
 
 __all__ = [
     "CheckpointConfig",
+    "CommConfig",
     "ChipSpec",
     "ClusterConfig",
     "ConfigError",

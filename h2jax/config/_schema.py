@@ -156,6 +156,21 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CommConfig:
+    """The links between stages: what a run measures and requires of them (the transport
+    itself is ``train.transport``)."""
+
+    probe: bool = True
+    """Time every link at start-up (an 8-byte and a 4 MiB message, round trips halved) for the
+    link table of the run header, ranks.json and summary.json. False: each link's path is
+    still named, not timed."""
+    require_device_direct: bool = False
+    """Refuse to train (exit 2, one line naming the link, why and the fix) when a link between
+    two device stages copies through host memory (path "staged"). CPU stages and emulated chip
+    types have nothing to stage: they train."""
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpoints: asynchronous orbax saves in a layout independent of the plan.
 
@@ -197,5 +212,7 @@ class ExperimentConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    """The links between stages: their probe and what is required of them."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint saving, retention and resume."""

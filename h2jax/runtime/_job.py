@@ -24,6 +24,7 @@ from h2jax._errors import EXIT_CONFIG, EXIT_FAIL, EXIT_INTERRUPTED, debug, say
 from h2jax._units import MIB
 from h2jax.checkpoint import CheckpointError, CheckpointSaveError, on_disk
 from h2jax.config import ConfigError, ExperimentConfig
+from h2jax.runtime._links import link_lines
 from h2jax.runtime._outputs import RunFolderGone
 from h2jax.runtime._runner import StageFailure
 from h2jax.runtime._state import NonFiniteLossError
@@ -64,6 +65,8 @@ def run_job(
                         f"stage {s} on {spec.chip}: {mem[s] / MIB:.1f} MiB per device "
                         f"(limit {cfg.cluster.chips[spec.chip].memory_gib:g} GiB)"
                     )
+            for line in link_lines(trainer.links):
+                console.print(line, highlight=False, soft_wrap=True)
         resumed = trainer.resume(restore_step=restore_step, init_from=init_from)
         if resumed and w.is_writer:
             console.print(f"[green]h2jax:[/] {escape(resumed)}", highlight=False, soft_wrap=True)

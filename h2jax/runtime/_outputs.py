@@ -126,8 +126,9 @@ def prepare_run_dir(
     step: int,
     console: Console,
     model: str | None = None,
+    links: list[dict[str, Any]] | None = None,
 ) -> None:
-    """The run folder, its config, plan and ranks, and the metrics of an earlier run that
+    """The run folder, its config, plan and ranks (each with the links it times, h2jax.runtime._links), and the metrics of an earlier run that
     this one would restart over (moved aside, said loudly; never deleted). ``model``: a
     user's model class that trains instead of the built-in one (``save_config``). Collective;
     the writer writes."""
@@ -144,6 +145,8 @@ def prepare_run_dir(
     )
     if not w.is_writer:
         return
+    for r in ranks:  # one process: every link; else the links whose ends this rank timed
+        r["links"] = [lk for lk in links or [] if lk["ranks"] is None or r["rank"] in lk["ranks"]]
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml", model=model)
     cfg.plan.to_yaml(run_dir / "plan.yaml")

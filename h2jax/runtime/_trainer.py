@@ -4,10 +4,9 @@ One trainer for one process and for mpirun. ``Trainer(cfg)`` validates, finds it
 :class:`~h2jax.runtime._world.World` from the launcher (one process: every stage; under
 mpirun/srun: the stage of this rank), registers the chip types, cuts the model into
 stages, places each on its mesh, builds each stage's channel and runner (all in
-h2jax.runtime._wiring), and checks memory (h2jax.runtime._memory); ``run()`` trains and
-writes the run folder (on the writer, h2jax.runtime._outputs: ``config.yaml``,
-``plan.yaml``, ``metrics.jsonl``, ``tb/``, ``trace.json``, ``gantt.png``, ``summary.json``,
-``ranks.json``). With checkpoints on, ``run()`` saves every ``checkpoint.every_steps`` steps
+h2jax.runtime._wiring), checks memory (h2jax.runtime._memory) and names and times each link
+(h2jax.runtime._links); ``run()`` trains and writes the run folder (h2jax.runtime._outputs).
+With checkpoints on, ``run()`` saves every ``checkpoint.every_steps`` steps
 and at the end, and on a stop signal saves at the next step boundary (every process
 agrees on it there) and returns (``preempted``); ``resume()`` continues from a
 checkpoint, under this trainer's plan, whichever mode wrote it.
@@ -46,6 +45,7 @@ from h2jax.models import build_model, check_calls, check_stageable
 from h2jax.runtime._faults import ElasticHooks, Stragglers
 from h2jax.runtime._feed import DataFeed, place_ends, place_segments, place_weights, step_loss
 from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, restore_targets, stage_state_by_layer
+from h2jax.runtime._links import link_table
 from h2jax.runtime._memory import check_memory
 from h2jax.runtime._metrics import MetricsLogger
 from h2jax.runtime._outputs import RunLock, prepare_run_dir, step_metrics, write_outputs
@@ -170,6 +170,8 @@ class Trainer:
         self.memory: list[StageMemory] = []
         if cfg.train.memory_check:
             self.memory = w.all(self.check_memory, "config error")
+        # each link's path and speed (h2jax.runtime._links); comm.require_device_direct refuses here
+        self.links = w.all(lambda: link_table(cfg, w, self.stages, self.backends), "config error")
 
     # -- data (h2jax.runtime._feed) -------------------------------------------------------------
     def data_position(self, step: int) -> int:
@@ -331,7 +333,14 @@ class Trainer:
         steps = cfg.train.steps if steps is None else steps
         self._hold_run_dir()
         prepare_run_dir(
-            cfg, w, self.run_dir, backends=self.backends, step=self.step, console=self.console, model=self.model_note
+            cfg,
+            w,
+            self.run_dir,
+            backends=self.backends,
+            step=self.step,
+            console=self.console,
+            model=self.model_note,
+            links=self.links,
         )
         w.barrier()
         store = self.checkpoint_store() if cfg.checkpoint.enabled else None
@@ -472,7 +481,7 @@ class Trainer:
         )
 
     def _summary_extra(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"links": self.links}
         if self.cfg.data.sources:
             out["data"] = self.feed.summary(self.step)
         if self.eval_losses:

@@ -170,7 +170,7 @@ def test_float_rejects(text, expected):
 @pytest.mark.parametrize(
     "data, key, expected",
     [
-        ({"stepz": 1}, "stepz", "ExperimentConfig has keys ['checkpoint', 'cluster', 'data', 'model', 'name'"),
+        ({"stepz": 1}, "stepz", "ExperimentConfig has keys ['checkpoint', 'cluster', 'comm', 'data', 'model'"),
         ({"model": {"n_layer": 6}}, "model.n_layer", "'n_layers'"),
         ({"optimizer": {"learning_rate": 1.0}}, "optimizer.learning_rate", "'lr'"),
         ({"train": {"log": {"every": 1}}}, "train.log", "'log_every'"),

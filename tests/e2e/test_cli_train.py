@@ -68,6 +68,10 @@ def test_train_tiny_through_the_cli(tmp_path):
         assert check_execution(compute, num_stages=2, num_microbatches=4, max_in_flight=[2, 1], eps=1e-3) == []
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and math.isfinite(summary["last_loss"])
+    # the link table: one process moves the boundary with jax.device_put, timed at start-up
+    assert "link stage 0 (sim_a) -> stage 1 (sim_b): host via local (engine jax.device_put" in proc.stderr
+    (link,) = summary["links"]
+    assert link["path"] == "host" and link["ranks"] is None and link["small_us"] > 0 and link["large_gbps"] > 0
 
 
 def test_default_job_loss_falls(tmp_path):

@@ -66,14 +66,27 @@ def test_multiprocess_equals_single_process(plan, transport, tmp_path):
     parameters, metrics keys, summary keys and Gantt chart."""
     want_losses, want_params, summary_keys, metric_keys = single_process_run(plan, tmp_path)
     nproc = NPROC[plan]
+    # emulated chip types hold host memory: nothing to stage, so requiring device-direct links trains
+    direct = "comm.require_device_direct=true"
     proc = _mpirun(
-        nproc, [*BASE, *PLANS[plan], f"train.transport={transport}", "--run-dir", str(tmp_path / "run")], tmp_path
+        nproc,
+        [*BASE, *PLANS[plan], f"train.transport={transport}", direct, "--run-dir", str(tmp_path / "run")],
+        tmp_path,
     )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["processes"] == nproc and summary["transport"] == transport
+    # each link named and timed between the ranks of its stages' first devices, in the header too
+    links = summary["links"]
+    first = [0, 2] if plan == "2st-per-device" else list(range(nproc))
+    assert [(lk["src"], lk["dst"], lk["path"], lk["ranks"]) for lk in links] == [
+        (s, s + 1, "host", [first[s], first[s + 1]]) for s in range(len(first) - 1)
+    ]
+    assert all(lk["small_us"] > 0 and lk["large_gbps"] > 0 for lk in links), links
+    engine = "mpi4py" if transport == "host" else "mpi"
+    assert f"link stage 0 (sim_a) -> stage 1 (sim_b): host via {transport} (engine {engine}, Open MPI" in err
     np.testing.assert_allclose(summary["losses"], want_losses, atol=1e-6, rtol=0)
     assert sorted(summary) == summary_keys
     rows = read_metrics(run)
@@ -85,8 +98,10 @@ def test_multiprocess_equals_single_process(plan, transport, tmp_path):
     assert [r["stages"] for r in ranks] == (
         [[0], [0], [1], [1]] if plan == "2st-per-device" else [[s] for s in range(nproc)]
     )
+    assert [len(r["links"]) for r in ranks] == [sum(r["rank"] in lk["ranks"] for lk in links) for r in ranks]
     if plan == "2st-per-device":  # each stage one jax.distributed cluster on the default cpu backend
         assert [r["group_rank"] for r in ranks] == [0, 1, 0, 1]
+        assert [len(r["links"]) for r in ranks] == [1, 0, 1, 0]
         assert {b for r in ranks for b in r["backend"]} == {"cpu"}
     assert sorted(got) == sorted(want_params)
     for k, v in want_params.items():
