@@ -4,7 +4,8 @@
     python benchmarks/transport.py --log      # ... and appends the table to docs/LOG.md
     python benchmarks/transport.py --pages 4k # XLA's host buffers on 4 KiB pages (no huge pages)
 
-Paths (one-way time = half a ping-pong round trip, best of several repetitions):
+Paths (one-way time = half a ping-pong round trip, best of several repetitions; each
+repetition runs every path once in turn, so the paths are compared paired in time):
   ffi_jit    h2jax FFI send/recv, many transfers inside ONE jitted program per side (fori_loop)
   ffi_call   h2jax FfiTransport: one standalone jitted program per transfer (dispatch included)
   host       h2jax HostTransport: jax -> numpy -> mpi4py -> numpy -> device_put
@@ -45,10 +46,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def reps_for(nbytes: int) -> tuple[int, int]:
     """(repetitions, transfers per repetition): enough to time, few enough for 2 cores."""
-    if nbytes <= 65536:
-        return 5, 200
+    if nbytes <= 65536:  # a jitted loop's launch (~50 µs) spread over 2,000 one-way transfers
+        return 5, 1000
     if nbytes <= 4 << 20:
-        return 5, 10
+        return 5, 20
     if nbytes <= 64 << 20:
         return 3, 3
     return 3, 1
@@ -104,16 +105,20 @@ def measure_all(log: bool) -> None:
                 raise ConnectionError("peer closed")
             got += n
 
-    def timed(fn, reps: int, per: int) -> float:
-        """Median one-way time: fn() does `per` round trips."""
-        fn()  # warm-up (compiles, first touches)
-        ts = []
+    def timed(fns: dict, reps: int, per: int) -> dict[str, float]:
+        """One-way time of each path: each fn() does `per` round trips. Paired: every
+        repetition runs each path once, in turn, so a change of the shared machine's speed
+        meets every path alike."""
+        for fn in fns.values():
+            fn()  # warm-up (compiles, first touches)
+        ts: dict[str, list[float]] = {p: [] for p in fns}
         for _ in range(reps):
-            world.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) / (2 * per))
-        return min(ts)  # the least disturbed repetition: other processes share these cores
+            for p, fn in fns.items():
+                world.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                ts[p].append((time.perf_counter() - t0) / (2 * per))
+        return {p: min(v) for p, v in ts.items()}  # the least disturbed repetition of each
 
     results: dict[str, dict[int, float | None]] = {p: {} for p in PATHS}
     for nbytes in LAT_SIZES + BW_SIZES:
@@ -149,7 +154,7 @@ def measure_all(log: bool) -> None:
             state[0] = prog(x, state[0])
             state[0].block_until_ready()
 
-        results["ffi_jit"][nbytes] = timed(ffi_jit, reps, per)
+        paths = {"ffi_jit": ffi_jit}
 
         # ffi_call: FfiTransport, a program per transfer
         def ffi_call():
@@ -162,7 +167,7 @@ def measure_all(log: bool) -> None:
                     ffi_t.send(y, peer=other, tag=4)
                     ffi_t.flush()
 
-        results["ffi_call"][nbytes] = timed(ffi_call, reps, per)
+        paths["ffi_call"] = ffi_call
 
         def host():
             for _ in range(per):
@@ -174,7 +179,7 @@ def measure_all(log: bool) -> None:
                     host_t.send(y, peer=other, tag=6)
                 host_t.flush()
 
-        results["host"][nbytes] = timed(host, reps, per)
+        paths["host"] = host
 
         a, b = np.full(n, rank, np.float32), np.empty(n, np.float32)
         av, bv = memoryview(a).cast("B"), memoryview(b).cast("B")
@@ -188,7 +193,7 @@ def measure_all(log: bool) -> None:
                     tcp_recv_into(bv)
                     sock.sendall(bv)
 
-        results["tcp"][nbytes] = timed(tcp, reps, per)
+        paths["tcp"] = tcp
 
         def mpi():
             for _ in range(per):
@@ -199,7 +204,7 @@ def measure_all(log: bool) -> None:
                     world.Recv(b, source=other, tag=7)
                     world.Send(b, dest=other, tag=8)
 
-        results["mpi4py"][nbytes] = timed(mpi, reps, per)
+        paths["mpi4py"] = mpi
 
         if mpi4jax is not None:  # the same buffers as ffi_jit and mpi4py
 
@@ -217,15 +222,17 @@ def measure_all(log: bool) -> None:
             m4j = jax.jit(
                 lambda a, b: jax.lax.fori_loop(0, per, m4j_ping if rank == 0 else m4j_pong, (a, b))[1], donate_argnums=1
             )
-            state = [x + 0]
+            m4j_state = [x + 0]
 
             def m4j_run():
-                state[0] = m4j(x, state[0])
-                state[0].block_until_ready()
+                m4j_state[0] = m4j(x, m4j_state[0])
+                m4j_state[0].block_until_ready()
 
-            results["mpi4jax"][nbytes] = timed(m4j_run, reps, per)
+            paths["mpi4jax"] = m4j_run
         else:
             results["mpi4jax"][nbytes] = None
+        for p, t in timed(paths, reps, per).items():
+            results[p][nbytes] = t
 
         if rank == 0:  # one process: a plain copy, counted once (not a round trip)
             ts = []
