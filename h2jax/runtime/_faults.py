@@ -92,23 +92,26 @@ class ElasticHooks:
         self.t0, self.productive = (float(clock[0]), float(clock[1])) if clock else (None, 0.0)
         self.resumed: dict[str, Any] | None = json.loads(os.environ.get(RESUME_ENV) or "null") if self.dir else None
 
-    def mark_resume(self, timeline: Any, step: int, chips: dict[int, str]) -> None:
-        """A launch that resumes after a failure or a re-plan: one ``other`` event on each of
-        this process's stages (``chips``: stage -> chip type), from the launch (or the
-        timeline's origin, if later) to now, the start of its first step ``step``."""
+    def mark_resume(self, timeline: Any, step: int, runners: list[Any]) -> None:
+        """A launch that resumes after a failure or a re-plan: one ``other`` event on each
+        stage this process records (of ``runners``; a stage over several processes records
+        once), from the launch (or the timeline's origin, if later) to now, the start of its
+        first step ``step``."""
         if self.resumed is None or timeline is None:
             return
         now = time.perf_counter()
         start = max(now - (time.time() - float(self.resumed["launched"])), timeline.t0)
-        for stage, chip in chips.items():
+        for r in runners:
+            if r.timeline is None:
+                continue
             timeline.add(
                 "other",
-                stage=stage,
+                stage=r.stage_idx,
                 step=step,
                 microbatch=None,
                 start=min(start, now),
                 end=now,
-                chip=chip,
+                chip=r.program.spec.chip,
                 name=f"resumed after {self.resumed['after']}",
                 recovery=True,
                 attempt=self.resumed["attempt"],

@@ -128,10 +128,10 @@ def prepare_run_dir(
     model: str | None = None,
     links: list[dict[str, Any]] | None = None,
 ) -> None:
-    """The run folder, its config, plan and ranks (each with the links it times, h2jax.runtime._links), and the metrics of an earlier run that
-    this one would restart over (moved aside, said loudly; never deleted). ``model``: a
-    user's model class that trains instead of the built-in one (``save_config``). Collective;
-    the writer writes."""
+    """The run folder, its config, plan and ranks (each with the links it timed,
+    h2jax.runtime._links), and the metrics of an earlier run that this one would restart over
+    (moved aside, said loudly; never deleted). ``model``: a user's model class that trains
+    instead of the built-in one (``save_config``). Collective; the writer writes."""
     w = world
     ranks = w.allgather(
         {

@@ -365,7 +365,7 @@ class Trainer:
         self._catch_signals()
         frozen = False
         elastic = self.elastic
-        elastic.mark_resume(self.timeline, self.step, {r.stage_idx: r.program.spec.chip for r in self.runners})
+        elastic.mark_resume(self.timeline, self.step, self.runners)
         try:
             while self.step < steps:
                 elastic.before_step(self.step, self.runners)
