@@ -10,8 +10,10 @@ the default time budget). Each search runs as `h2jax plan` runs it: once in a fr
 run on a shared machine can take up to half as long again as the next. Per cluster one row: the
 median search time (wall and CPU) with the range over the runs, when the plan was found,
 estimated iteration time, the lower bound and the gap to it, stages, whether the search was
-exhaustive (of the run with the median time), and the HeteroSpeedupRatio at the same global
-batch (each chip type's baseline searched the same way).
+exhaustive (of the run with the median time), the HeteroSpeedupRatio at the matched total batch
+(the homogeneous jobs' batches sum to the global batch, the split searched) and at the same global
+batch (each homogeneous job at the whole batch), each chip type's jobs searched the same way
+(h2jax.plan._baselines), and the share of the cluster's chips the plan uses.
 
 Then the enumeration study: on mid-size instances (64-256 chips; the generator of
 tests/plan/test_search_effort.py) the exact search covers the whole space, so the defaults'
@@ -28,8 +30,8 @@ reference, ``sum(i * i for i in range(100000))`` (best of 5 x 20, the same as
 search times: runs on different machines compare through it.
 
 Last line: ``RESULT {json}`` with search_s, found_s, cpu_s (medians), search_s_runs (every
-run), iteration_s, lower_bound_s, gap, ratio_same_batch (per cluster, by chip count),
-ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
+run), iteration_s, lower_bound_s, gap, ratio_matched_total, ratio_same_batch, chips_used (per
+cluster, by chip count), ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
 median, max), and reference_ms (the reference before and after the whole run, and timed in
 each search's process right before it: per cluster, the median).
 """
@@ -52,8 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "plan"))
 
-from h2jax.cli_plan import heteros_speedup, search_options  # noqa: E402
-from h2jax.plan import Cluster, ModelShape, SearchOptions, search  # noqa: E402
+from h2jax.cli_plan import search_options  # noqa: E402
+from h2jax.plan import Cluster, ModelShape, Searcher, SearchOptions, matched_total, same_batch, search  # noqa: E402
 
 CLUSTERS = ["mixed_gaudi2_h100", "hetero_1024", "hetero_2432", "hetero_10000"]
 
@@ -89,6 +91,7 @@ def one(name: str) -> None:
                 "gap": r.gap,
                 "stages": r.plan.num_stages if r.plan else 0,
                 "tokens_per_s": r.cost.tokens_per_s if r.plan else 0.0,
+                "chips_used": sum(r.cost.devices_by_chip.values()) / cluster.num_devices if r.plan else 0.0,
                 "exhaustive": r.exhaustive,
                 "note": r.note,
             }
@@ -106,7 +109,18 @@ def main() -> None:
         return
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: expected 1 or more")
-    keys = ("search_s", "found_s", "cpu_s", "search_s_runs", "iteration_s", "lower_bound_s", "gap", "ratio_same_batch")
+    keys = (
+        "search_s",
+        "found_s",
+        "cpu_s",
+        "search_s_runs",
+        "iteration_s",
+        "lower_bound_s",
+        "gap",
+        "ratio_matched_total",
+        "ratio_same_batch",
+        "chips_used",
+    )
     result: dict = {k: {} for k in keys}
     result["reference_ms"] = {}
     ref_before = reference_ms()
@@ -115,7 +129,8 @@ def main() -> None:
     print(f"each search: {args.repeats} cold runs in fresh processes; medians, the range in brackets")
     print(
         f"{'cluster':<18} {'chips':>6} {'types':>5} {'search s':>8} {'(range)':>13} {'found s':>7} {'cpu s':>6} "
-        f"{'iter s':>8} {'bound s':>8} {'gap':>6} {'stages':>6} {'exhaustive':>10} {'ratio':>7} {'ref ms':>6}"
+        f"{'iter s':>8} {'bound s':>8} {'gap':>6} {'stages':>6} {'exhaustive':>10} {'matched':>7} {'same':>7} "
+        f"{'used':>5} {'ref ms':>6}"
     )
     for name in CLUSTERS:
         cluster, model, gb = load(name)
@@ -130,16 +145,13 @@ def main() -> None:
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         times = [r["search_s"] for r in runs]
         mid = sorted(runs, key=lambda r: r["search_s"])[len(runs) // 2]  # the run with the median time
-        ratio = float("nan")
-        if mid["stages"]:
-            ratio, _ = heteros_speedup(
-                cluster,
-                model,
-                global_batch=gb,
-                hetero_tps=mid["tokens_per_s"],
-                table=None,
-                opts=search_options(cluster),
-            )
+        ratio = matched = float("nan")
+        split = ""
+        if mid["stages"]:  # each chip type alone, searched as `h2jax plan` does (h2jax.plan._baselines)
+            searcher = Searcher(cluster, model, opts=search_options(cluster))
+            ratio = same_batch(searcher, gb).ratio(mid["tokens_per_s"])
+            base = matched_total(searcher, gb)
+            matched, split = base.ratio(mid["tokens_per_s"]), base.describe()
         n = str(cluster.num_devices)
         result["search_s"][n] = round(statistics.median(times), 3)
         result["found_s"][n] = round(statistics.median(r["found_s"] for r in runs), 3)
@@ -149,16 +161,21 @@ def main() -> None:
         result["lower_bound_s"][n] = round(mid["lower_bound_s"], 3)
         result["gap"][n] = round(mid["gap"], 3)
         result["ratio_same_batch"][n] = round(ratio, 4)
+        result["ratio_matched_total"][n] = round(matched, 4)
+        result["chips_used"][n] = round(mid["chips_used"], 4)
         result["reference_ms"][n] = round(statistics.median(r["reference_ms"] for r in runs), 2)
         spread = f"({min(times):.2f}-{max(times):.2f})"
         print(
             f"{name:<18} {n:>6} {len(cluster.names):>5} {result['search_s'][n]:>8.2f} {spread:>13} "
             f"{result['found_s'][n]:>7.2f} {result['cpu_s'][n]:>6.2f} {mid['iteration_s']:>8.3f} "
             f"{mid['lower_bound_s']:>8.3f} {100 * mid['gap']:>5.1f}% {mid['stages']:>6} "
-            f"{str(mid['exhaustive']):>10} {100 * ratio:>6.1f}% {result['reference_ms'][n]:>6.2f}",
+            f"{str(mid['exhaustive']):>10} {100 * matched:>6.1f}% {100 * ratio:>6.1f}% {100 * mid['chips_used']:>4.0f}% "
+            f"{result['reference_ms'][n]:>6.2f}",
             flush=True,
         )
         print(f"  {mid['note']}")
+        if split:
+            print(f"  matched total: homogeneous {split}")
         if len({round(r["iteration_s"], 9) for r in runs}) > 1:
             print(
                 f"  the runs' plans differ (the budget bought more or fewer rounds): {[r['iteration_s'] for r in runs]}"

@@ -8,6 +8,7 @@ line naming the key, like every config error of the CLI.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -267,32 +268,20 @@ def _schedules_line(res, model, cluster, table, opts) -> str:
     return f"schedule {shown(chosen)} ({how}); the same stages under " + ", ".join(others)
 
 
-def heteros_speedup(cluster, model, *, global_batch: int, hetero_tps: float, table, opts) -> tuple[float, dict]:
-    """(ratio, per-chip baselines): hetero tokens/s over the sum of each chip type's best
-    homogeneous plan at `global_batch` (N * TGS = tokens/s, so the ratio is of tokens/s).
-
-    Each baseline is searched with the search's own effort over its own space: the hand
-    settings that restrict a heterogeneous search (grouping, beam) would exclude the plans
-    a single chip type needs (few chips per group means few stages, which do not fit).
-    The ratio is over the chip types that have a plan (nan only when none has one)."""
-    import dataclasses
-
-    from h2jax.plan import search
-
-    base_opts = dataclasses.replace(opts, group_size=None, max_options_per_chip=None, auto=True)
-    base = {}
-    for name in cluster.names:
-        base[name] = search(cluster.only(name), model, global_batch=global_batch, table=table, opts=base_opts)
-    total = sum(r.cost.tokens_per_s for r in base.values() if r.plan is not None)
-    return (hetero_tps / total if total else float("nan")), base
-
-
-def _ratio_line(ratio: float, base: dict, what: str) -> str:
-    fit = [n for n, r in base.items() if r.plan is not None]
-    if not fit:
+def _ratio_line(base, hetero_tps: float, what: str) -> str:
+    """One HeteroSpeedupRatio, named by `what` (which global batch each side trained at)."""
+    if base.tokens_per_s <= 0:
         return f"HeteroSpeedupRatio {what}: not defined, no chip type has a plan of its own"
-    over = "" if len(fit) == len(base) else f" over the chip types that fit alone ({', '.join(fit)})"
-    return f"HeteroSpeedupRatio {what}{over}: {100 * ratio:.1f} %"
+    missing = base.without_plan()
+    over = f" (no plan alone: {', '.join(missing)})" if missing else ""
+    return f"HeteroSpeedupRatio {what}{over}: {100 * base.ratio(hetero_tps):.1f} %"
+
+
+def _job_text(r) -> str:
+    """One homogeneous job's tokens/s and whether its search was exhaustive, or why it has no plan."""
+    if r.plan is None:
+        return f"no plan: {r.note}"
+    return f"{r.cost.tokens_per_s:,.0f} tokens/s ({'exact' if r.exhaustive else 'not exhaustive: ' + r.note})"
 
 
 def _rows_text(rows) -> str:
@@ -380,6 +369,12 @@ def _explanation(res, cluster, gb: int, *, measured: bool, several: bool, other:
             "HeteroSpeedupRatio: the heterogeneous plan's tokens/s / the sum of the homogeneous plans' tokens/s. "
             "Over 100 % the chip types train faster together than apart (more than the sum of their "
             "parts); under 100 %, slower than running them as separate jobs would add up to.",
+            f"matched total batch: the homogeneous jobs' global batches add up to {gb}, the heterogeneous job's "
+            "(the same sequences per step, shared among the chip types); the split is searched (each share a "
+            "multiple of the step shown, 0 where a chip type does not run) for the most tokens/s added up, each "
+            "job planned at its share. The fair test of a claim to beat the sum of the parts. At the same "
+            "global batch each homogeneous job takes all of it (a smaller bubble than its share would give): "
+            "the larger baseline, so the lower ratio. Both are in comparison.json with --out.",
         ]
     if other:
         lines.append(
@@ -402,7 +397,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from h2jax._units import GIB
-    from h2jax.plan import Cluster, PlanError, ProfileError, search
+    from h2jax.plan import Cluster, PlanError, ProfileError, Searcher, idle_chips, matched_total, same_batch, search
 
     try:
         raw = _read_yaml(args.cluster, "cluster")
@@ -512,42 +507,54 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"  TGS {chip}: {cost.tokens_per_s / cluster.num_devices:,.1f} tokens/chip/s over all "
             f"{cluster.num_devices} chips ({cost.devices_by_chip.get(chip, 0)} of {n} {chip} used)"
         )
+    idle = idle_chips(res, cluster)
+    for chip, (n, why) in idle.items():
+        console.print(f"  {n} {chip} chips left idle: {why}")
+    comparison = None
     if len(cluster.names) > 1:
-        ratio, base = heteros_speedup(
-            cluster, model, global_batch=gb, hetero_tps=cost.tokens_per_s, table=table, opts=opts
-        )
-        for name, r in base.items():
-            console.print(
-                f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: "
-                + (
-                    f"{r.cost.tokens_per_s:,.0f} tokens/s ({'exact' if r.exhaustive else 'not exhaustive: ' + r.note})"
-                    if r.plan
-                    else f"no plan: {r.note}"
-                )
-            )
+        searcher = Searcher(cluster, model, table=table, opts=opts)
+        same, matched = same_batch(searcher, gb), matched_total(searcher, gb)
+        for name, r in same.results.items():
+            console.print(f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: {_job_text(r)}")
         console.print(
-            f"[bold]{_ratio_line(ratio, base, f'at the same global batch ({gb} hetero, {gb} homogeneous)')}[/]"
+            f"[bold]{_ratio_line(same, cost.tokens_per_s, f'at the same global batch ({gb} hetero, {gb} homogeneous)')}[/]"
         )
+        for name, r in matched.results.items():
+            if r is not None:
+                console.print(f"  homogeneous {name} at global batch {matched.shares[name]}: {_job_text(r)}")
+        console.print(
+            "[bold]"
+            + _ratio_line(
+                matched,
+                cost.tokens_per_s,
+                f"at the matched total batch ({gb} hetero; homogeneous {matched.describe()}, split searched)",
+            )
+            + "[/]"
+        )
+        comparison = {
+            "same_batch": same.to_dict(cost.tokens_per_s),
+            "matched_total": matched.to_dict(cost.tokens_per_s),
+        }
         if args.other_global_batch:
             ogb = args.other_global_batch
             other = search(cluster, model, global_batch=ogb, table=table, opts=opts)
             if other.plan is None:
                 console.print(f"heterogeneous at global batch {ogb}: no plan ({other.note})")
             else:
-                fit = {n: r for n, r in base.items() if r.plan is not None}
-                total = sum(r.cost.tokens_per_s for r in fit.values())
-                if total > 0:
-                    console.print(
-                        _ratio_line(
-                            other.cost.tokens_per_s / total,
-                            base,
-                            f"with hetero at global batch {ogb}, homogeneous at {gb} (the mismatched ratio)",
-                        )
+                console.print(
+                    _ratio_line(
+                        same,
+                        other.cost.tokens_per_s,
+                        f"with hetero at global batch {ogb}, homogeneous at {gb} (the mismatched ratio)",
                     )
-                ratio2, base2 = heteros_speedup(
-                    cluster, model, global_batch=ogb, hetero_tps=other.cost.tokens_per_s, table=table, opts=opts
                 )
-                console.print(_ratio_line(ratio2, base2, f"at the same global batch ({ogb} both)"))
+                console.print(
+                    _ratio_line(
+                        same_batch(searcher, ogb),
+                        other.cost.tokens_per_s,
+                        f"at the same global batch ({ogb} both)",
+                    )
+                )
     if args.explain:
         console.print("\n[bold]what the output means[/]")
         several = len(cluster.names) > 1
@@ -565,7 +572,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        for f in ("plan.yaml", "experiment.yaml"):  # an earlier plan's files: kept, each beside its new one
+        files = ("plan.yaml", "experiment.yaml", "comparison.json")
+        for f in files:  # an earlier plan's files: kept, each beside its new one
             if (out / f).exists():
                 say(
                     None,
@@ -587,7 +595,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             + "`\n"
             + yaml.safe_dump(exp, sort_keys=False)
         )
-        console.print(f"wrote {out / 'plan.yaml'} and {out / 'experiment.yaml'}")
+        report = {
+            "cluster": cluster.name,
+            "global_batch": gb,
+            "tokens_per_s": round(cost.tokens_per_s, 1),
+            "chips_used": {c: [cost.devices_by_chip.get(c, 0), cluster.devices(c)] for c in cluster.names},
+            "idle": {c: why for c, (_, why) in idle.items()},
+            "heterospeedup": comparison,  # None with one chip type: nothing to compare
+        }
+        (out / "comparison.json").write_text(json.dumps(report, indent=1) + "\n")
+        console.print(f"wrote {', '.join(str(out / f) for f in files)}")
     return 0
 
 

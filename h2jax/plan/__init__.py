@@ -83,6 +83,7 @@ __all__ = [
 ]
 
 # -- HeteroAuto: profiles, cost model, search, simulator (pure as the rest) --------------------
+from h2jax.plan._baselines import Baseline, Searcher, idle_chips, matched_total, same_batch  # noqa: E402
 from h2jax.plan._cost import (  # noqa: E402
     CostOptions,
     PlanCost,
@@ -120,6 +121,11 @@ from h2jax.plan._search import (  # noqa: E402
 from h2jax.plan._simulate import SimEvent, SimResult, simulate, simulate_plan  # noqa: E402
 
 __all__ += [
+    "Baseline",
+    "Searcher",
+    "idle_chips",
+    "matched_total",
+    "same_batch",
     "DEFAULT_TIME_BUDGET_S",
     "GIB",
     "PROGRAM",

@@ -149,7 +149,11 @@ def test_a_baseline_that_does_not_fit_says_why_and_the_ratio_is_over_the_types_t
     out = " ".join(r.stdout.split())
     assert "nan" not in out
     assert re.search(r"homogeneous a100_80gb \(8 chips\) at global batch 512: no plan: the chips' memory holds", out)
-    assert re.search(r"over the chip types that fit alone \(h100_sxm\): [\d.]+ %", out), out
+    assert re.search(
+        r"same global batch \(512 hetero, 512 homogeneous\) \(no plan alone: a100_80gb\): [\d.]+ %", out
+    ), out
+    # on shares of the batch a100_80gb has no plan at any share either: the split gives it none
+    assert re.search(r"matched total batch \(512 hetero; homogeneous a100_80gb not run, h100_sxm at 512", out), out
 
 
 def test_the_cli_default_budget_is_the_search_default():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -138,7 +139,18 @@ def _cli(*args, cwd=None):
 def test_cli_plan_writes_a_trainable_experiment(tmp_path):
     r = _cli("plan", "configs/clusters/sim_mix.yaml", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert "HeteroSpeedupRatio at the same global batch (32 hetero, 32 homogeneous)" in r.stdout.replace("\n", " ")
+    out = " ".join(r.stdout.split())
+    same = re.search(r"HeteroSpeedupRatio at the same global batch \(32 hetero, 32 homogeneous\): ([\d.]+) %", out)
+    matched = re.search(
+        r"HeteroSpeedupRatio at the matched total batch \(32 hetero; homogeneous .* split searched\): ([\d.]+) %", out
+    )
+    assert same and matched, out
+    report = json.loads((tmp_path / "comparison.json").read_text())  # both ratios in the plan's files
+    assert report["chips_used"] == {"sim_a": [4, 4], "sim_b": [4, 4]} and report["idle"] == {}
+    ratios = report["heterospeedup"]
+    assert f"{100 * ratios['same_batch']['ratio']:.1f}" == same.group(1)
+    assert f"{100 * ratios['matched_total']['ratio']:.1f}" == matched.group(1)
+    assert sum(ratios["matched_total"]["shares"].values()) == 32
     ok = _cli("check-config", str(tmp_path / "experiment.yaml"))
     assert ok.returncode == 0, ok.stderr
     # simulate writes its trace and picture by default (it wrote nothing without --out), and a
@@ -178,6 +190,7 @@ def test_cli_plan_explains_every_word_it_prints_and_keeps_an_earlier_plan(tmp_pa
         "TGS": "TGS:",
         "(exact)": "`exact`",
         "HeteroSpeedupRatio": "HeteroSpeedupRatio:",
+        "matched total batch": "matched total batch:",
     }
     for printed, word in terms.items():
         assert printed in out and word in explained, (printed, word)
@@ -187,7 +200,7 @@ def test_cli_plan_explains_every_word_it_prints_and_keeps_an_earlier_plan(tmp_pa
     assert "`h2jax train` reads it there: the experiment.yaml" in header and "read by `h2jax train`" not in header
     kept = sorted(p.name for p in tmp_path.iterdir())
     stamp = [p for p in kept if p.startswith("plan.") and p != "plan.yaml"]
-    assert len(kept) == 4 and {"plan.yaml", "experiment.yaml"} <= set(kept) and len(stamp) == 1, kept
+    assert len(kept) == 6 and {"plan.yaml", "experiment.yaml", "comparison.json"} <= set(kept) and len(stamp) == 1, kept
     assert f"the earlier {tmp_path / 'plan.yaml'} is kept as {tmp_path / stamp[0]}" in " ".join(r.stderr.split())
 
 

@@ -3,7 +3,9 @@ section and per docs file), so the docs cannot drift from the code.
 
 What is adjusted, and why (the table ``ADJUST`` below, each with its reason):
 - training commands get ``train.steps=2`` (the README's own override mechanism; the last
-  override wins), measuring commands ``--repeats 1``, the alignment run level 3 steps;
+  override wins), the alignment run level 3 steps; measuring commands run as written (their
+  default five rounds and the profiler's extra rounds: with three, a block's optimizer step
+  still fitted below 0 s on a loaded host and the profile was, rightly, refused);
 - ``h2jax align`` without a config file runs on ``configs/tiny.yaml`` (2 layers, the default
   job's chip types sim_a and sim_b): its op level evaluates every operator of a step on every
   chip type (990 on the default 6-layer model, 374 on the tiny one) and what the commands
@@ -101,9 +103,6 @@ def adjust(cmd: str) -> tuple[list[str] | None, str]:
         if at == len(argv) or argv[at].startswith("-") or "=" in argv[at]:  # no config file: the default job
             argv.insert(at, "configs/tiny.yaml")
             why.append("the tiny model")
-    if "--measure" in argv:  # a median of three: one round alone fitted a block to < 0 s on a busy host
-        argv += ["--repeats", "3"]
-        why.append("3 rounds")
     if "--steps" in argv:
         argv[argv.index("--steps") + 1] = "3"
         why.append("3 steps")

@@ -1,0 +1,188 @@
+"""What a heterogeneous plan is compared with: each chip type training alone, as its own job.
+
+HeteroSpeedupRatio = the heterogeneous plan's tokens/s / the sum of the homogeneous jobs'
+tokens/s (DESIGN.md, "Words"). Which global batch each homogeneous job trains at decides what
+the ratio means, so two are computed and always named:
+
+- **matched total** (:func:`matched_total`): the homogeneous jobs' global batches sum to the
+  heterogeneous job's -- the same sequences per step, shared among the chip types -- and the
+  split is searched: each chip type's share is a multiple of ``global_batch / grid`` (0: that
+  chip type does not train), each job at its share is planned by the same search, and a
+  dynamic program over the chip types picks the split whose jobs add up to the most tokens/s.
+  This is "the sum of its parts on the same data": the fair test of a claim that the mixed
+  cluster beats its chip types run apart. A coarser grid can only miss a better split, which
+  would lower the baseline and raise the ratio, so the grid is printed with it.
+- **same batch** (:func:`same_batch`): every homogeneous job at the whole global batch. Each
+  job then takes as many sequences per step as the whole mixed cluster, with a smaller
+  bubble than its share would give it, so this baseline is the larger and the ratio the lower;
+  H2's paper compares at the same batch.
+
+Pure: no jax. Every search here runs with the search's own effort over its own space (the
+hand settings that restrict a heterogeneous search -- grouping, beam -- would exclude the
+plans one chip type alone needs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from h2jax.plan._search import SearchOptions, SearchResult, search
+
+GRID = 8  # matched total: shares in multiples of global_batch / GRID (or the largest divisor below it)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The homogeneous jobs of one comparison: each chip type's global batch (its share; 0 where
+    that chip type does not train) and the best plan of its chips alone at that batch."""
+
+    kind: str  # "matched total" | "same batch"
+    global_batch: int  # the heterogeneous job's
+    shares: dict[str, int]
+    results: dict[str, SearchResult | None]  # None where the share is 0
+    unit: int = 0  # matched total: the shares' step (global_batch / the grid)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The jobs' tokens/s added up (the chip types with a plan)."""
+        return sum(r.cost.tokens_per_s for r in self.results.values() if r is not None and r.plan is not None)
+
+    def ratio(self, hetero_tokens_per_s: float) -> float:
+        """HeteroSpeedupRatio against these jobs (nan when none of them has a plan)."""
+        total = self.tokens_per_s
+        return hetero_tokens_per_s / total if total > 0 else float("nan")
+
+    def without_plan(self) -> list[str]:
+        """Chip types given a share whose chips alone have no plan at it."""
+        return [n for n, r in self.results.items() if r is not None and r.plan is None]
+
+    def describe(self) -> str:
+        """The split in words: "gaudi2 at 192, h100_sxm at 320 (of 512; shares in steps of 64)"."""
+        parts = [f"{n} at {b}" if b else f"{n} not run" for n, b in self.shares.items()]
+        step = f"; shares in steps of {self.unit}" if self.unit else ""
+        return f"{', '.join(parts)} (of {self.global_batch}{step})"
+
+    def to_dict(self, hetero_tokens_per_s: float) -> dict[str, Any]:
+        """What the plan's files keep of it."""
+        return {
+            "global_batch": self.global_batch,
+            "shares": dict(self.shares),
+            "share_step": self.unit or None,
+            "tokens_per_s": {
+                n: (round(r.cost.tokens_per_s, 1) if r is not None and r.plan is not None else None)
+                for n, r in self.results.items()
+            },
+            "ratio": round(self.ratio(hetero_tokens_per_s), 4),
+        }
+
+
+class Searcher:
+    """Each chip type's best homogeneous plan at a global batch, searched once per (chip type,
+    batch) and kept: the same-batch and matched-total baselines share their searches."""
+
+    def __init__(self, cluster: Any, model: Any, *, table: Any = None, opts: SearchOptions | None = None):
+        self.cluster, self.model, self.table = cluster, model, table
+        base = opts if opts is not None else SearchOptions()
+        self.opts = dataclasses.replace(base, group_size=None, max_options_per_chip=None, auto=True)
+        self._done: dict[tuple[str, int], SearchResult] = {}
+
+    def __call__(self, chip: str, global_batch: int) -> SearchResult:
+        key = (chip, global_batch)
+        if key not in self._done:
+            self._done[key] = search(
+                self.cluster.only(chip), self.model, global_batch=global_batch, table=self.table, opts=self.opts
+            )
+        return self._done[key]
+
+    def tokens_per_s(self, chip: str, global_batch: int) -> float | None:
+        """tokens/s of the chip type alone at `global_batch`; None where no plan fits (0 sequences: 0)."""
+        if global_batch == 0:
+            return 0.0
+        r = self(chip, global_batch)
+        return r.cost.tokens_per_s if r.plan is not None else None
+
+
+def same_batch(searcher: Searcher, global_batch: int) -> Baseline:
+    """Every chip type alone at the whole `global_batch` (module docstring)."""
+    names = list(searcher.cluster.names)
+    return Baseline(
+        "same batch",
+        global_batch,
+        {n: global_batch for n in names},
+        {n: searcher(n, global_batch) for n in names},
+    )
+
+
+def share_unit(global_batch: int, grid: int = GRID) -> int:
+    """The step of the matched-total shares: global_batch / g for the largest g <= `grid` that
+    divides it (so the shares add up to the global batch exactly)."""
+    g = max(d for d in range(1, min(grid, global_batch) + 1) if global_batch % d == 0)
+    return global_batch // g
+
+
+def matched_total(searcher: Searcher, global_batch: int, *, grid: int = GRID) -> Baseline:
+    """The chip types alone on shares of `global_batch` that sum to it, the split searched
+    (module docstring): the split with the most tokens/s added up over the jobs that have a
+    plan at their share. Where no split gives every share a plan, each chip type without one
+    takes 0 (it is not run); a Baseline whose tokens/s is 0 when no chip type has a plan at any
+    share."""
+    names = list(searcher.cluster.names)
+    unit = share_unit(global_batch, grid)
+    g = global_batch // unit
+    # best[j] = (tokens/s, shares) over the chip types so far with j units given out
+    best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    for n in names:
+        tps = [searcher.tokens_per_s(n, j * unit) for j in range(g + 1)]
+        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for used, (total, shares) in best.items():
+            for j in range(g + 1 - used):
+                if tps[j] is None:
+                    continue
+                cand = (total + tps[j], (*shares, j))
+                if used + j not in nxt or cand[0] > nxt[used + j][0]:
+                    nxt[used + j] = cand
+        best = nxt
+    _, units = best.get(g, (0.0, (0,) * len(names)))
+    shares = {n: j * unit for n, j in zip(names, units)}
+    return Baseline(
+        "matched total",
+        global_batch,
+        shares,
+        {n: (searcher(n, b) if b else None) for n, b in shares.items()},
+        unit=unit,
+    )
+
+
+def idle_chips(result: SearchResult, cluster: Any) -> dict[str, tuple[int, str]]:
+    """{chip type: (chips the plan leaves idle, why)} for every chip type the plan does not use
+    whole. The data degree of a stage is the largest that divides the microbatch and fits its
+    share of the chip type's devices (``h2jax.plan.data_degrees``), so devices are left over
+    where the next larger data degree would not divide the microbatch or not fit."""
+    plan, cost = result.plan, result.cost
+    out: dict[str, tuple[int, str]] = {}
+    for chip in cluster.names:
+        n = cluster.devices(chip)
+        used = cost.devices_by_chip.get(chip, 0)
+        if used >= n:
+            continue
+        stages = [s for s in plan.stages if s.chip == chip]
+        if not stages:
+            why = "the best plan found has no stage on it (a stage there made the step slower or did not fit)"
+        else:
+            s0 = stages[0]
+            k, t, d, mb = len(stages), s0.tensor, s0.data, plan.microbatch_size
+            what = f"{k} stage{'s' if k > 1 else ''} of data x tensor {d} x {t}"
+            larger = [x for x in range(d + 1, mb + 1) if mb % x == 0]
+            if not larger:
+                why = f"{what}: the data degree is the whole microbatch ({mb} sequences), one sequence per replica"
+            elif k * larger[0] * t > n:
+                why = (
+                    f"{what}: the data degree divides the microbatch ({mb} sequences) and the next divisor, "
+                    f"{larger[0]}, would need {k * larger[0] * t} chips"
+                )
+            else:
+                why = f"{what}: a data degree of {larger[0]} (the next divisor of the microbatch) does not fit a node"
+        out[chip] = (n - used, why)
+    return out

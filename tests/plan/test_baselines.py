@@ -1,0 +1,110 @@
+"""The homogeneous jobs a heterogeneous plan is compared with (h2jax.plan._baselines): the
+matched-total split is the best of every split on its grid, the shares add up to the global
+batch, and chips a plan leaves idle are named with the reason."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from h2jax.plan import Cluster, ModelShape, Plan, Searcher, StageSpec, estimate, idle_chips, matched_total, same_batch
+from h2jax.plan._baselines import share_unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class TableSearcher:
+    """A stand-in Searcher with a fixed tokens/s per (chip type, batch); None: no plan fits."""
+
+    def __init__(self, table: dict[str, dict[int, float | None]]):
+        self.cluster = SimpleNamespace(names=list(table))
+        self.table = table
+
+    def tokens_per_s(self, chip: str, b: int) -> float | None:
+        return 0.0 if b == 0 else self.table[chip][b]
+
+    def __call__(self, chip: str, b: int):
+        tps = self.table[chip][b]
+        return SimpleNamespace(plan=None if tps is None else object(), cost=SimpleNamespace(tokens_per_s=tps))
+
+
+def _brute(s: TableSearcher, gb: int, unit: int) -> float:
+    """The most tokens/s over every split of gb into multiples of unit (a chip type without a
+    plan at its share cannot take it)."""
+    best = 0.0
+    names = s.cluster.names
+    for units in itertools.product(range(gb // unit + 1), repeat=len(names)):
+        if sum(units) * unit != gb:
+            continue
+        tps = [s.tokens_per_s(n, j * unit) for n, j in zip(names, units)]
+        if None not in tps:
+            best = max(best, sum(tps))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_matched_total_split_is_the_best_split_on_its_grid(seed):
+    import random
+
+    rng = random.Random(seed)
+    gb = rng.choice([8, 16, 24, 32, 40])
+    unit = share_unit(gb)
+    names = [f"c{i}" for i in range(rng.choice([2, 3, 4]))]
+    table = {
+        n: {b: (None if rng.random() < 0.2 else rng.uniform(1, 100)) for b in range(unit, gb + 1, unit)} for n in names
+    }
+    s = TableSearcher(table)
+    got = matched_total(s, gb)
+    assert sum(got.shares.values()) == gb or got.tokens_per_s == 0
+    assert all(b % unit == 0 for b in got.shares.values())
+    assert got.tokens_per_s == pytest.approx(_brute(s, gb, unit), rel=1e-12)
+    assert got.ratio(2 * got.tokens_per_s) == pytest.approx(2.0) or got.tokens_per_s == 0
+
+
+def test_share_steps_divide_the_global_batch():
+    assert [share_unit(b) for b in (512, 2048, 32, 24, 15, 7, 1)] == [64, 256, 4, 3, 3, 1, 1]
+
+
+def test_on_a_real_cluster_the_split_is_searched_and_the_same_batch_baseline_is_the_whole_batch():
+    cluster = Cluster.load(ROOT / "configs" / "clusters" / "sim_mix.yaml")
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "configs" / "clusters" / "sim_mix.yaml").read_text())
+    model, gb = ModelShape.from_config(raw["model"]), raw["global_batch"]
+    searcher = Searcher(cluster, model)
+    same, matched = same_batch(searcher, gb), matched_total(searcher, gb)
+    assert same.shares == {n: gb for n in cluster.names}
+    assert sum(matched.shares.values()) == gb
+    # every split on the grid, each job searched alone: none adds up to more
+    unit = matched.unit
+    a, b = cluster.names
+    splits = [(j * unit, gb - j * unit) for j in range(gb // unit + 1)]
+    totals = [
+        sum(searcher.tokens_per_s(n, x) or 0.0 for n, x in zip((a, b), split))
+        for split in splits
+        if all(searcher.tokens_per_s(n, x) is not None for n, x in zip((a, b), split))
+    ]
+    assert matched.tokens_per_s == pytest.approx(max(totals))
+    d = matched.to_dict(matched.tokens_per_s)
+    assert d["ratio"] == 1.0 and d["share_step"] == unit and sum(d["shares"].values()) == gb
+
+
+def test_idle_chips_are_named_with_the_reason():
+    cluster = Cluster.load(ROOT / "configs" / "clusters" / "sim_mix.yaml")
+    model = ModelShape(n_layers=4, d_model=128, n_heads=4, d_ff=512, vocab_size=256, seq_len=128)
+    a, b = cluster.names
+    # a microbatch of 2 sequences: stage 0 on 2 of sim_a's 4 chips (data 2 is the whole microbatch)
+    plan = Plan(
+        (StageSpec(a, (0, 2), data=2, tensor=1), StageSpec(b, (2, 4), data=2, tensor=2)),
+        global_batch=8,
+        num_microbatches=4,
+    )
+    res = SimpleNamespace(plan=plan, cost=estimate(plan, model, cluster))
+    idle = idle_chips(res, cluster)
+    assert set(idle) == {a}
+    n, why = idle[a]
+    assert n == cluster.devices(a) - 2
+    assert "data x tensor 2 x 1" in why and "the whole microbatch (2 sequences)" in why
