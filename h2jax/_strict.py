@@ -120,8 +120,8 @@ def check_value(tp: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1 and typing.get_origin(inner[0]) in (list, tuple, dict):
-            return check_value(inner[0], value, key)  # a container or null: the container's own message
+        if len(inner) == 1 and (typing.get_origin(inner[0]) in (list, tuple, dict) or inner[0] in PARSERS):
+            return check_value(inner[0], value, key)  # a container (or a parsed type) or null: its own message
         errors = []
         for a in args:
             if a is type(None):

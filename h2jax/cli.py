@@ -45,15 +45,14 @@ def _split_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _plan_table(cfg) -> Table:
-    t = Table(
-        title=f"plan: {cfg.plan.num_stages} stages, {cfg.plan.schedule}, global batch "
-        f"{cfg.plan.global_batch} = {cfg.plan.num_microbatches} x {cfg.plan.microbatch_size}"
-    )
-    for col in ("stage", "chip", "data x tensor", "layers", "recompute", "chip memory"):
+    t = Table(title=f"plan: {cfg.plan.num_stages} stages, {cfg.plan.describe()}")
+    several = bool(cfg.plan.pipelines)
+    for col in ("pipeline",) * several + ("stage", "chip", "data x tensor", "layers", "recompute", "chip memory"):
         t.add_column(col)
     for s, st in enumerate(cfg.plan.stages):
         chip = cfg.cluster.chips[st.chip]
         t.add_row(
+            *((str(cfg.plan.pipeline_of_stage(s)),) if several else ()),
             str(s),
             st.chip + (" (emulated)" if chip.emulated else ""),
             f"{st.data} x {st.tensor}",

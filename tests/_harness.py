@@ -112,6 +112,86 @@ def split_cfg(name: str, schedule: str = "zb-h1", **extra: str):
     return plan_cfg(n_layers, schedule, stages, **extra)
 
 
+def P(global_batch, num_microbatches, schedule, stages) -> dict:
+    """One pipeline of a plan."""
+    return {"global_batch": global_batch, "num_microbatches": num_microbatches, "schedule": schedule, "stages": stages}
+
+
+# plans of several pipelines: name -> (n_layers, pipelines) (tests/runtime/test_pipelines.py)
+PIPELINE_PLANS = {
+    # 2 pipelines, shares 6 + 10 (microbatches of 2 sequences each), 1f1b beside gpipe; tensor 2 on
+    # one, recompute and data 2 on the other; 4 chip types
+    "2p-1f1b-gpipe": (
+        4,
+        [
+            P(6, 3, "1f1b", [S("sim_a", (0, 2)), S("sim_b", (2, 4), 1, 2)]),
+            P(10, 5, "gpipe", [S("sim_c", (0, 3), 2, 1, True), S("sim_d", (3, 4))]),
+        ],
+    ),
+    # 2 pipelines, shares 4 + 12 with microbatches of 1 and 4 sequences; zb-h1 (split backward)
+    # beside a one-stage pipeline (the whole model on one mesh: tensor 2 x data 2)
+    "2p-zbh1-one-stage": (
+        4,
+        [
+            P(4, 4, "zb-h1", [S("sim_a", (0, 1)), S("sim_b", (1, 3), 1, 2), S("sim_a", (3, 4))]),
+            P(12, 3, "1f1b", [S("sim_c", (0, 4), 2, 2)]),
+        ],
+    ),
+    # zb-v (two chunks per stage, the V placement) beside 1f1b with an uneven split
+    "2p-zbv-1f1b": (
+        4,
+        [
+            P(8, 4, "zb-v", [C("sim_a", [(0, 1), (3, 4)]), C("sim_b", [(1, 2), (2, 3)], 1, 2)]),
+            P(8, 2, "1f1b", [S("sim_c", (0, 3), 1, 1, True), S("sim_d", (3, 4), 2, 1)]),
+        ],
+    ),
+    # under mpirun: one process per stage (3), a one-stage pipeline beside two stages
+    "2p-mpirun": (
+        4,
+        [
+            P(6, 3, "1f1b", [S("sim_a", (0, 2)), S("sim_b", (2, 4), 1, 2)]),
+            P(10, 5, "zb-h1", [S("sim_c", (0, 4), 2, 1, True)]),
+        ],
+    ),
+    # 3 pipelines on three chip types, shares 2 + 6 + 8, microbatches of 1, 2 and 4 sequences
+    "3p-three-types": (
+        5,
+        [
+            P(2, 2, "1f1b", [S("sim_a", (0, 2)), S("sim_a", (2, 5))]),
+            P(6, 3, "zb-h1", [S("sim_b", (0, 1), 2, 1), S("sim_b", (1, 5), 1, 2, True)]),
+            P(8, 2, "gpipe", [S("sim_c", (0, 4), 2, 2), S("sim_d", (4, 5))]),
+        ],
+    ),
+}
+
+
+def pipelines_cfg(pipelines, n_layers: int, **extra: str):
+    """plan_cfg's experiment with a plan of several pipelines."""
+    from h2jax.config import load_config
+
+    overrides = MODEL + [
+        CLUSTER,
+        f"model.n_layers={n_layers}",
+        f"plan={ {'pipelines': pipelines} }",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "optimizer.warmup_steps=1",
+        "optimizer.lr=1e-2",
+        "optimizer.eps=1e-3",
+        "train.steps=3",
+        "optimizer.clip_norm=0.5",
+    ]
+    return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
+
+
+def named_cfg(plan: str, **extra: str):
+    """The experiment of a named plan: of several pipelines (PIPELINE_PLANS) or tied (TIED_PLANS)."""
+    if plan in PIPELINE_PLANS:
+        n_layers, pipelines = PIPELINE_PLANS[plan]
+        return pipelines_cfg(pipelines, n_layers, **extra)
+    return tied_cfg(plan, **extra)
+
+
 # -- pipeline == sequential ---------------------------------------------------------------------
 
 

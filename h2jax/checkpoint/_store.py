@@ -556,11 +556,10 @@ class CheckpointStore:
         # process (simulated ranks on threads) race on their temporary directories
         with _SYNC_SAVES if not self.async_save else contextlib.nullcontext():
             try:
-                mgr.save(
-                    step,
-                    args=ocp.args.Composite(state=ocp.args.PyTreeSave(nest(state)), meta=ocp.args.JsonSave(dict(meta))),
-                    force=True,
-                )
+                # a part may hold no array (a process whose stages hold only copies others own and
+                # save: the pipelines of a job after the first): its meta alone
+                items = {"state": ocp.args.PyTreeSave(nest(state))} if state else {}
+                mgr.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(dict(meta))), force=True)
             except Exception as e:  # noqa: BLE001 -- any failure of the write names the path and step
                 raise CheckpointSaveError(self.part_dir() / str(step), step, e) from e
             self._pending = step
@@ -730,7 +729,10 @@ class CheckpointStore:
 
     def _array_metadata(self, part: str, step: int) -> dict[str, Any]:
         try:
-            meta = self._reader(part).item_metadata(step)["state"]
+            items = self._reader(part).item_metadata(step)
+            meta = items["state"] if "state" in items else None
+            if meta is None:  # a part saved with no array (save); what it lacks, restore names
+                return {}
             return unnest(dict(meta.tree) if hasattr(meta, "tree") else dict(meta))
         except Exception as e:  # noqa: BLE001 -- a damaged step is named, with its directory
             raise CheckpointCorruptError(self.dir, step, e) from e

@@ -109,6 +109,13 @@ def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str
     raw = copy.deepcopy(raw)
     for text in overrides:
         apply_override(raw, *parse_override(text))
+    plan = raw.get("plan")
+    if isinstance(plan, dict) and plan.get("pipelines"):
+        # a plan of several pipelines: the default one-pipeline plan's keys are not its own
+        default = default_raw().get("plan") or {}
+        for key in ("stages", "num_microbatches", "schedule", "global_batch"):
+            if key in plan and plan[key] == default.get(key):
+                del plan[key]
     return raw
 
 

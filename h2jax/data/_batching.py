@@ -88,6 +88,15 @@ def get_global_batch(
     return windows[..., :-1], windows[..., 1:]
 
 
+def microbatch_split(plan: Any) -> tuple[int, int]:
+    """(microbatches, sequences per microbatch) a step's batch is cut into: the plan's own, or
+    for a plan of several pipelines (1, global batch) -- each pipeline cuts its rows of it into
+    its own microbatches (h2jax.runtime._pipelines)."""
+    if getattr(plan, "pipelines", None):
+        return 1, plan.global_batch
+    return plan.num_microbatches, plan.microbatch_size
+
+
 def step_batch(dataset: Any, cfg: Any, step: int, *, position: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The global batch of ``step`` of an experiment ``cfg`` (its seed, plan and sequence length):
     ``(tokens, targets)`` int32 [num_microbatches, microbatch_size, seq_len].
@@ -99,16 +108,17 @@ def step_batch(dataset: Any, cfg: Any, step: int, *, position: int | None = None
     p = cfg.plan
     from h2jax.data._sequences import SequenceStream
 
+    m, mb = microbatch_split(p)
     if isinstance(dataset, SequenceStream):
         start = step * p.global_batch if position is None else position
         rows = dataset.next_batch(start, p.global_batch).tokens
-        return split_rows(rows.reshape(p.num_microbatches, p.microbatch_size, rows.shape[-1]))
+        return split_rows(rows.reshape(m, mb, rows.shape[-1]))
     return get_global_batch(
         dataset,
         seed=cfg.seed,
         step=step,
-        num_microbatches=p.num_microbatches,
-        microbatch_size=p.microbatch_size,
+        num_microbatches=m,
+        microbatch_size=mb,
         seq_len=cfg.model.seq_len,
     )
 
@@ -147,4 +157,4 @@ def step_segments(dataset: Any, cfg: Any, step: int, *, position: int | None = N
     p = cfg.plan
     start = step * p.global_batch if position is None else position
     seg = dataset.next_batch(start, p.global_batch).segments[:, :-1]
-    return seg.reshape(p.num_microbatches, p.microbatch_size, seg.shape[-1])
+    return seg.reshape(*microbatch_split(p), seg.shape[-1])

@@ -179,8 +179,11 @@ def shared_parameters(model: nnx.Module, plan: Any) -> list[SharedParam]:
     held: dict[int, list[tuple[int, str]]] = {}
     nodes: dict[int, nnx.Param] = {}
     n = plan.num_stages
+    # several pipelines: each pipeline's first and last positions hold the embedding and the head
+    firsts = getattr(plan, "firsts", None) or [s == 0 for s in range(n)]
+    lasts = getattr(plan, "lasts", None) or [s == n - 1 for s in range(n)]
     for s, spec in enumerate(plan.stages):
-        module = StageModule(model, layers=spec.layers, first=s == 0, last=s == n - 1)
+        module = StageModule(model, layers=spec.layers, first=firsts[s], last=lasts[s])
         for path, node in nnx.iter_graph(module):  # each node once, at the path nnx.split gives it
             if isinstance(node, nnx.Param):
                 held.setdefault(id(node), []).append((s, "/".join(map(str, path))))

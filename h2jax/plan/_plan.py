@@ -111,35 +111,120 @@ class Plan:
     `num_microbatches` equal microbatches that flow through the pipeline. More
     microbatches shrink the pipeline bubble (~(num_stages-1)/num_microbatches of a step)
     but make each microbatch smaller, and so each kernel less efficient.
+
+    A job of several pipelines gives ``pipelines`` instead of ``stages``,
+    ``num_microbatches`` and ``schedule``: each pipeline is a one-pipeline Plan over the whole
+    model (its own stages, schedule, microbatches and share of the step, its ``global_batch``).
+    The job's ``global_batch`` is their sum (derived when not given), ``stages`` every
+    pipeline's stages in turn (the job's stage index: pipeline 0's first), ``num_microbatches``
+    every pipeline's together, and ``schedule`` None; a step's sequences are the job's global
+    batch in order, pipeline 0 taking the first of them (:meth:`sequence_ranges`).
     """
 
-    stages: tuple[StageSpec, ...]
-    global_batch: int
-    num_microbatches: int
-    schedule: Schedule = "1f1b"  # type: ignore[assignment]  # a name or file is read by as_schedule
-    """The pipeline schedule (a name, ``name:chunks`` or a schedule file is read into one); where
-    its chunk count is a choice, the stages' is its (stage 0's: :func:`check_plan` makes them
-    equal)."""
+    stages: tuple[StageSpec, ...] = ()
+    global_batch: int | None = None
+    num_microbatches: int | None = None
+    schedule: Schedule | None = None  # type: ignore[assignment]  # a name or file is read by as_schedule
+    """The pipeline schedule (a name, ``name:chunks`` or a schedule file is read into one; default
+    1f1b); where its chunk count is a choice, the stages' is its (stage 0's: :func:`check_plan`
+    makes them equal). None in a plan of several pipelines (each has its own)."""
     model: str | None = None
+    pipelines: tuple[Plan, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, list):
             object.__setattr__(self, "stages", tuple(self.stages))
+        if len(self.pipelines) == 1:  # a plan of one pipeline is that pipeline
+            (pipe,) = self.pipelines
+            if self.global_batch not in (None, pipe.global_batch) or self.stages or self.num_microbatches is not None:
+                self._join_pipelines()  # names what is given twice
+            for name in ("stages", "global_batch", "num_microbatches", "schedule"):
+                object.__setattr__(self, name, getattr(pipe, name))
+            object.__setattr__(self, "pipelines", ())
+            return
+        if self.pipelines:
+            self._join_pipelines()
+            return
+        for name in ("global_batch", "num_microbatches"):
+            if getattr(self, name) is None:
+                raise PlanError(f"plan.{name}", "required key is missing (or give plan.pipelines)")
         try:
-            sched = as_schedule(self.schedule)
+            sched = as_schedule(self.schedule if self.schedule is not None else "1f1b")
             if sched.chunk_choice and self.stages and self.stages[0].num_chunks != sched.chunks:
                 sched = sched.with_chunks(self.stages[0].num_chunks)
         except ScheduleError as e:
             raise PlanError("plan.schedule", str(e)) from None
         object.__setattr__(self, "schedule", sched)
 
+    def _join_pipelines(self) -> None:
+        pipes = tuple(self.pipelines)
+        object.__setattr__(self, "pipelines", pipes)
+        for name in ("stages", "num_microbatches", "schedule"):
+            if getattr(self, name) not in (None, ()):
+                raise PlanError(f"plan.{name}", "a plan of several pipelines sets it in each of plan.pipelines")
+        for i, pipe in enumerate(pipes):
+            if pipe.pipelines:
+                raise PlanError(f"plan.pipelines[{i}].pipelines", "a pipeline holds stages, not pipelines")
+        total = sum(pipe.global_batch for pipe in pipes)
+        if self.global_batch is not None and self.global_batch != total:
+            shares = " + ".join(str(pipe.global_batch) for pipe in pipes)
+            raise PlanError(
+                "plan.global_batch",
+                f"global_batch={self.global_batch}, but the pipelines' global batches add up to {shares} = {total}",
+            )
+        object.__setattr__(self, "global_batch", total)
+        object.__setattr__(self, "num_microbatches", sum(pipe.num_microbatches for pipe in pipes))
+        object.__setattr__(self, "stages", tuple(st for pipe in pipes for st in pipe.stages))
+
+    @property
+    def num_pipelines(self) -> int:
+        return max(len(self.pipelines), 1)
+
+    def pipeline_plans(self) -> tuple[Plan, ...]:
+        """Each pipeline as a one-pipeline plan (a one-pipeline plan: itself)."""
+        return self.pipelines or (self,)
+
+    def stage_offsets(self) -> tuple[int, ...]:
+        """The job's stage index of each pipeline's stage 0."""
+        out, at = [], 0
+        for pipe in self.pipeline_plans():
+            out.append(at)
+            at += pipe.num_stages
+        return tuple(out)
+
+    def pipeline_of_stage(self, stage: int) -> int:
+        """The pipeline that holds the job's stage ``stage``."""
+        offsets = self.stage_offsets()
+        return max(p for p, off in enumerate(offsets) if off <= stage)
+
+    def sequence_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each pipeline's [start, end) of a step's global batch, in pipeline order."""
+        out, at = [], 0
+        for pipe in self.pipeline_plans():
+            out.append((at, at + pipe.global_batch))
+            at += pipe.global_batch
+        return tuple(out)
+
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
+    def describe(self) -> str:
+        """The schedule and batch in words: "1f1b, global batch 32 = 8 x 4"; several pipelines:
+        "2 pipelines (1f1b 3 x 4, zb-v 5 x 4), global batch 32"."""
+        if not self.pipelines:
+            return (
+                f"{self.schedule}, global batch {self.global_batch} = {self.num_microbatches} x {self.microbatch_size}"
+            )
+        each = ", ".join(f"{p.schedule} {p.num_microbatches} x {p.microbatch_size}" for p in self.pipelines)
+        return f"{len(self.pipelines)} pipelines ({each}), global batch {self.global_batch}"
+
     @property
     def microbatch_size(self) -> int:
-        """Sequences per microbatch (global_batch // num_microbatches)."""
+        """Sequences per microbatch (global_batch // num_microbatches); a plan of several
+        pipelines has one per pipeline (``pipelines[i].microbatch_size``)."""
+        if self.pipelines:
+            raise PlanError("plan.pipelines", "a plan of several pipelines has a microbatch size per pipeline")
         return self.global_batch // self.num_microbatches
 
     @property
@@ -151,8 +236,18 @@ class Plan:
     def positions(self) -> tuple[tuple[int, int], ...]:
         """(stage_idx, chunk) at each model position 0..num_stages*num_chunks-1 (position 0
         holds the embedding, the last the head), as the schedule places the chunks; for a
-        one-chunk schedule simply (s, 0) per stage. Needs a plan :func:`check_plan` accepts."""
+        one-chunk schedule simply (s, 0) per stage. Needs a plan :func:`check_plan` accepts.
+        Several pipelines: each pipeline's positions in turn, by the job's stage index (each
+        pipeline's first position holds the embedding, its last the head)."""
+        if self.pipelines:
+            return tuple(
+                (s + off, c) for pipe, off in zip(self.pipelines, self.stage_offsets()) for s, c in pipe.positions()
+            )
         return self.schedule.positions(self.num_stages)
+
+    def position_pipelines(self) -> tuple[int, ...]:
+        """The pipeline of each position (:meth:`positions`)."""
+        return tuple(p for p, pipe in enumerate(self.pipeline_plans()) for _ in pipe.positions())
 
     def position_specs(self) -> tuple[StageSpec, ...]:
         """The one-chunk StageSpec of every model position (see :meth:`positions`): the plan
@@ -164,6 +259,12 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of YAML-able values; `layers` becomes a 2-element list, `chunks` (a
         stage of several chunks, written instead of `layers`) a list of them."""
+        if self.pipelines:
+            return {
+                "model": self.model,
+                "global_batch": self.global_batch,
+                "pipelines": [{k: v for k, v in pipe.to_dict().items() if k != "model"} for pipe in self.pipelines],
+            }
         return {
             "model": self.model,
             "global_batch": self.global_batch,
@@ -194,6 +295,8 @@ class Plan:
 
     def to_yaml_str(self) -> str:
         """The text `to_yaml` writes."""
+        if self.pipelines:
+            return self._pipelines_yaml()
         total_layers = sum(s.num_layers for s in self.stages)
         total_devices = sum(s.num_devices for s in self.stages)
         lines = [
@@ -223,6 +326,26 @@ class Plan:
         lines.append(_commented("stages:", "ordered: stage 0 = embedding side"))
         for stage in self.to_dict()["stages"]:
             lines.append(f"  - {_scalar(stage)}")
+        return "\n".join(lines) + "\n"
+
+    def _pipelines_yaml(self) -> str:
+        lines = [
+            "# h2jax plan: an experiment's `plan:` section (`h2jax train` reads it there); editable by hand.",
+            f"# {len(self.pipelines)} pipelines over one model, {sum(s.num_devices for s in self.stages)} devices: "
+            "each takes its share of a step's sequences",
+            "# (pipeline 0 the first); every parameter's gradient is summed over the pipelines.",
+            _commented(f"model: {_scalar(self.model)}", "model config this plan was made for"),
+            _commented(f"global_batch: {_scalar(self.global_batch)}", "sequences per optimizer step (the shares' sum)"),
+            "pipelines:",
+        ]
+        for pipe in self.pipelines:
+            d = pipe.to_dict()
+            lines.append("  - " + _commented(f"global_batch: {_scalar(d['global_batch'])}", "this pipeline's share"))
+            mb = f"microbatch = {pipe.microbatch_size} sequences"
+            lines.append("    " + _commented(f"num_microbatches: {_scalar(d['num_microbatches'])}", mb))
+            lines.append("    " + _commented(f"schedule: {_scalar(d['schedule'])}", "this pipeline's schedule"))
+            lines.append("    stages:")
+            lines += [f"      - {_scalar(st)}" for st in d["stages"]]
         return "\n".join(lines) + "\n"
 
     @classmethod
@@ -279,7 +402,14 @@ def _schedule_from_raw(value: Any, key: str) -> Schedule:
         raise PlanError(key, str(e)) from None
 
 
+def _check_plan_keys(values: dict[str, Any], key: str) -> None:
+    """A one-pipeline plan gives its stages (a plan of several pipelines gives pipelines)."""
+    if not values["pipelines"] and not values["stages"]:
+        raise PlanError(f"{key}.stages", "required key is missing or empty (or give plan.pipelines)")
+
+
 VALUE_CHECKS[StageSpec] = _check_stage
+VALUE_CHECKS[Plan] = _check_plan_keys
 PARSERS[Schedule] = _schedule_from_raw
 
 
@@ -308,6 +438,19 @@ def check_plan(
     or the tensor axis cannot shard that dim evenly.
     """
     p = key_prefix
+    if plan.pipelines:
+        for i, pipe in enumerate(plan.pipelines):
+            check_plan(
+                pipe,
+                num_layers=num_layers,
+                chip_devices=None,
+                devices_per_node=devices_per_node,
+                divisible_by_tensor=divisible_by_tensor,
+                key_prefix=f"{p}.pipelines[{i}]",
+            )
+        if chip_devices is not None:
+            _check_chip_devices(plan, chip_devices, p)
+        return
     if plan.num_stages < 1:
         raise PlanError(f"{p}.stages", f"the plan has {plan.num_stages} stages; expected at least 1")
     for i, s in enumerate(plan.stages):
@@ -336,14 +479,7 @@ def check_plan(
                     f"chip {s.chip!r} is not in the cluster; known chips: {', '.join(sorted(inventory)) or '(none)'}",
                 )
     if chip_devices is not None:
-        for chip, idxs in _stages_by_chip(plan).items():
-            need = [plan.stages[i].num_devices for i in idxs]
-            if sum(need) > chip_devices[chip]:
-                raise PlanError(
-                    f"{p}.stages",
-                    f"stages on chip {chip} need {_sum_text(need)} devices, the cluster has "
-                    f"{chip_devices[chip]} ({_stage_shapes(plan, idxs)})",
-                )
+        _check_chip_devices(plan, chip_devices, p)
     if devices_per_node is not None:
         for i, s in enumerate(plan.stages):
             if s.num_devices > devices_per_node[s.chip]:
@@ -375,6 +511,25 @@ def check_plan(
         for i, s in enumerate(plan.stages):
             if size % s.tensor:
                 raise PlanError(f"{p}.stages[{i}].tensor", f"tensor={s.tensor} does not divide {name}={size}")
+
+
+def _check_chip_devices(plan: Plan, chip_devices: Mapping[str, int], p: str) -> None:
+    """Every chip type's stages (of every pipeline) fit the cluster's devices of it."""
+    for i, s in enumerate(plan.stages):
+        if s.chip not in chip_devices:
+            where = f"{p}.stages[{i}].chip" if not plan.pipelines else f"{p}.pipelines[{plan.pipeline_of_stage(i)}]"
+            raise PlanError(
+                where,
+                f"chip {s.chip!r} is not in the cluster; known chips: {', '.join(sorted(chip_devices)) or '(none)'}",
+            )
+    for chip, idxs in _stages_by_chip(plan).items():
+        need = [plan.stages[i].num_devices for i in idxs]
+        if sum(need) > chip_devices[chip]:
+            raise PlanError(
+                f"{p}.stages" if not plan.pipelines else f"{p}.pipelines",
+                f"stages on chip {chip} need {_sum_text(need)} devices, the cluster has "
+                f"{chip_devices[chip]} ({_stage_shapes(plan, idxs)})",
+            )
 
 
 def _check_layers(plan: Plan, num_layers: int, p: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from h2jax.data import load_data, loss_weights, split_rows, step_batch, step_segments
+from h2jax.data import load_data, loss_weights, microbatch_split, split_rows, step_batch, step_segments
 from h2jax.runtime._procgroup import global_array
 
 
@@ -55,7 +55,7 @@ class DataFeed:
         p = self.cfg.plan
         val = self.validation()
         got = val.batch(i * p.global_batch, p.global_batch)
-        shape = (p.num_microbatches, p.microbatch_size, -1)
+        shape = (*microbatch_split(p), -1)
         tokens, targets = split_rows(got.tokens.reshape(shape))
         return tokens, targets, got.segments[:, :-1].reshape(shape) if val.packing else None
 

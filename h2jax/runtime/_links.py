@@ -32,9 +32,10 @@ def stage_pairs(plan: Any) -> list[tuple[int, int]]:
     """The (sending, receiving) stage of every boundary between two stages, in model order,
     each pair once (an interleaved plan's wrap-around pairs included)."""
     stage_of = [s for s, _ in plan.positions()]
+    pipe_of = plan.position_pipelines()  # several pipelines: no boundary from one to the next
     out: list[tuple[int, int]] = []
-    for a, b in zip(stage_of, stage_of[1:]):
-        if a != b and (a, b) not in out:
+    for (a, b), (pa, pb) in zip(zip(stage_of, stage_of[1:]), zip(pipe_of, pipe_of[1:])):
+        if a != b and pa == pb and (a, b) not in out:
             out.append((a, b))
     return out
 

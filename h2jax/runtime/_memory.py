@@ -16,23 +16,27 @@ import jax.numpy as jnp
 
 from h2jax._units import GIB
 from h2jax.config import ConfigError, ExperimentConfig, format_bytes
-from h2jax.runtime._runner import StageRunner
 from h2jax.runtime._stage import StageMemory
 
 
-def check_memory(
-    cfg: ExperimentConfig, runners: list[StageRunner], schedule: Any, boundaries: list[Any]
-) -> list[StageMemory]:
-    """The memory of each stage of ``runners`` (in their order); every stage that does not
-    fit its chip is named in one ConfigError, in stage order."""
+def check_memory(cfg: ExperimentConfig, pipe: Any) -> list[StageMemory]:
+    """The memory of each local stage of pipeline ``pipe`` (h2jax.runtime._wiring.Pipe; in
+    stage order); every stage that does not fit its chip is named in one ConfigError, in stage
+    order."""
+    schedule, boundaries, runners = pipe.schedule, pipe.boundaries, pipe.runners
     in_flight = schedule.max_in_flight()
-    mb, seq = cfg.plan.microbatch_size, cfg.model.seq_len
+    mb, seq = pipe.plan.microbatch_size, cfg.model.seq_len
+    where = f"plan.pipelines[{pipe.index}].stages" if cfg.plan.pipelines else "plan.stages"
     out, over = [], []
     for runner in runners:
-        s = runner.stage_idx
+        s = runner.stage_idx - pipe.stage_base  # its stage in the pipeline
         mems = []
         for st in runner.programs:
-            like = jax.ShapeDtypeStruct((mb, seq), jnp.int32) if st.first else boundaries[st.position - 1]
+            like = (
+                jax.ShapeDtypeStruct((mb, seq), jnp.int32)
+                if st.first
+                else boundaries[st.position - pipe.first_position - 1]
+            )
             x = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=st.act_sharding)
             t = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=st.act_sharding) if st.last else None
             # packed data (data.sources): every stage's programs take the microbatch's segment ids
@@ -60,7 +64,7 @@ def check_memory(
             b = format_bytes
             over.append(
                 (
-                    f"plan.stages[{s}]",
+                    f"{where}[{s}]",
                     f"needs {b(mem.total)} per device (params {b(mem.params)}, grads {b(mem.grads)}, optimizer "
                     f"{b(mem.opt_state)}, {held} {b(mem.activations)}, workspace {b(mem.workspace)}); chip "
                     f"{chip} has {b(limit)} (try recompute: true, more microbatches, or a larger tensor degree)",

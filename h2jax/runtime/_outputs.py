@@ -171,13 +171,16 @@ def mfu(cfg: ExperimentConfig, tokens_per_s: float) -> dict[str, float]:
 
     plan = cfg.plan
     per_token = ModelShape.from_config(cfg.model).train_flops_per_token()
-    head = plan.schedule.head_stage(plan.num_stages)
     done: dict[str, float] = {}
     peak: dict[str, float] = {}
-    for s, spec in enumerate(plan.stages):
-        flops = spec.num_layers * per_token["block"] + (per_token["head"] if s == head else 0.0)
-        done[spec.chip] = done.get(spec.chip, 0.0) + flops * tokens_per_s
-        peak[spec.chip] = peak.get(spec.chip, 0.0) + spec.num_devices * cfg.cluster.chips[spec.chip].peak_tflops * 1e12
+    for pipe in plan.pipeline_plans():  # each pipeline computes its share of the tokens
+        head = pipe.schedule.head_stage(pipe.num_stages)
+        tps = tokens_per_s * pipe.global_batch / plan.global_batch
+        for s, spec in enumerate(pipe.stages):
+            flops = spec.num_layers * per_token["block"] + (per_token["head"] if s == head else 0.0)
+            done[spec.chip] = done.get(spec.chip, 0.0) + flops * tps
+            chip_peak = spec.num_devices * cfg.cluster.chips[spec.chip].peak_tflops * 1e12
+            peak[spec.chip] = peak.get(spec.chip, 0.0) + chip_peak
     out = {"mfu": sum(done.values()) / sum(peak.values())}
     out.update({f"mfu/{chip}": done[chip] / peak[chip] for chip in done})
     return out
@@ -280,8 +283,8 @@ def write_outputs(
                 ev,
                 run_dir / "gantt.png",
                 stage_labels=labels,
-                title=f"{cfg.name}: step {gstep}, {cfg.plan.schedule}, {cfg.plan.num_microbatches} "
-                f"microbatch{'es' if cfg.plan.num_microbatches != 1 else ''}, {w.size} process{'es' if w.size > 1 else ''}, {cfg.train.transport}"
+                title=f"{cfg.name}: step {gstep}, {_plan_words(cfg.plan)}, {w.size} process{'es' if w.size > 1 else ''}, "
+                f"{cfg.train.transport}"
                 + (
                     ""
                     if mark is None
@@ -294,3 +297,27 @@ def write_outputs(
             )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _plan_words(plan: Any) -> str:
+    """The Gantt title's schedule and microbatches: "1f1b, 8 microbatches", "1 microbatch"; several
+    pipelines: :meth:`Plan.describe`."""
+    if plan.pipelines:
+        return plan.describe()
+    m = plan.num_microbatches
+    return f"{plan.schedule}, {m} microbatch{'es' if m != 1 else ''}"
+
+
+def model_name(model: Any) -> str:
+    """``module.Class`` of a user's model, or of what a builder is (a lambda: "a model builder")."""
+    from flax import nnx
+
+    if isinstance(model, nnx.Module):
+        cls = type(model)
+        return f"{cls.__module__}.{cls.__qualname__}"
+    name = getattr(model, "__qualname__", "")
+    return (
+        f"the model {getattr(model, '__module__', '?')}.{name} builds"
+        if name and "<lambda>" not in name
+        else "a model builder"
+    )

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from h2jax.checkpoint import CheckpointError, CheckpointStore, model_difference
+from h2jax.checkpoint import CheckpointError, CheckpointStore, leftover_steps, model_difference
 from h2jax.config import ExperimentConfig, config_to_dict
 from h2jax.runtime._metrics import METRICS_FILENAME, read_metrics
 from h2jax.runtime._world import MpiWorld, World
@@ -251,4 +251,14 @@ def nonfinite_error(
         "nothing was updated (train.nonfinite=skip would skip such steps)",
         step=step,
         stages=bad or [last],
+    )
+
+
+def leftovers_line(removed: list[str]) -> str:
+    """What cleanup removed, by step: a save cut off before every part was written."""
+    steps = leftover_steps(removed)
+    which = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" if steps else "a step"
+    return (
+        f"removed the unfinished save of {which} ({len(removed)} leftover file(s): it was cut off before "
+        f"every part was written, so it had never been committed)"
     )

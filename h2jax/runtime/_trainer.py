@@ -38,7 +38,7 @@ from flax import nnx
 from rich.console import Console
 
 from h2jax._console import make_console
-from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, leftover_steps, on_disk
+from h2jax.checkpoint import CheckpointError, CheckpointStore, failpoint, on_disk
 from h2jax.comm import LocalHub, PipelineAborted
 from h2jax.config import ConfigError, ExperimentConfig, check_inputs, check_launcher, save_config, validate
 from h2jax.models import build_model, check_calls, check_stageable
@@ -48,7 +48,8 @@ from h2jax.runtime._layout import by_model_path, flatten, load_state_by_layer, r
 from h2jax.runtime._links import link_table
 from h2jax.runtime._memory import check_memory
 from h2jax.runtime._metrics import MetricsLogger
-from h2jax.runtime._outputs import RunLock, prepare_run_dir, step_metrics, write_outputs
+from h2jax.runtime._outputs import RunLock, model_name, prepare_run_dir, step_metrics, write_outputs
+from h2jax.runtime._pipelines import exchange, run_pipelines, total_loss
 from h2jax.runtime._procgroup import fetch, local_value
 from h2jax.runtime._runner import StageFailure, run_stages
 from h2jax.runtime._stage import StageMemory, check_params_only
@@ -57,6 +58,7 @@ from h2jax.runtime._state import (
     checkpoint_meta,
     checkpoint_writer,
     clip_scale,
+    leftovers_line,
     make_optimizer,
     nonfinite_error,
     poison,
@@ -133,7 +135,7 @@ class Trainer:
             )
         self.builtin_model = model is None  # its FLOPs are cfg.model's: the metrics carry MFU
         # what the run folder says trains: a gin selection names itself, else the class
-        self.model_note = None if model is None else getattr(model, "description", None) or _class_name(model)
+        self.model_note = None if model is None else getattr(model, "description", None) or model_name(model)
         if model is None:
             model = build_model(cfg.model, seed=cfg.seed)
         elif not isinstance(model, nnx.Module):  # a builder (e.g. a gin-selected class): the chip types exist now
@@ -142,23 +144,21 @@ class Trainer:
         if not cfg.data.packing and not getattr(getattr(model, "head", None), "masked_targets", False):
             raise ConfigError(
                 "data.packing",
-                f"false pads rows with targets of -1 (no loss there), and {_class_name(model)}.head does not "
+                f"false pads rows with targets of -1 (no loss there), and {model_name(model)}.head does not "
                 "say it leaves them out; expected a head whose loss is the mean over targets >= 0 and that sets "
                 "masked_targets = True (as h2jax's LLaMA head), or packing=true",
             )
         self.model = model
-        chunked = plan.schedule.chunks > 1  # interleaved may run v = 1 (one chunk each)
-        n = plan.num_stages
-        self.schedule = plan.schedule.bind(n, plan.num_microbatches)
         self.tx, self.lr_schedule = make_optimizer(cfg)
         self.local = w.local_stages
         self.elastic = ElasticHooks(cfg, w.rank, list(w.local_stages))  # under --elastic: faults, records
         self.stragglers = Stragglers(cfg, self.elastic.dir)
-        wiring = wire(cfg, model, w, self.schedule, tx=self.tx, chunked=chunked, hub=hub)
+        wiring = wire(cfg, model, w, tx=self.tx, hub=hub)
+        self.pipes = wiring.pipes  # one, or the pipelines of plan.pipelines (h2jax.runtime._pipelines)
+        self.schedule = self.pipes[0].schedule
         self.stages, self.runners, self.tied = wiring.stages, wiring.runners, wiring.tied
-        self.boundaries, self.labels, self.backends = wiring.boundaries, wiring.labels, wiring.backends
-        self.loss_stage, self._lp, self.timeline = wiring.loss_stage, wiring.lp, wiring.timeline
-        self.hub, self._own_hub = wiring.hub, wiring.own_hub
+        self.labels, self.backends, self._lp, self.timeline = wiring.labels, wiring.backends, wiring.lp, wiring.timeline
+        self.loss_stage, self.hub, self._own_hub = wiring.loss_stage, wiring.hub, wiring.own_hub
         self.tokens_per_step = plan.global_batch * cfg.model.seq_len
         self.step = 0
         self._first_step = 0  # run() sets it to the step it starts from; train_step() may run without it
@@ -199,7 +199,7 @@ class Trainer:
     def check_memory(self) -> list[StageMemory]:
         """Per-device memory of this process's stages (one per runner, in stage order) against
         their chips' declared memory (h2jax.runtime._memory)."""
-        return check_memory(self.cfg, self.runners, self.schedule, self.boundaries)
+        return [m for pipe in self.pipes for m in check_memory(self.cfg, pipe)]
 
     # -- one step ------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> jax.Array | None:
@@ -207,6 +207,11 @@ class Trainer:
         accumulate in the stages (a tied parameter's in its owner: h2jax.runtime._tied).
         Returns the step's loss (the mean over microbatches; padded data: over real targets)
         as a device scalar where the last stage runs, else None."""
+        if len(self.pipes) > 1:
+            tokens, targets = self.batch(step)
+            losses = run_pipelines(self.pipes, step, tokens, targets, self.segments(step), own_hubs=self._own_hub)
+            exchange(self.tied.sum_grads, "gradients summed", self.timeline, self.runners, step)
+            return jnp.float32(total_loss(self.world, self.pipes, losses))  # on every process
         tokens, targets, weights = self.device_batch(step)
         segments = place_segments(self.runners, self.segments(step))  # every stage reads them: packed data
         try:
@@ -245,7 +250,10 @@ class Trainer:
                 if runner.watcher is not None:  # the timeline's `update` event: when the optimizer step ran
                     chunk = {"chunk": st.chunk} if runner.chunked else {}
                     runner.watcher.watch("update", self.step, None, t0, st.params, **chunk)
-        self.tied.sync()  # every copy of a tied parameter takes its owner's new value
+        # every copy of a tied parameter (of every layer, with several pipelines) takes its owner's new value
+        exchange(
+            self.tied.sync, "parameters copied", self.timeline if len(self.pipes) > 1 else None, self.runners, self.step
+        )
 
     def train_step(self) -> StepStats:
         cfg, step = self.cfg, self.step
@@ -502,15 +510,20 @@ class Trainer:
         total = count = 0.0
         for i in range(self.cfg.train.eval_batches):
             tok, tgt, seg = self.feed.validation_batch(i)  # every stage reads the segments
-            tokens, targets = place_ends(self.stages, tok, tgt)
-            segments = place_segments(self.runners, seg)
-            weights = place_weights(self.stages, tgt)
-            hub = self.hub if self._own_hub else None
-            losses = run_stages(self.runners, self.step, tokens, targets, hub=hub, forward_only=True, segments=segments)
-            local = float(local_value(step_loss(losses, weights))) if losses else None
             real = float((tgt >= 0).sum())  # every batch weighs its real targets (all of them unless padded)
-            total += real * float(self.world.from_stage(self.loss_stage, local))
-            count += real
+            if len(self.pipes) > 1:
+                got = run_pipelines(self.pipes, self.step, tok, tgt, seg, own_hubs=self._own_hub, forward_only=True)
+                loss = total_loss(self.world, self.pipes, got)
+            else:
+                tokens, targets = place_ends(self.stages, tok, tgt)
+                segments, weights = place_segments(self.runners, seg), place_weights(self.stages, tgt)
+                hub = self.hub if self._own_hub else None
+                got = run_stages(
+                    self.runners, self.step, tokens, targets, hub=hub, forward_only=True, segments=segments
+                )
+                local = float(local_value(step_loss(got, weights))) if got else None
+                loss = float(self.world.from_stage(self.loss_stage, local))
+            total, count = total + real * loss, count + real
             if self.fail_fast is not None:
                 self.fail_fast.heartbeat()  # each batch is progress: many of them may outlast the watchdog
         return total / max(count, 1.0)
@@ -636,7 +649,7 @@ class Trainer:
                 raise JobError(
                     "checkpoint error", f"--restore-step {restore_step}: {store_dir} holds no committed checkpoint"
                 )
-            return _leftovers_line(removed) if removed else None
+            return leftovers_line(removed) if removed else None
         latest = committed[-1]
         # the newest intact committed step: a damaged one is named and the one before it tried
         candidates = [restore_step] if restore_step is not None else committed[::-1]
@@ -663,7 +676,7 @@ class Trainer:
         if damaged:
             msg += " (the newest intact step; the damaged newer step(s) are replaced as this run reaches them)"
         if removed:
-            msg += f" ({_leftovers_line(removed)})"
+            msg += f" ({leftovers_line(removed)})"
         if aside:
             msg += f" ({len(aside)} uncommitted step(s) kept aside in {store_dir / 'aside'})"
         if step != latest and not damaged:
@@ -726,8 +739,9 @@ class Trainer:
         run folder."""
         for r in self.runners:
             r.close()
-        if self.hub is not None and self._own_hub:
-            self.hub.close()
+        for pipe in self.pipes:
+            if pipe.hub is not None and self._own_hub:
+                pipe.hub.close()
         self.run_lock.release()
         self._run_dir_held = False
         self._restore_signals()
@@ -735,16 +749,6 @@ class Trainer:
 
 def _nothing() -> None:
     pass
-
-
-def _leftovers_line(removed: list[str]) -> str:
-    """What cleanup removed, by step: a save cut off before every part was written."""
-    steps = leftover_steps(removed)
-    which = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" if steps else "a step"
-    return (
-        f"removed the unfinished save of {which} ({len(removed)} leftover file(s): it was cut off before "
-        f"every part was written, so it had never been committed)"
-    )
 
 
 def _check_model(model: nnx.Module, cfg: ExperimentConfig) -> None:
@@ -784,16 +788,3 @@ def train(
         trainer.world.barrier()
         group.close()
     return TrainResult(model=trained, summary=trainer.summary, history=history, run_dir=trainer.run_dir)
-
-
-def _class_name(model: Any) -> str:
-    """``module.Class`` of a user's model, or of what a builder is (a lambda: "a model builder")."""
-    if isinstance(model, nnx.Module):
-        cls = type(model)
-        return f"{cls.__module__}.{cls.__qualname__}"
-    name = getattr(model, "__qualname__", "")
-    return (
-        f"the model {getattr(model, '__module__', '?')}.{name} builds"
-        if name and "<lambda>" not in name
-        else "a model builder"
-    )

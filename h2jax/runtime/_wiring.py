@@ -32,48 +32,80 @@ from h2jax.runtime._world import World
 
 
 @dataclass
+class Pipe:
+    """One pipeline of the job, on this process: its plan (a one-pipeline plan), its bound
+    schedule, and its local runners (a job of one pipeline has one Pipe)."""
+
+    index: int
+    plan: Any  # this pipeline as a one-pipeline Plan
+    schedule: Any  # its schedule bound to its stages and microbatches
+    stage_base: int  # the job's stage index of its stage 0
+    first_position: int  # the job's position of its embedding
+    rows: tuple[int, int]  # its [start, end) of a step's global batch
+    runners: list[StageRunner]  # one per local stage of it, in stage order
+    boundaries: list[Any]  # the shape and dtype of each boundary between its positions
+    loss_stage: int  # the job's stage of its head
+    hub: LocalHub | None
+
+
+@dataclass
 class Wiring:
     """The objects the step loop uses, for this process's stages."""
 
     stages: list[StageProgram]  # one per (local stage, chunk), in stage then chunk order
     runners: list[StageRunner]  # one per local stage, in stage order
-    tied: TiedParams  # parameters several positions hold (a head tied to the embedding)
-    boundaries: list[Any]  # the shape and dtype of each boundary between positions
+    tied: TiedParams  # parameters several positions hold (a head tied to the embedding; every layer
+    # of a job of several pipelines)
     labels: list[str]  # every stage's label (chip type, mesh), in stage order
     backends: dict[int, str]  # the backend of each local stage
-    loss_stage: int  # the stage of the head (zb-v: stage 0)
     lp: SimpleNamespace  # the local programs' one-chunk specs, for naming their trees by model path
     timeline: Timeline | None
-    hub: LocalHub | None
-    own_hub: bool  # the hub was made here (the trainer closes it)
+    pipes: list[Pipe]  # the job's pipelines (one for a one-pipeline plan)
+    own_hub: bool  # the hubs were made here (the trainer closes them)
+
+    @property
+    def hub(self) -> LocalHub | None:
+        return self.pipes[0].hub
+
+    @property
+    def boundaries(self) -> list[Any]:
+        return self.pipes[0].boundaries
+
+    @property
+    def loss_stage(self) -> int:  # the head's stage (zb-v: stage 0); of pipeline 0 with several
+        return self.pipes[0].loss_stage
 
 
 def wire(
     cfg: ExperimentConfig,
     model: nnx.Module,
     world: World,
-    schedule: Any,
     *,
     tx: Any,
-    chunked: bool,
     hub: LocalHub | None = None,
 ) -> Wiring:
     """Cut ``model`` into this process's stage programs, place them on their meshes, and give
-    each local stage its channels and runner walking its row of ``schedule``. ``chunked``:
-    stages hold several chunks (the links then name each position's stage and chunk);
-    ``hub``: the local transport's hub (made here when None and the transport is local)."""
+    each local stage its channels and runner walking its row of its pipeline's schedule.
+    ``hub``: the local transport's hub (made here when None and the transport is local; one
+    per pipeline). A job of several pipelines is one chain of positions per pipeline, every
+    pipeline holding every layer: the parameters they share are tied (h2jax.runtime._tied),
+    so their gradients are summed over the pipelines and every copy takes the same update."""
     plan, w, transport = cfg.plan, world, cfg.train.transport
     group = w.group
     positions = plan.positions()
-    n_pos = len(positions)
+    pipe_of = plan.position_pipelines()
     stage_of = [s for s, _ in positions]
-    by_position = SimpleNamespace(num_stages=n_pos, stages=plan.position_specs())
-    shared = shared_parameters(model, by_position)  # e.g. a head tied to the embedding: trained as one (_tied)
+    specs = plan.position_specs()
+    ends = [q == 0 or pipe_of[q - 1] != pipe_of[q] for q in range(len(positions))]  # each pipeline's first
+    lasts = [q == len(positions) - 1 or pipe_of[q + 1] != pipe_of[q] for q in range(len(positions))]
+    by_position = SimpleNamespace(num_stages=len(positions), stages=specs, firsts=ends, lasts=lasts)
+    shared = shared_parameters(model, by_position)  # a head tied to the embedding; the pipelines' copies
     check_tieable(shared)
     n = plan.num_stages
-    boundaries = boundary_shapes(model, by_position, (plan.microbatch_size, cfg.model.seq_len))
     local = w.local_stages
     labels = [stage_label(i, st) for i, st in enumerate(plan.stages)]
+    if plan.pipelines:  # which pipeline each stage is in
+        labels = [f"pipeline {plan.pipeline_of_stage(i)} · {label}" for i, label in enumerate(labels)]
     if group is not None:
         meshes = {group.stage_idx: group.mesh}
         backends = {group.stage_idx: group.backend}
@@ -91,8 +123,7 @@ def wire(
         if s not in local:
             continue
         spec = plan.stages[s].chunk_spec(c)
-        first, last = q == 0, q == n_pos - 1
-        module = StageModule(model, layers=spec.layers, first=first, last=last)
+        module = StageModule(model, layers=spec.layers, first=ends[q], last=lasts[q])
         stages.append(
             StageProgram(
                 s,
@@ -100,61 +131,76 @@ def wire(
                 meshes[s],
                 module,
                 tx,
-                first=first,
-                last=last,
+                first=ends[q],
+                last=lasts[q],
                 label=labels[s],
                 numerics=cfg.cluster.chips[spec.chip].numerics,
                 position=q,
                 chunk=c,
-                local_in=q > 0 and stage_of[q - 1] == s,
-                local_out=q < n_pos - 1 and stage_of[q + 1] == s,
+                local_in=not ends[q] and stage_of[q - 1] == s,
+                local_out=not lasts[q] and stage_of[q + 1] == s,
             )
         )
     tied = TiedParams(shared, by_position, stages, w, stage_of=stage_of)
     lp = SimpleNamespace(stages=tuple(st.spec for st in stages))
-    grid = schedule.tasks()
     # one time origin for every process's events (perf_counter is the host's monotonic clock)
     t0 = w.from_stage(0, time.perf_counter()) if w.multiprocess else None
     timeline = Timeline(stage_labels=labels, t0=t0) if cfg.train.timeline else None
     own_hub = hub is None
-    if transport == "local" and hub is None:
-        hub = LocalHub(n_pos)
-    mesh_shapes = [(plan.stages[s].data, plan.stages[s].tensor) for s in stage_of]  # per position
     record = group is None or group.is_leader  # a stage over several processes records once
-    runners: list[StageRunner] = []
-    for s in local:
-        programs = [st for st in stages if st.stage_idx == s]
-        channels, shared_comm = [], {}  # the chunks of a stage share one communicator (make_channel)
-        for st in programs:
-            link = stage_links(
-                mesh_shapes,
-                boundaries,
-                stage_idx=st.position,
-                mesh=st.mesh,
-                sharding=st.act_sharding,
-                ranks=None if ranks is None else [ranks[t] for t in stage_of],
-                stages=stage_of if chunked else None,
-                chunks=[c for _, c in positions] if chunked else None,
-            )
-            channel = _channel(cfg, link, w.comm, hub, st.spec.chip, shared=shared_comm)
-            st.build(channel)
-            channels.append(channel)
-        last = next((st for st in programs if st.last), None)
-        dloss = global_array(np.float32(1.0 / plan.num_microbatches), last.scalar_sharding) if last else None
-        runners.append(
-            StageRunner(programs, channels, stage_tasks(grid, s), dloss=dloss, timeline=timeline, record=record)
+    pipes: list[Pipe] = []
+    q0 = 0
+    for p, (pipe, base, rows) in enumerate(zip(plan.pipeline_plans(), plan.stage_offsets(), plan.sequence_ranges())):
+        nq = len(pipe.positions())
+        qs = range(q0, q0 + nq)
+        boundaries = boundary_shapes(
+            model, SimpleNamespace(num_stages=nq, stages=specs[q0 : q0 + nq]), (pipe.microbatch_size, cfg.model.seq_len)
         )
+        schedule = pipe.schedule.bind(pipe.num_stages, pipe.num_microbatches)
+        chunked = pipe.schedule.chunks > 1  # interleaved may run v = 1 (one chunk each)
+        pipe_hub = hub if p == 0 and hub is not None else None
+        if transport == "local" and pipe_hub is None:
+            pipe_hub = LocalHub(nq)
+        mesh_shapes = [(plan.stages[stage_of[q]].data, plan.stages[stage_of[q]].tensor) for q in qs]
+        grid = schedule.tasks()
+        runners: list[StageRunner] = []
+        for s in (s for s in local if base <= s < base + pipe.num_stages):
+            programs = [st for st in stages if st.stage_idx == s]
+            channels, shared_comm = [], {}  # the chunks of a stage share one communicator (make_channel)
+            for st in programs:
+                link = stage_links(
+                    mesh_shapes,
+                    boundaries,
+                    stage_idx=st.position - q0,
+                    mesh=st.mesh,
+                    sharding=st.act_sharding,
+                    ranks=None if ranks is None else [ranks[stage_of[q]] for q in qs],
+                    stages=[stage_of[q] for q in qs] if chunked else None,
+                    chunks=[positions[q][1] for q in qs] if chunked else None,
+                )
+                channel = _channel(cfg, link, w.comm, pipe_hub, st.spec.chip, shared=shared_comm)
+                st.build(channel)
+                channels.append(channel)
+            last = next((st for st in programs if st.last), None)
+            # d(step loss)/d(a microbatch's loss): 1 / microbatches; several pipelines pass each
+            # microbatch's share of the whole step instead (h2jax.runtime._pipelines)
+            dloss = global_array(np.float32(1.0 / pipe.num_microbatches), last.scalar_sharding) if last else None
+            runners.append(
+                StageRunner(
+                    programs, channels, stage_tasks(grid, s - base), dloss=dloss, timeline=timeline, record=record
+                )
+            )
+        pipes.append(Pipe(p, pipe, schedule, base, q0, rows, runners, boundaries, stage_of[q0 + nq - 1], pipe_hub))
+        q0 += nq
     return Wiring(
         stages=stages,
-        runners=runners,
+        runners=[r for pipe in pipes for r in pipe.runners],
         tied=tied,
-        boundaries=boundaries,
         labels=labels,
         backends=backends,
-        loss_stage=stage_of[-1],
         lp=lp,
         timeline=timeline,
-        hub=hub,
+        pipes=pipes,
         own_hub=own_hub,
     )
 

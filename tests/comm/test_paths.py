@@ -6,12 +6,12 @@ without CUDA support) for two stages that claim to be GPUs."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 
 from h2jax.comm._paths import LinkEnd, MpiFacts, classify_link, library_name, not_direct
 from h2jax.config import ConfigError, load_config
+from h2jax.plan import Plan, StageSpec
 from h2jax.runtime import LocalWorld
 from h2jax.runtime._links import link_lines, link_table, stage_pairs
 
@@ -64,8 +64,13 @@ def test_stage_pairs_follow_the_model_and_wrap_for_interleaved_plans():
     cfg = load_config(None)
     assert stage_pairs(cfg.plan) == [(0, 1)]
     # zb-v's V over two stages: model positions (stage, chunk) (0, 0) (1, 0) (1, 1) (0, 1)
-    zbv = SimpleNamespace(positions=lambda: [(0, 0), (1, 0), (1, 1), (0, 1)])
+    a, b = StageSpec("sim_a", chunks=((0, 1), (3, 4))), StageSpec("sim_b", chunks=((1, 2), (2, 3)))
+    zbv = Plan((a, b), global_batch=8, num_microbatches=4, schedule="zb-v")
+    assert zbv.positions() == ((0, 0), (1, 0), (1, 1), (0, 1))
     assert stage_pairs(zbv) == [(0, 1), (1, 0)]
+    # several pipelines: the boundaries inside each, none from one pipeline's head to the next's embedding
+    one = Plan((StageSpec("sim_a", (0, 4)),), global_batch=4, num_microbatches=2)
+    assert stage_pairs(Plan(pipelines=(zbv, one, zbv))) == [(0, 1), (1, 0), (3, 4), (4, 3)]
 
 
 def _gpu_cfg(**comm):

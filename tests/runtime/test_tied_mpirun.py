@@ -25,9 +25,9 @@ from tests._harness import (
     S,
     assert_recorded_equals_sequential,
     mpirun,
+    named_cfg,
     plan_cfg,
 )
-from tests._harness import tied_cfg as make_cfg
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed")]
 
@@ -47,7 +47,7 @@ def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(nproc)]
 
-    cfg = make_cfg(plan)
+    cfg = named_cfg(plan)
     grads = [
         {k.split("/", 2)[2]: v for rk in ranks for k, v in rk.items() if k.startswith(f"grads/{step}/")}
         for step in range(3)
@@ -67,12 +67,38 @@ def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
         assert np.array_equal(moments[f"moment/0/{name}"], moments[f"moment/{last}/{name}"]), name
 
     # the multi-process checkpoint, restored in one process onto one stage holding both uses
-    one = plan_cfg(cfg.model.n_layers, "1f1b", [S("sim_a", (0, cfg.model.n_layers), 2, 2)], **TIED)
+    restored_on_one_stage(cfg, got, tmp_path)
+
+
+def restored_on_one_stage(cfg, got: dict, tmp_path) -> None:
+    """The run's checkpoint (tmp_path/run), restored in one process onto one stage holding every
+    layer (and both uses of a tied table): the parameters ``got``, bit for bit."""
+    tied = TIED if cfg.model.tie_embeddings else {}
+    one = plan_cfg(cfg.model.n_layers, "1f1b", [S("sim_a", (0, cfg.model.n_layers), 2, 2)], **tied)
     trainer = Trainer(one, run_dir=tmp_path / "one")
-    assert not trainer.tied
+    assert not trainer.tied  # one stage: nothing is held twice
     assert trainer.restore(tmp_path / "run" / "checkpoints") == 3
     restored = {k: np.asarray(v) for k, v in trainer.params_by_layer().items()}
     trainer.close()
     assert sorted(restored) == sorted(got)
     for k, v in got.items():
         assert np.array_equal(restored[k], v), k
+
+
+@pytest.mark.parametrize("transport", ["ffi"])
+def test_pipelines_under_mpirun_equal_sequential(transport, tmp_path):
+    """Two pipelines on disjoint processes (one per stage: 2 + 1): each layer's gradient summed
+    across them through the host, every copy updated alike; the checkpoint, one part per process
+    (the second pipeline's holds no array: its copies are the first's), restores onto one stage."""
+    plan = "2p-mpirun"
+    proc = mpirun(3, [sys.executable, str(JOB), str(tmp_path), plan, f"train.transport={transport}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(3)]
+    cfg = named_cfg(plan)
+    grads = [
+        {k.split("/", 2)[2]: v for rk in ranks for k, v in rk.items() if k.startswith(f"grads/{step}/")}
+        for step in range(3)
+    ]
+    got = {k[len("params/") :]: v for rk in ranks for k, v in rk.items() if k.startswith("params/")}
+    assert_recorded_equals_sequential(cfg, grads, got, [(rk["losses"], rk["norms"]) for rk in ranks])
+    restored_on_one_stage(cfg, got, tmp_path)

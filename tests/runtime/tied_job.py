@@ -1,6 +1,7 @@
-"""One tied-embedding run for test_tied_mpirun.py: ``python tied_job.py OUT PLAN [key=value ...]``,
-under ``mpirun`` (one process per stage or per device). 3 steps of the tied experiment
-``PLAN`` with checkpoints on; every process writes ``OUT/rank<r>.npz``: the loss and global norm
+"""One run of parameters several stages hold, for test_tied_mpirun.py: ``python tied_job.py OUT PLAN
+[key=value ...]``, under ``mpirun`` (one process per stage or per device). 3 steps of the tied
+experiment ``PLAN`` (tests/_harness.py TIED_PLANS), or of the plan of several pipelines ``PLAN``
+(PIPELINE_PLANS: every layer held by every pipeline), with checkpoints on; every process writes ``OUT/rank<r>.npz``: the loss and global norm
 of each step, the gradients of its stages before each update (``grads/<step>/<path>``), its
 parameters after the run (``params/<path>``), and its copies of the tied table and of their
 optimizer moments (``copy/<stage>``, ``moment/<stage>/<name>``)."""
@@ -15,13 +16,13 @@ import jax
 import numpy as np
 
 from h2jax.runtime._procgroup import fetch
-from tests._harness import tied_cfg as make_cfg
+from tests._harness import TABLE, named_cfg
 
 
 def main() -> None:
     out, plan = Path(sys.argv[1]), sys.argv[2]
     extra = dict(a.split("=", 1) for a in sys.argv[3:])
-    cfg = make_cfg(plan, **{"checkpoint.enabled": "true", "train.steps": "3", **extra})
+    cfg = named_cfg(plan, **{"checkpoint.enabled": "true", "train.steps": "3", **extra})
     from h2jax.runtime import Trainer
 
     trainer = Trainer(cfg, run_dir=out / "run")
@@ -42,6 +43,8 @@ def main() -> None:
         arrays[f"params/{k}"] = v
     tied = trainer.tied
     for name, copies in tied.copies().items():
+        if name != TABLE:  # the tied table's copies; a plan of pipelines ties every layer
+            continue
         for stage, x in copies.items():
             arrays[f"copy/{stage}"] = fetch(x)
             sp = next(sp for sp in tied.shared if sp.name == name)
