@@ -76,13 +76,14 @@ def _replace(tree: Any, values: dict[int, Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _place(value: Any, like: jax.Array) -> jax.Array:
-    """``value`` (a device array of another mesh, or a host array) laid out as ``like``, in a
-    buffer of its own: two chunks of one stage may hold the copies on the same devices, and
-    each update donates its own (an aliased buffer would be deleted under the other)."""
-    if isinstance(value, np.ndarray):
-        return global_array(value, like.sharding)
-    return jax.device_put(value, like.sharding, may_alias=False)
+def _place_all(values: list[Any], likes: list[jax.Array]) -> list[jax.Array]:
+    """``values`` (device arrays of another mesh, or host arrays) laid out as ``likes``, each in
+    a buffer of its own: two chunks of one stage may hold the copies on the same devices, and
+    each update donates its own (an aliased buffer would be deleted under the other). Device
+    arrays move in one ``jax.device_put``."""
+    if all(isinstance(v, jax.Array) for v in values):
+        return list(jax.device_put(list(values), [x.sharding for x in likes], may_alias=False))
+    return [global_array(np.asarray(v), x.sharding) for v, x in zip(values, likes)]
 
 
 class TiedParams:
@@ -147,75 +148,100 @@ class TiedParams:
             }
         return self._index[key]
 
-    def _program(self, kind: str, like: jax.Array) -> Any:
-        """A jitted add, or a times-zero (finite elements become 0, non-finite ones stay NaN, so
-        a stage whose share was non-finite still reports it), whose output keeps ``like``'s
-        sharding (the next step's programs see the layout they were compiled for)."""
-        key = (kind, like.sharding)
+    def _program(self, kind: str, like: list[jax.Array]) -> Any:
+        """A jitted add of two lists of arrays, or a times-zero of one (finite elements become 0,
+        non-finite ones stay NaN, so a stage whose share was non-finite still reports it), whose
+        outputs keep ``like``'s shardings (the next step's programs see the layout they were
+        compiled for). One program per list: a job of several pipelines ties every layer, and a
+        program per parameter costs a dispatch each."""
+        key = (kind, tuple(x.sharding for x in like))
         if key not in self._programs:
-            fn = jnp.add if kind == "add" else lambda a: a * jnp.zeros((), a.dtype)
-            self._programs[key] = jax.jit(fn, out_shardings=like.sharding)
+            if kind == "add":
+                fn = lambda a, b: [x + y for x, y in zip(a, b)]  # noqa: E731
+            else:
+                fn = lambda a: [x * jnp.zeros((), x.dtype) for x in a]  # noqa: E731
+            self._programs[key] = jax.jit(fn, out_shardings=[x.sharding for x in like])
         return self._programs[key]
 
     def _host(self, x: Any) -> Any:
-        """What crosses to another stage: the array itself in one process, else a host copy
-        (collective over the stage's processes when it is sharded across them)."""
+        """What crosses to another stage: the arrays themselves in one process, else host copies
+        (collective over the stage's processes when sharded across them)."""
         return fetch(x) if self.world.multiprocess else x
+
+    def _groups(self, by_owner: bool) -> dict[tuple[int, Any], list[SharedParam]]:
+        """The tied parameters by (owner, mirror) -- each mirror on its own, ``by_owner`` False: for
+        the gradient sum, in mirror order -- or by (owner, every mirror) for the copy back."""
+        out: dict[tuple[int, Any], list[SharedParam]] = {}
+        for sp in self.shared:
+            if by_owner:
+                out.setdefault((sp.owner, sp.stages[1:]), []).append(sp)
+            else:
+                for m in sp.stages[1:]:
+                    out.setdefault((sp.owner, m), []).append(sp)
+        return out
 
     # -- one step ------------------------------------------------------------------------------
     def sum_grads(self) -> None:
-        """Every tied parameter's gradient summed into its owner's accumulator, in stage order;
-        the mirrors' accumulators of it zeroed (call after the step's backward)."""
-        for sp in self.shared:
-            owner, mirrors = sp.owner, sp.stages[1:]
-            for m in mirrors:
-                share = None
-                if m in self.local:
-                    st = self.local[m]
-                    i = self._param_index(sp, m)
-                    leaf = jax.tree.leaves(st.acc)[i]
-                    share = self._host(leaf)
-                    st.acc = _replace(st.acc, {i: self._program("times_zero", leaf)(leaf)})
-                got = self.world.from_stage_to(self._stage_of[m], [self._stage_of[owner]], share)
-                if owner in self.local:
-                    st = self.local[owner]
-                    i = self._param_index(sp, owner)
-                    leaf = jax.tree.leaves(st.acc)[i]
-                    st.acc = _replace(st.acc, {i: self._program("add", leaf)(leaf, _place(got, leaf))})
+        """Every tied parameter's gradient summed into its owner's accumulator, in stage order
+        (each mirror's share added in turn, the mirrors in ascending order); the mirrors'
+        accumulators of it zeroed (call after the step's backward). The parameters a mirror and
+        its owner share travel together."""
+        for (owner, m), sps in sorted(self._groups(by_owner=False).items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            shares = None
+            if m in self.local:
+                st = self.local[m]
+                idx = [self._param_index(sp, m) for sp in sps]
+                leaves = jax.tree.leaves(st.acc)
+                mine = [leaves[i] for i in idx]
+                shares = self._host(mine)
+                st.acc = _replace(st.acc, dict(zip(idx, self._program("times_zero", mine)(mine))))
+            got = self.world.from_stage_to(self._stage_of[m], [self._stage_of[owner]], shares)
+            if owner in self.local:
+                st = self.local[owner]
+                idx = [self._param_index(sp, owner) for sp in sps]
+                leaves = jax.tree.leaves(st.acc)
+                mine = [leaves[i] for i in idx]
+                summed = self._program("add", mine)(mine, _place_all(got, mine))
+                st.acc = _replace(st.acc, dict(zip(idx, summed)))
 
     def sync(self) -> None:
         """Every mirror takes its owner's value and optimizer moments of each tied parameter
         (call after every update)."""
-        for sp in self.shared:
-            owner, mirrors = sp.owner, sp.stages[1:]
+        for (owner, mirrors), sps in self._groups(by_owner=True).items():
             local_mirrors = [m for m in mirrors if m in self.local]
             if owner not in self.local and not local_mirrors:
                 continue
             sent = None
             if owner in self.local:
                 st = self.local[owner]
-                moments = self._moment_indices(sp, owner)
-                opt = jax.tree.leaves(st.opt_state)
+                params, opt = jax.tree.leaves(st.params), jax.tree.leaves(st.opt_state)
                 sent = self._host(
-                    {
-                        "param": jax.tree.leaves(st.params)[self._param_index(sp, owner)],
-                        "moments": {prefix: opt[i] for prefix, i in moments.items()},
-                    }
+                    [
+                        {
+                            "param": params[self._param_index(sp, owner)],
+                            "moments": {prefix: opt[i] for prefix, i in self._moment_indices(sp, owner).items()},
+                        }
+                        for sp in sps
+                    ]
                 )
             got = self.world.from_stage_to(self._stage_of[owner], [self._stage_of[m] for m in mirrors], sent)
             for m in local_mirrors:
                 st = self.local[m]
-                i = self._param_index(sp, m)
-                st.params = _replace(st.params, {i: _place(got["param"], jax.tree.leaves(st.params)[i])})
-                moments = self._moment_indices(sp, m)
-                if sorted(moments) != sorted(got["moments"]):
-                    raise RuntimeError(
-                        f"stage {m}: optimizer state of {sp.name} has {sorted(moments)}, its owner {sorted(got['moments'])}"
-                    )
-                opt = jax.tree.leaves(st.opt_state)
-                st.opt_state = _replace(
-                    st.opt_state, {j: _place(got["moments"][prefix], opt[j]) for prefix, j in moments.items()}
-                )
+                params, opt = jax.tree.leaves(st.params), jax.tree.leaves(st.opt_state)
+                p_idx, values, o_idx, moments = [], [], [], []
+                for sp, g in zip(sps, got):
+                    p_idx.append(self._param_index(sp, m))
+                    values.append(g["param"])
+                    mine = self._moment_indices(sp, m)
+                    if sorted(mine) != sorted(g["moments"]):
+                        raise RuntimeError(
+                            f"stage {m}: optimizer state of {sp.name} has {sorted(mine)}, its owner {sorted(g['moments'])}"
+                        )
+                    for prefix, j in mine.items():
+                        o_idx.append(j)
+                        moments.append(g["moments"][prefix])
+                st.params = _replace(st.params, dict(zip(p_idx, _place_all(values, [params[i] for i in p_idx]))))
+                st.opt_state = _replace(st.opt_state, dict(zip(o_idx, _place_all(moments, [opt[j] for j in o_idx]))))
 
     def copies(self) -> dict[str, dict[int, Any]]:
         """Each tied parameter's copies on this process's stages: {model path: {stage: array}}
