@@ -17,6 +17,8 @@ import yaml
 from h2jax._console import make_console
 from h2jax._errors import EXIT_FAIL, fail, say
 from h2jax._paths import keep_aside
+from h2jax.cli_explain import explanation
+from h2jax.cli_explain import fmt_s as _fmt_s
 from h2jax.plan import DEFAULT_TIME_BUDGET_S, INTERLEAVED_CHUNKS, schedule_names
 
 
@@ -177,10 +179,6 @@ def _stage_in_node(cluster) -> bool:
     return all(p.emulated for p, _ in cluster.chips)
 
 
-def _fmt_s(x: float) -> str:
-    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
-
-
 def _schedule_arg(text: str | None, flag: str = "--schedule"):
     """The schedule `text` names (None: None); ProfileError naming the flag otherwise."""
     from h2jax.plan import ProfileError, ScheduleError, as_schedule
@@ -277,6 +275,30 @@ def _ratio_line(base, hetero_tps: float, what: str) -> str:
     return f"HeteroSpeedupRatio {what}{over}: {100 * base.ratio(hetero_tps):.1f} %"
 
 
+def _per_chip_line(console, searcher, cluster, model, gb: int, table, matched) -> dict | None:
+    """One pipeline per chip type on shares of the batch (h2jax.plan.per_chip_pipelines), priced
+    as one job with the exchange across pipelines: printed beside the plan, not chosen."""
+    from h2jax.plan import estimate_pipelines, per_chip_pipelines
+
+    plan, shares = per_chip_pipelines(searcher, gb)
+    if plan is None:
+        console.print("one pipeline per chip type: no split of the batch gives each chip type a plan")
+        return None
+    c = estimate_pipelines(plan, model, cluster, table=table)
+    split = ", ".join(f"{n} {b}" for n, b in shares.items())
+    console.print(
+        f"one pipeline per chip type (shares {split}; printed, not chosen: the search over several pipelines is "
+        f"not built yet): estimated iteration {_fmt_s(c.iteration_s)} with {_fmt_s(c.exchange_s)} of exchange "
+        f"across pipelines, {c.tokens_per_s:,.0f} tokens/s; {_ratio_line(matched, c.tokens_per_s, 'at the matched total batch')}"
+    )
+    return {
+        "shares": shares,
+        "iteration_s": c.iteration_s,
+        "exchange_s": c.exchange_s,
+        "ratio": matched.ratio(c.tokens_per_s),
+    }
+
+
 def _job_text(r) -> str:
     """One homogeneous job's tokens/s and whether its search was exhaustive, or why it has no plan."""
     if r.plan is None:
@@ -310,84 +332,6 @@ def _search_line(res) -> str:
         f"search: {res.search_s:.3f} s ({found}{res.configs_solved} configurations, {res.orders_solved} orders solved; "
         f"{how})"
     )
-
-
-def _explanation(res, cluster, gb: int, *, measured: bool, several: bool, other: bool) -> list[str]:
-    """What each word and number of `h2jax plan`'s output means, with this plan's own numbers:
-    printed under --explain, in the order the output shows them."""
-    plan, cost = res.plan, res.cost
-    s0 = plan.stages[0]
-    c0 = cost.stages[0]
-    fits = "fits" if cost.fits else "does not fit"
-    lines = [
-        f"title: {plan.num_microbatches} x {plan.microbatch_size} is microbatches x sequences per microbatch "
-        f"(global batch {gb} = their product); {plan.schedule} is the pipeline schedule the plan runs.",
-        f"data x tensor: a stage's devices, as data-parallel replicas x tensor-parallel degree (stage 0: "
-        f"{s0.data} x {s0.tensor} = {s0.data * s0.tensor} {s0.chip} chips, each replica taking "
-        f"{plan.microbatch_size // s0.data} of a microbatch's {plan.microbatch_size} sequences).",
-        "layers: the model blocks a stage holds, first-last; a stage of an interleaved or zb-v schedule holds "
-        "several chunks, listed each.",
-        "recompute: yes where the stage recomputes its forward in the backward instead of keeping activations "
-        "(less memory, about one more forward of time).",
-        f"fwd+bwd / mb: one stage's forward plus backward for one microbatch, in the cost model (stage 0: "
-        f"{_fmt_s(c0.t)}).",
-        "costs: where those times come from: `measured` (a profile from `h2jax profile --measure`, passed with "
-        "--profiles), or `roofline (t, b)`, an estimate from the chip file's declared peak FLOP/s and memory "
-        "bandwidth at tensor degree t and b sequences per device; an estimate, not a measurement.",
-        f"memory / device: the peak bytes the cost model predicts on one device of the stage (weights, "
-        f"gradients, optimizer state, the activations the schedule keeps in flight) / the chip's memory; "
-        f"this plan {fits}.",
-        f"estimated iteration: one training step ({_fmt_s(cost.iteration_s)}): the pipeline's fill, steady "
-        f"state and drain, the transfers between stages, the gradient sync and the optimizer update. "
-        f"tokens/s = {gb} x seq_len tokens per step / the iteration = {cost.tokens_per_s:,.0f}.",
-        f"bubble: the share of the pipeline's time a stage is idle on average, 1 - (microbatches x each "
-        f"stage's time) / (stages x pipeline time) = {100 * cost.bubble_fraction:.1f} %.",
-        f"lower bound: {_fmt_s(res.lower_bound_s)}, a time no plan of the searched space can beat: (microbatches "
-        f"- 1) x the least slot time at which the chip types hold every block within their memory, plus the "
-        f"least fill and drain, plus what every plan pays beyond the blocks. gap: how far the plan is above it, "
-        f"{_fmt_s(cost.iteration_s)} / {_fmt_s(res.lower_bound_s)} - 1 = {100 * res.gap:.1f} %. The bound is "
-        "not always reachable, so a gap says at most how much better a plan could be, not that one exists.",
-        "search: its wall time; `plan found at` is when the printed plan was found (the rest of the time "
-        "found nothing better); configurations are the (chip type, stages, data x tensor) choices priced, "
-        "orders the stage orders of chip types solved for each; `exhaustive` means every plan of the "
-        "space was priced or excluded by its lower bound, so the printed plan is the cost model's best; "
-        "`not exhaustive` says why the search stopped (its time budget, or rounds that found nothing better).",
-        "schedule: the chosen (or --schedule's) schedule, and the same stages priced under each other "
-        "schedule: +x % slower, -x % faster than the chosen one, `does not fit` where that schedule's "
-        "activations in flight exceed a stage's memory (why a faster-looking one was not chosen).",
-        "stage order: memory-descending when the stages' chip types go from the most memory per device to "
-        "the least (the first stages of a pipeline keep the most activations in flight; the H2 paper's "
-        "rule). The search tries other orders too; `is not` means another order was faster here.",
-        f"TGS: tokens per chip per second, the tokens/s over every chip of the cluster, used or not "
-        f"({cost.tokens_per_s:,.0f} / {cluster.num_devices}); the same for each chip type, and the line "
-        "says how many chips of that type the plan uses.",
-    ]
-    if several:
-        lines += [
-            f"homogeneous <chip>: the best plan of that chip type's chips alone at global batch {gb}, searched "
-            "the same way; `exact` where that search was exhaustive.",
-            "HeteroSpeedupRatio: the heterogeneous plan's tokens/s / the sum of the homogeneous plans' tokens/s. "
-            "Over 100 % the chip types train faster together than apart (more than the sum of their "
-            "parts); under 100 %, slower than running them as separate jobs would add up to.",
-            f"matched total batch: the homogeneous jobs' global batches add up to {gb}, the heterogeneous job's "
-            "(the same sequences per step, shared among the chip types); the split is searched (each share a "
-            "multiple of the step shown, 0 where a chip type does not run) for the most tokens/s added up, each "
-            "job planned at its share. The fair test of a claim to beat the sum of the parts. At the same "
-            "global batch each homogeneous job takes all of it (a smaller bubble than its share would give): "
-            "the larger baseline, so the lower ratio. Both are in comparison.json with --out.",
-        ]
-    if other:
-        lines.append(
-            "the mismatched ratio: the heterogeneous plan at --other-global-batch over the homogeneous ones at "
-            "the global batch; the ratio at the same global batch (both at --other-global-batch) is the fair "
-            "comparison."
-        )
-    if measured:
-        lines.append(
-            "measured configurations: with --profiles only the (tensor degree, sequences per device) a chip type "
-            "was measured at are searched; --allow-estimates adds the others, priced by the roofline."
-        )
-    return lines
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -534,6 +478,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         comparison = {
             "same_batch": same.to_dict(cost.tokens_per_s),
             "matched_total": matched.to_dict(cost.tokens_per_s),
+            "per_chip_pipelines": _per_chip_line(console, searcher, cluster, model, gb, table, matched),
         }
         if args.other_global_batch:
             ogb = args.other_global_batch
@@ -558,7 +503,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.explain:
         console.print("\n[bold]what the output means[/]")
         several = len(cluster.names) > 1
-        for line in _explanation(
+        for line in explanation(
             res,
             cluster,
             gb,
@@ -624,6 +569,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if not isinstance(pdata.get("model"), (str, type(None))):
             pdata = {k: v for k, v in pdata.items() if k != "model"}
         plan = Plan.from_dict(pdata)
+        if plan.pipelines:
+            raise PlanError(
+                "plan.pipelines",
+                "the simulator replays one pipeline; `h2jax plan` prices a plan of several (the slowest "
+                "pipeline plus the exchange across them): simulate each of plan.pipelines on its own",
+            )
         for i, s in enumerate(plan.stages):
             if s.chip not in cluster.names:
                 raise PlanError(

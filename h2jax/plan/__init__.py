@@ -94,6 +94,7 @@ from h2jax.plan._cost import (  # noqa: E402
     stage_cost,
     transfer_s,
 )
+from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines, per_chip_pipelines  # noqa: E402
 from h2jax.plan._profiles import (  # noqa: E402
     GIB,
     PROGRAM,
@@ -122,7 +123,10 @@ from h2jax.plan._simulate import SimEvent, SimResult, simulate, simulate_plan  #
 
 __all__ += [
     "Baseline",
+    "PipelinesCost",
     "Searcher",
+    "estimate_pipelines",
+    "per_chip_pipelines",
     "idle_chips",
     "matched_total",
     "same_batch",
