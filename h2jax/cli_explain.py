@@ -72,7 +72,7 @@ def explanation(res, cluster, gb: int, *, measured: bool, several: bool, other: 
             "global batch each homogeneous job takes all of it (a smaller bubble than its share would give): "
             "the larger baseline, so the lower ratio. Both are in comparison.json with --out.",
             "one pipeline per chip type: each chip type its own pipeline (its best plan alone at its share of the "
-            "batch, the shares in steps of 1/16 of it chosen to make the slowest pipeline fastest), run as one job "
+            "batch, the shares in steps of 1/8 of it chosen to make the slowest pipeline fastest), run as one job "
             "of several pipelines: the slowest pipeline plus the exchange across pipelines (each layer's gradient "
             "sent to the first pipeline's copy, the new values and moments back, over the slowest inter-node "
             "link, after the backward: what the runtime does). Printed beside the plan; the search does not "

@@ -29,7 +29,7 @@ from typing import Any
 
 from h2jax.plan._plan import Plan
 
-GRID = 16  # per_chip_pipelines: shares in multiples of global_batch / GRID (or the largest divisor below)
+GRID = 8  # per_chip_pipelines: shares in multiples of global_batch / GRID (the matched-total baseline's: its searches serve both)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class TimeSearcher:
 def test_the_per_chip_shares_make_the_slowest_pipeline_fastest(seed):
     rng = random.Random(seed)
     gb = rng.choice([16, 32, 48])
-    unit = share_unit(gb, 16)
+    unit = share_unit(gb, 8)
     names = [f"c{i}" for i in range(rng.choice([2, 3]))]
     times = {
         n: {b: (None if rng.random() < 0.15 else rng.uniform(0.1, 1.0) * b) for b in range(unit, gb + 1, unit)}
