@@ -54,9 +54,14 @@ def C(chip, chunks, data=1, tensor=1, recompute=False) -> dict:
 def plan_cfg(n_layers: int, schedule: str, stages: list, **extra: str):
     """The equivalence experiment: the small model on the test cluster under this plan, 3 steps
     of AdamW (eps=1e-3, see above) with clipping and a 1-step warm-up."""
+    plan = {"global_batch": 16, "num_microbatches": 4, "schedule": schedule, "stages": stages}
+    return experiment_cfg(n_layers, plan, **extra)
+
+
+def experiment_cfg(n_layers: int, plan: dict, **extra: str):
+    """plan_cfg's experiment under any plan (one pipeline, or ``{"pipelines": [...]}``)."""
     from h2jax.config import load_config
 
-    plan = {"global_batch": 16, "num_microbatches": 4, "schedule": schedule, "stages": stages}
     overrides = MODEL + [
         CLUSTER,
         f"model.n_layers={n_layers}",
@@ -167,21 +172,7 @@ PIPELINE_PLANS = {
 
 def pipelines_cfg(pipelines, n_layers: int, **extra: str):
     """plan_cfg's experiment with a plan of several pipelines."""
-    from h2jax.config import load_config
-
-    overrides = MODEL + [
-        CLUSTER,
-        f"model.n_layers={n_layers}",
-        f"plan={ {'pipelines': pipelines} }",
-        "train.progress=false",
-        "train.tensorboard=false",
-        "optimizer.warmup_steps=1",
-        "optimizer.lr=1e-2",
-        "optimizer.eps=1e-3",
-        "train.steps=3",
-        "optimizer.clip_norm=0.5",
-    ]
-    return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
+    return experiment_cfg(n_layers, {"pipelines": pipelines}, **extra)
 
 
 def named_cfg(plan: str, **extra: str):

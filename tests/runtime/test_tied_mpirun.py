@@ -43,18 +43,8 @@ JOB = Path(__file__).with_name("tied_job.py")
     ],
 )
 def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
-    proc = mpirun(nproc, [sys.executable, str(JOB), str(tmp_path), plan, f"train.transport={transport}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(nproc)]
-
-    cfg = named_cfg(plan)
-    grads = [
-        {k.split("/", 2)[2]: v for rk in ranks for k, v in rk.items() if k.startswith(f"grads/{step}/")}
-        for step in range(3)
-    ]
-    got = {k[len("params/") :]: v for rk in ranks for k, v in rk.items() if k.startswith("params/")}
     # the gradients and parameters of all processes together hold the model once (the table once)
-    assert_recorded_equals_sequential(cfg, grads, got, [(rk["losses"], rk["norms"]) for rk in ranks])
+    cfg, ranks, got = run_and_compare(plan, transport, nproc, tmp_path)
 
     # both copies of the table, and of its moments, equal bit for bit across the processes
     copies = {k: v for rk in ranks for k, v in rk.items() if k.startswith("copy/")}
@@ -68,6 +58,22 @@ def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
 
     # the multi-process checkpoint, restored in one process onto one stage holding both uses
     restored_on_one_stage(cfg, got, tmp_path)
+
+
+def run_and_compare(plan: str, transport: str, nproc: int, tmp_path):
+    """tied_job.py's run of ``plan`` on ``nproc`` processes against the sequential model: (the
+    experiment, each rank's record, every parameter after the run by model path)."""
+    proc = mpirun(nproc, [sys.executable, str(JOB), str(tmp_path), plan, f"train.transport={transport}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(nproc)]
+    cfg = named_cfg(plan)
+    grads = [
+        {k.split("/", 2)[2]: v for rk in ranks for k, v in rk.items() if k.startswith(f"grads/{step}/")}
+        for step in range(3)
+    ]
+    got = {k[len("params/") :]: v for rk in ranks for k, v in rk.items() if k.startswith("params/")}
+    assert_recorded_equals_sequential(cfg, grads, got, [(rk["losses"], rk["norms"]) for rk in ranks])
+    return cfg, ranks, got
 
 
 def restored_on_one_stage(cfg, got: dict, tmp_path) -> None:
@@ -90,15 +96,5 @@ def test_pipelines_under_mpirun_equal_sequential(transport, tmp_path):
     """Two pipelines on disjoint processes (one per stage: 2 + 1): each layer's gradient summed
     across them through the host, every copy updated alike; the checkpoint, one part per process
     (the second pipeline's holds no array: its copies are the first's), restores onto one stage."""
-    plan = "2p-mpirun"
-    proc = mpirun(3, [sys.executable, str(JOB), str(tmp_path), plan, f"train.transport={transport}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(3)]
-    cfg = named_cfg(plan)
-    grads = [
-        {k.split("/", 2)[2]: v for rk in ranks for k, v in rk.items() if k.startswith(f"grads/{step}/")}
-        for step in range(3)
-    ]
-    got = {k[len("params/") :]: v for rk in ranks for k, v in rk.items() if k.startswith("params/")}
-    assert_recorded_equals_sequential(cfg, grads, got, [(rk["losses"], rk["norms"]) for rk in ranks])
+    cfg, _, got = run_and_compare("2p-mpirun", transport, 3, tmp_path)
     restored_on_one_stage(cfg, got, tmp_path)
