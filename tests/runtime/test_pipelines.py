@@ -18,7 +18,7 @@ import pytest
 from h2jax.config import ConfigError, load_config
 from h2jax.plan import Plan
 from h2jax.runtime import Trainer
-from tests._harness import CLUSTER, MODEL, TIED, P, S, Sequential, assert_pipeline_equals_sequential, differing
+from tests._harness import CLUSTER, MODEL, TIED, P, S, assert_pipeline_equals_sequential, differing, sequential_steps
 from tests._harness import PIPELINE_PLANS as PLANS
 from tests._harness import pipelines_cfg as make_cfg
 
@@ -79,14 +79,7 @@ def test_a_checkpoint_of_three_pipelines_restores_into_one_and_back(tmp_path):
     n_layers, pipelines = PLANS["3p-three-types"]
     three = make_cfg(pipelines, n_layers)
     one = make_cfg([P(16, 4, "1f1b", [S("sim_a", (0, 3), 1, 2), S("sim_b", (3, 5), 2, 1)])], n_layers)
-    ref = Sequential(three)
-    for step in range(3):
-        tr = Trainer(three, run_dir=tmp_path / "tmp")  # the reference's batches: any plan's, the same
-        tokens, targets = tr.batch(step)
-        tr.close()
-        ref.grads(tokens, targets)
-        ref.update()
-    want = ref.flat_params()
+    _, want = sequential_steps(three)  # the batches of a step are any plan's
     for first, then in ((three, one), (one, three)):
         src = tmp_path / f"src{len(first.plan.pipelines)}"
         a = Trainer(first, run_dir=src)
