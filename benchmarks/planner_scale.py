@@ -30,8 +30,9 @@ reference, ``sum(i * i for i in range(100000))`` (best of 5 x 20, the same as
 search times: runs on different machines compare through it.
 
 Last line: ``RESULT {json}`` with search_s, found_s, cpu_s (medians), search_s_runs (every
-run), iteration_s, lower_bound_s, gap, ratio_matched_total, ratio_same_batch, chips_used (per
-cluster, by chip count), ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
+run), iteration_s, lower_bound_s, gap, ratio_matched_total, ratio_same_batch, chips_used,
+per_chip_pipelines (the one-pipeline-per-chip-type plan `h2jax plan` prints beside its own: its
+iteration, exchange and matched-total ratio; per cluster, by chip count), ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
 median, max), and reference_ms (the reference before and after the whole run, and timed in
 each search's process right before it: per cluster, the median).
 """
@@ -55,7 +56,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "plan"))
 
 from h2jax.cli_plan import search_options  # noqa: E402
-from h2jax.plan import Cluster, ModelShape, Searcher, SearchOptions, matched_total, same_batch, search  # noqa: E402
+from h2jax.plan import (  # noqa: E402
+    Cluster,
+    ModelShape,
+    Searcher,
+    SearchOptions,
+    estimate_pipelines,
+    matched_total,
+    per_chip_pipelines,
+    same_batch,
+    search,
+)
 
 CLUSTERS = ["mixed_gaudi2_h100", "hetero_1024", "hetero_2432", "hetero_10000"]
 
@@ -123,6 +134,7 @@ def main() -> None:
     )
     result: dict = {k: {} for k in keys}
     result["reference_ms"] = {}
+    result["per_chip_pipelines"] = {}
     ref_before = reference_ms()
     print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(f"reference before: {ref_before:.2f} ms (sum(i * i for i in range(100000)), best of 5 x 20)")
@@ -146,12 +158,25 @@ def main() -> None:
         times = [r["search_s"] for r in runs]
         mid = sorted(runs, key=lambda r: r["search_s"])[len(runs) // 2]  # the run with the median time
         ratio = matched = float("nan")
-        split = ""
+        split = per_line = ""
         if mid["stages"]:  # each chip type alone, searched as `h2jax plan` does (h2jax.plan._baselines)
             searcher = Searcher(cluster, model, opts=search_options(cluster))
             ratio = same_batch(searcher, gb).ratio(mid["tokens_per_s"])
             base = matched_total(searcher, gb)
             matched, split = base.ratio(mid["tokens_per_s"]), base.describe()
+            per, shares = per_chip_pipelines(searcher, gb)  # `h2jax plan`'s line beside its plan
+            if per is not None:
+                c = estimate_pipelines(per, model, cluster, opts=search_options(cluster).cost)
+                result["per_chip_pipelines"][str(cluster.num_devices)] = {
+                    "iteration_s": round(c.iteration_s, 3),
+                    "exchange_s": round(c.exchange_s, 3),
+                    "ratio_matched_total": round(base.ratio(c.tokens_per_s), 4),
+                }
+                per_line = (
+                    f"  one pipeline per chip type ({', '.join(f'{k} {v}' for k, v in shares.items())}): "
+                    f"{c.iteration_s:.3f} s, of it {c.exchange_s:.3f} s exchange across pipelines; matched-total "
+                    f"ratio {100 * base.ratio(c.tokens_per_s):.1f} % (priced, not chosen)"
+                )
         n = str(cluster.num_devices)
         result["search_s"][n] = round(statistics.median(times), 3)
         result["found_s"][n] = round(statistics.median(r["found_s"] for r in runs), 3)
@@ -176,6 +201,8 @@ def main() -> None:
         print(f"  {mid['note']}")
         if split:
             print(f"  matched total: homogeneous {split}")
+        if per_line:
+            print(per_line)
         if len({round(r["iteration_s"], 9) for r in runs}) > 1:
             print(
                 f"  the runs' plans differ (the budget bought more or fewer rounds): {[r['iteration_s'] for r in runs]}"
