@@ -40,8 +40,10 @@ def _merge(base: dict, top: dict, path: str = "") -> dict:
     out = dict(base)
     for k, v in top.items():
         here = f"{path}.{k}" if path else str(k)
-        # a cluster lists its chips in full: the default chips must not leak into it
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and here != "cluster.chips":
+        # a cluster lists its chips in full, a plan of several pipelines its pipelines: the
+        # default chips, or the default one-pipeline plan's stages, must not leak into them
+        whole = here == "cluster.chips" or (here == "plan" and isinstance(v, dict) and "pipelines" in v)
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and not whole:
             out[k] = _merge(out[k], v, here)
         else:
             out[k] = v
@@ -109,13 +111,6 @@ def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str
     raw = copy.deepcopy(raw)
     for text in overrides:
         apply_override(raw, *parse_override(text))
-    plan = raw.get("plan")
-    if isinstance(plan, dict) and plan.get("pipelines"):
-        # a plan of several pipelines: the default one-pipeline plan's keys are not its own
-        default = default_raw().get("plan") or {}
-        for key in ("stages", "num_microbatches", "schedule", "global_batch"):
-            if key in plan and plan[key] == default.get(key):
-                del plan[key]
     return raw
 
 
