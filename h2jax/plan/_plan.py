@@ -136,7 +136,8 @@ class Plan:
             object.__setattr__(self, "stages", tuple(self.stages))
         if len(self.pipelines) == 1:  # a plan of one pipeline is that pipeline
             (pipe,) = self.pipelines
-            if self.global_batch not in (None, pipe.global_batch) or self.stages or self.num_microbatches is not None:
+            given = self.stages or self.num_microbatches is not None or self.schedule is not None
+            if given or self.global_batch not in (None, pipe.global_batch):
                 self._join_pipelines()  # names what is given twice
             for name in ("stages", "global_batch", "num_microbatches", "schedule"):
                 object.__setattr__(self, name, getattr(pipe, name))
