@@ -23,8 +23,8 @@ stage order, *owns* it; the others hold *mirrors*):
   the copies identical (``==``) after every update on any mix of chips, and the optimizer
   state of the copies with them. The cost per step: each mirror's share of the gradient
   travels once to the owner, and the value and its two moments once back (one process:
-  ``jax.device_put`` between the stage meshes, which also reshards when the stages' tensor
-  degrees differ; multi-process: through the host, with :meth:`World.from_stage_to`).
+  ``jax.device_put`` between the stage meshes, sharded over the data axes and all-gathered
+  on arrival, which also reshards when the stages' tensor degrees differ; multi-process: through the host, with :meth:`World.from_stage_to`).
 - **Checkpoints.** A tied parameter and its optimizer state are saved once, by the owner,
   under the parameter's path in the whole model (``embed/embedding``); a restore gives every
   holder the same values (``h2jax.runtime._state``), under any plan -- also one whose single
@@ -47,6 +47,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from h2jax.config import ConfigError
 from h2jax.models import SharedParam
@@ -76,13 +78,37 @@ def _replace(tree: Any, values: dict[int, Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _wire(x: jax.Array) -> Any:
+    """The layout ``x`` travels in between stages: its own sharding with the data axis added on the
+    first dimension that is not split yet and divides by it, so each of a stage's devices sends or
+    receives a distinct piece (a parameter is replicated over its stage's data axis; sent as it is,
+    every data replica would take the whole of it over the link between the stages). Its own
+    sharding where the mesh has no data axis, the data axis is used, or no dimension divides."""
+    sh = x.sharding
+    n = sh.mesh.shape.get("data", 1) if isinstance(sh, NamedSharding) else 1
+    if n == 1:
+        return sh
+    spec = list(sh.spec) + [None] * (x.ndim - len(sh.spec))
+    if any(a == "data" or (isinstance(a, tuple) and "data" in a) for a in spec):
+        return sh
+    for i, (axis, size) in enumerate(zip(spec, x.shape)):
+        if axis is None and size % n == 0:
+            spec[i] = "data"
+            return NamedSharding(sh.mesh, P(*spec))
+    return sh
+
+
 def _place_all(values: list[Any], likes: list[jax.Array]) -> list[jax.Array]:
     """``values`` (device arrays of another mesh, or host arrays) laid out as ``likes``, each in
     a buffer of its own: two chunks of one stage may hold the copies on the same devices, and
     each update donates its own (an aliased buffer would be deleted under the other). Device
-    arrays move in one ``jax.device_put``."""
+    arrays move sharded (:func:`_wire`: cut over the sender's data axis -- a local slice -- moved
+    piece by piece to the receiver's, then all-gathered there over its data axis: what
+    h2jax.plan's exchange cost prices), each step one ``jax.device_put`` of the whole list."""
     if all(isinstance(v, jax.Array) for v in values):
-        return list(jax.device_put(list(values), [x.sharding for x in likes], may_alias=False))
+        cut = jax.device_put(list(values), [_wire(v) for v in values])
+        moved = jax.device_put(cut, [_wire(x) for x in likes])
+        return list(jax.device_put(moved, [x.sharding for x in likes], may_alias=False))
     return [global_array(np.asarray(v), x.sharding) for v, x in zip(values, likes)]
 
 
