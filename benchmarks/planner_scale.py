@@ -29,10 +29,17 @@ reference, ``sum(i * i for i in range(100000))`` (best of 5 x 20, the same as
 ``python3 -m timeit -n 20 "sum(i*i for i in range(100000))"``), and reports it beside the
 search times: runs on different machines compare through it.
 
-Last line: ``RESULT {json}`` with search_s, found_s, cpu_s (medians), search_s_runs (every
-run), iteration_s, lower_bound_s, gap, ratio_matched_total, ratio_same_batch, chips_used,
-per_chip_pipelines (the one-pipeline-per-chip-type plan `h2jax plan` prints beside its own: its
-iteration, exchange and matched-total ratio; per cluster, by chip count), ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
+After the one-pipeline search, as `h2jax plan` does: the search over plans of several pipelines
+(h2jax.plan.search_pipelines, within the same time budget, its one-type pipelines the baselines'
+searches) and the faster of the two plans chosen; the ratios are the chosen plan's.
+
+Last line: ``RESULT {json}`` with search_s, found_s, cpu_s (medians of the one-pipeline search),
+search_s_runs (every run), pipelines_search_s (the search over several pipelines), iteration_s,
+lower_bound_s, gap (the one pipeline's), ratio_matched_total and ratio_same_batch (the chosen
+plan's), ratio_matched_total_one_pipeline, chosen (per cluster: "one pipeline" or the plan of
+several), chips_used (the chosen plan's), pipelines (the search over several pipelines: its best
+plan, one pipeline per chip type, partitions priced; per cluster, by chip count),
+ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
 median, max), and reference_ms (the reference before and after the whole run, and timed in
 each search's process right before it: per cluster, the median).
 """
@@ -61,11 +68,10 @@ from h2jax.plan import (  # noqa: E402
     ModelShape,
     Searcher,
     SearchOptions,
-    estimate_pipelines,
     matched_total,
-    per_chip_pipelines,
     same_batch,
     search,
+    search_pipelines,
 )
 
 CLUSTERS = ["mixed_gaudi2_h100", "hetero_1024", "hetero_2432", "hetero_10000"]
@@ -103,6 +109,7 @@ def one(name: str) -> None:
                 "stages": r.plan.num_stages if r.plan else 0,
                 "tokens_per_s": r.cost.tokens_per_s if r.plan else 0.0,
                 "chips_used": sum(r.cost.devices_by_chip.values()) / cluster.num_devices if r.plan else 0.0,
+                "order": list(dict.fromkeys(s.chip for s in r.plan.stages)) if r.plan else [],
                 "exhaustive": r.exhaustive,
                 "note": r.note,
             }
@@ -134,7 +141,10 @@ def main() -> None:
     )
     result: dict = {k: {} for k in keys}
     result["reference_ms"] = {}
-    result["per_chip_pipelines"] = {}
+    result["pipelines"] = {}
+    result["pipelines_search_s"] = {}
+    result["ratio_matched_total_one_pipeline"] = {}
+    result["chosen"] = {}
     ref_before = reference_ms()
     print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(f"reference before: {ref_before:.2f} ms (sum(i * i for i in range(100000)), best of 5 x 20)")
@@ -157,25 +167,38 @@ def main() -> None:
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         times = [r["search_s"] for r in runs]
         mid = sorted(runs, key=lambda r: r["search_s"])[len(runs) // 2]  # the run with the median time
-        ratio = matched = float("nan")
+        ratio = matched = one_matched = float("nan")
         split = per_line = ""
+        chips_used, chosen = mid["chips_used"], "one pipeline"
         if mid["stages"]:  # each chip type alone, searched as `h2jax plan` does (h2jax.plan._baselines)
-            searcher = Searcher(cluster, model, opts=search_options(cluster))
-            ratio = same_batch(searcher, gb).ratio(mid["tokens_per_s"])
-            base = matched_total(searcher, gb)
-            matched, split = base.ratio(mid["tokens_per_s"]), base.describe()
-            per, shares = per_chip_pipelines(searcher, gb)  # `h2jax plan`'s line beside its plan
-            if per is not None:
-                c = estimate_pipelines(per, model, cluster, opts=search_options(cluster).cost)
-                result["per_chip_pipelines"][str(cluster.num_devices)] = {
-                    "iteration_s": round(c.iteration_s, 3),
-                    "exchange_s": round(c.exchange_s, 3),
-                    "ratio_matched_total": round(base.ratio(c.tokens_per_s), 4),
-                }
-                per_line = (
-                    f"  one pipeline per chip type ({', '.join(f'{k} {v}' for k, v in shares.items())}): "
-                    f"{c.iteration_s:.3f} s, of it {c.exchange_s:.3f} s exchange across pipelines; matched-total "
-                    f"ratio {100 * base.ratio(c.tokens_per_s):.1f} % (priced, not chosen)"
+            opts = search_options(cluster)
+            searcher = Searcher(cluster, model, opts=opts)
+            same, base = same_batch(searcher, gb), matched_total(searcher, gb)
+            split = base.describe()
+            tps = one_matched_tps = mid["tokens_per_s"]
+            # then, as `h2jax plan` does, the plans of several pipelines, and the faster plan chosen
+            several = search_pipelines(searcher, gb, order=mid["order"], time_budget_s=opts.time_budget_s)
+            result["pipelines"][str(cluster.num_devices)] = several.to_dict(base)
+            result["pipelines_search_s"][str(cluster.num_devices)] = round(several.search_s, 3)
+            if several.cost is not None and several.cost.iteration_s < mid["iteration_s"]:
+                tps, chosen = several.cost.tokens_per_s, several.describe()
+                chips_used = sum(several.cost.devices_by_chip.values()) / cluster.num_devices
+            ratio, matched, one_matched = same.ratio(tps), base.ratio(tps), base.ratio(one_matched_tps)
+            per_line = (
+                f"  several pipelines ({several.priced} of {several.partitions} partitions priced in "
+                f"{several.search_s:.2f} s): best {several.describe()}"
+                + (
+                    f", {several.cost.iteration_s:.3f} s (exchange {several.cost.exchange_s:.3f} s)"
+                    if several.cost
+                    else ""
+                )
+                + f"; chosen: {chosen}"
+            )
+            if several.per_chip is not None:
+                pc = several.per_chip
+                per_line += (
+                    f"\n  one pipeline per chip type: {pc.iteration_s:.3f} s, of it {pc.exchange_s:.3f} s exchange; "
+                    f"matched-total ratio {100 * base.ratio(pc.tokens_per_s):.1f} %"
                 )
         n = str(cluster.num_devices)
         result["search_s"][n] = round(statistics.median(times), 3)
@@ -187,14 +210,16 @@ def main() -> None:
         result["gap"][n] = round(mid["gap"], 3)
         result["ratio_same_batch"][n] = round(ratio, 4)
         result["ratio_matched_total"][n] = round(matched, 4)
-        result["chips_used"][n] = round(mid["chips_used"], 4)
+        result["ratio_matched_total_one_pipeline"][n] = round(one_matched, 4)
+        result["chosen"][n] = chosen
+        result["chips_used"][n] = round(chips_used, 4)
         result["reference_ms"][n] = round(statistics.median(r["reference_ms"] for r in runs), 2)
         spread = f"({min(times):.2f}-{max(times):.2f})"
         print(
             f"{name:<18} {n:>6} {len(cluster.names):>5} {result['search_s'][n]:>8.2f} {spread:>13} "
             f"{result['found_s'][n]:>7.2f} {result['cpu_s'][n]:>6.2f} {mid['iteration_s']:>8.3f} "
             f"{mid['lower_bound_s']:>8.3f} {100 * mid['gap']:>5.1f}% {mid['stages']:>6} "
-            f"{str(mid['exhaustive']):>10} {100 * matched:>6.1f}% {100 * ratio:>6.1f}% {100 * mid['chips_used']:>4.0f}% "
+            f"{str(mid['exhaustive']):>10} {100 * matched:>6.1f}% {100 * ratio:>6.1f}% {100 * chips_used:>4.0f}% "
             f"{result['reference_ms'][n]:>6.2f}",
             flush=True,
         )

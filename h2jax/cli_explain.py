@@ -71,12 +71,18 @@ def explanation(res, cluster, gb: int, *, measured: bool, several: bool, other: 
             "job planned at its share. The fair test of a claim to beat the sum of the parts. At the same "
             "global batch each homogeneous job takes all of it (a smaller bubble than its share would give): "
             "the larger baseline, so the lower ratio. Both are in comparison.json with --out.",
-            "one pipeline per chip type: each chip type its own pipeline (its best plan alone at its share of the "
-            "batch, the shares in steps of 1/8 of it chosen to make the slowest pipeline fastest), run as one job "
-            "of several pipelines: the slowest pipeline plus the exchange across pipelines (each layer's gradient "
-            "sent to the first pipeline's copy, the new values and moments back, over the slowest inter-node "
-            "link, after the backward: what the runtime does). Printed beside the plan; the search does not "
-            "choose plans of several pipelines yet.",
+            "several pipelines: a plan whose chip types are split into groups, each group its own pipeline (the "
+            "search's best plan of those chips) on its share of every step's sequences (a multiple of the step "
+            "shown; 0: the group does not train); after each step every layer's copies are summed and copied "
+            "back (the exchange: each layer's gradient sent to the first pipeline's copy, sharded over the "
+            "smaller stage's devices, over the slower chip type's inter-node link, after the backward; the new "
+            "values and moments back). The search prices one pipeline per chip type first, then the other "
+            "partitions (every one up to four chip types, else runs of the one pipeline's stage order), fewest "
+            "pipelines first, within --time-budget; the faster of its best and the one pipeline is chosen and "
+            "written with --out. --max-pipelines 1 keeps one pipeline.",
+            "what limits the ratio (under 100 %): the one-pipeline search's lower bound, as a ratio; and one "
+            "pipeline per chip type, which on the baseline's shares cannot pass 100 %: apart, each chip type "
+            "runs at its own pace; together every pipeline waits for the slowest, then the exchange.",
         ]
     if other:
         lines.append(

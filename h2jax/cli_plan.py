@@ -17,6 +17,7 @@ import yaml
 from h2jax._console import make_console
 from h2jax._errors import EXIT_FAIL, fail, say
 from h2jax._paths import keep_aside
+from h2jax.cli_compare import compare, stages_table
 from h2jax.cli_explain import explanation
 from h2jax.cli_explain import fmt_s as _fmt_s
 from h2jax.plan import DEFAULT_TIME_BUDGET_S, INTERLEAVED_CHUNKS, schedule_names
@@ -82,6 +83,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         default=None,
         help="folder for plan.yaml and experiment.yaml (an earlier plan there is kept aside, with a line)",
+    )
+    p.add_argument(
+        "--max-pipelines",
+        type=int,
+        default=None,
+        help="plans of at most this many pipelines, each on its own chip types and share of the batch (default: "
+        "any number; 1: one pipeline through every chip type, no search over several)",
     )
     p.add_argument("--explain", action="store_true", help="after the plan, say what each word and number means")
     p.set_defaults(func=cmd_plan)
@@ -266,46 +274,6 @@ def _schedules_line(res, model, cluster, table, opts) -> str:
     return f"schedule {shown(chosen)} ({how}); the same stages under " + ", ".join(others)
 
 
-def _ratio_line(base, hetero_tps: float, what: str) -> str:
-    """One HeteroSpeedupRatio, named by `what` (which global batch each side trained at)."""
-    if base.tokens_per_s <= 0:
-        return f"HeteroSpeedupRatio {what}: not defined, no chip type has a plan of its own"
-    missing = base.without_plan()
-    over = f" (no plan alone: {', '.join(missing)})" if missing else ""
-    return f"HeteroSpeedupRatio {what}{over}: {100 * base.ratio(hetero_tps):.1f} %"
-
-
-def _per_chip_line(console, searcher, cluster, model, gb: int, table, matched) -> dict | None:
-    """One pipeline per chip type on shares of the batch (h2jax.plan.per_chip_pipelines), priced
-    as one job with the exchange across pipelines: printed beside the plan, not chosen."""
-    from h2jax.plan import estimate_pipelines, per_chip_pipelines
-
-    plan, shares = per_chip_pipelines(searcher, gb)
-    if plan is None:
-        console.print("one pipeline per chip type: no split of the batch gives each chip type a plan")
-        return None
-    c = estimate_pipelines(plan, model, cluster, table=table)
-    split = ", ".join(f"{n} {b}" for n, b in shares.items())
-    console.print(
-        f"one pipeline per chip type (shares {split}; printed, not chosen: the search over several pipelines is "
-        f"not built yet): estimated iteration {_fmt_s(c.iteration_s)} with {_fmt_s(c.exchange_s)} of exchange "
-        f"across pipelines, {c.tokens_per_s:,.0f} tokens/s; {_ratio_line(matched, c.tokens_per_s, 'at the matched total batch')}"
-    )
-    return {
-        "shares": shares,
-        "iteration_s": c.iteration_s,
-        "exchange_s": c.exchange_s,
-        "ratio": matched.ratio(c.tokens_per_s),
-    }
-
-
-def _job_text(r) -> str:
-    """One homogeneous job's tokens/s and whether its search was exhaustive, or why it has no plan."""
-    if r.plan is None:
-        return f"no plan: {r.note}"
-    return f"{r.cost.tokens_per_s:,.0f} tokens/s ({'exact' if r.exhaustive else 'not exhaustive: ' + r.note})"
-
-
 def _rows_text(rows) -> str:
     """(tensor, sequences per device) pairs in words, tensor degrees with the same sizes together:
     "tensor 1, 2 at 2, 4 sequences per device"."""
@@ -338,10 +306,7 @@ def _search_line(res) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
-    from h2jax._units import GIB
-    from h2jax.plan import Cluster, PlanError, ProfileError, Searcher, idle_chips, matched_total, same_batch, search
+    from h2jax.plan import Cluster, PlanError, ProfileError, idle_chips, search
 
     try:
         raw = _read_yaml(args.cluster, "cluster")
@@ -357,6 +322,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         table.check_model(model)
         if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
             raise PlanError("--out", f"{args.out} is a file; expected a folder for plan.yaml and experiment.yaml")
+        if args.max_pipelines is not None and args.max_pipelines < 1:
+            raise PlanError("--max-pipelines", f"expected 1 or more, got {args.max_pipelines}")
         if args.time_budget < 0:
             raise ProfileError(f"--time-budget: expected seconds >= 0 (0: no limit), got {args.time_budget}")
         opts = search_options(
@@ -387,24 +354,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             ProfileError(f"plan: no plan fits ({res.note}); try more chips, a smaller model or microbatch{more}")
         )
     cost = res.cost
-    tbl = Table(
-        title=f"{cluster.name}: {cluster.num_devices} chips, model {format_count(model.num_params())} params, "
+    tbl = stages_table(
+        f"{cluster.name}: {cluster.num_devices} chips, model {format_count(model.num_params())} params, "
         f"global batch {gb} seq = {gb * model.seq_len:,} tokens, {res.plan.num_microbatches} x "
-        f"{res.plan.microbatch_size}, {res.plan.schedule}"
+        f"{res.plan.microbatch_size}, {res.plan.schedule}",
+        res.plan,
+        cost,
     )
-    for col in ("stage", "chip", "data x tensor", "layers", "recompute", "fwd+bwd / mb", "costs", "memory / device"):
-        tbl.add_column(col)
-    for i, (s, c) in enumerate(zip(res.plan.stages, cost.stages)):
-        tbl.add_row(
-            str(i),
-            s.chip,
-            f"{s.data} x {s.tensor}",
-            ", ".join(f"{a}-{b - 1}" for a, b in s.layer_chunks),  # a chunked stage: each chunk
-            "yes" if s.recompute else "no",
-            _fmt_s(c.t),
-            f"roofline ({s.tensor}, {res.plan.microbatch_size // s.data})" if c.estimated else "measured",
-            f"{c.memory.total / GIB:.1f} / {c.memory_limit / GIB:.0f} GiB",
-        )
     console.print(tbl)
     for chip, (busy, cores) in table.loaded_chips(cluster.names).items():
         console.print(
@@ -454,52 +410,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     idle = idle_chips(res, cluster)
     for chip, (n, why) in idle.items():
         console.print(f"  {n} {chip} chips left idle: {why}")
-    comparison = None
-    if len(cluster.names) > 1:
-        searcher = Searcher(cluster, model, table=table, opts=opts)
-        same, matched = same_batch(searcher, gb), matched_total(searcher, gb)
-        for name, r in same.results.items():
-            console.print(f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: {_job_text(r)}")
-        console.print(
-            f"[bold]{_ratio_line(same, cost.tokens_per_s, f'at the same global batch ({gb} hetero, {gb} homogeneous)')}[/]"
-        )
-        for name, r in matched.results.items():
-            if r is not None:
-                console.print(f"  homogeneous {name} at global batch {matched.shares[name]}: {_job_text(r)}")
-        console.print(
-            "[bold]"
-            + _ratio_line(
-                matched,
-                cost.tokens_per_s,
-                f"at the matched total batch ({gb} hetero; homogeneous {matched.describe()}, split searched)",
-            )
-            + "[/]"
-        )
-        comparison = {
-            "same_batch": same.to_dict(cost.tokens_per_s),
-            "matched_total": matched.to_dict(cost.tokens_per_s),
-            "per_chip_pipelines": _per_chip_line(console, searcher, cluster, model, gb, table, matched),
-        }
-        if args.other_global_batch:
-            ogb = args.other_global_batch
-            other = search(cluster, model, global_batch=ogb, table=table, opts=opts)
-            if other.plan is None:
-                console.print(f"heterogeneous at global batch {ogb}: no plan ({other.note})")
-            else:
-                console.print(
-                    _ratio_line(
-                        same,
-                        other.cost.tokens_per_s,
-                        f"with hetero at global batch {ogb}, homogeneous at {gb} (the mismatched ratio)",
-                    )
-                )
-                console.print(
-                    _ratio_line(
-                        same_batch(searcher, ogb),
-                        other.cost.tokens_per_s,
-                        f"at the same global batch ({ogb} both)",
-                    )
-                )
+    chosen = compare(console, args, res, cluster, model, gb, table, opts, idle)
     if args.explain:
         console.print("\n[bold]what the output means[/]")
         several = len(cluster.names) > 1
@@ -526,12 +437,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     style="bold yellow",
                     prog="h2jax plan",
                 )
-        res.plan.to_yaml(out / "plan.yaml")
+        chosen.plan.to_yaml(out / "plan.yaml")
         exp = {
             "name": f"plan_{cluster.name}",
             "model": {k: model_raw[k] for k in model_raw},
             "cluster": {"chips": cluster.to_config_chips()},
-            "plan": res.plan.to_dict(),
+            "plan": chosen.plan.to_dict(),
         }
         exp["plan"].pop("model", None)
         (out / "experiment.yaml").write_text(
@@ -543,10 +454,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         report = {
             "cluster": cluster.name,
             "global_batch": gb,
-            "tokens_per_s": round(cost.tokens_per_s, 1),
-            "chips_used": {c: [cost.devices_by_chip.get(c, 0), cluster.devices(c)] for c in cluster.names},
-            "idle": {c: why for c, (_, why) in idle.items()},
-            "heterospeedup": comparison,  # None with one chip type: nothing to compare
+            "pipelines": chosen.plan.num_pipelines,
+            "tokens_per_s": round(chosen.tokens_per_s, 1),
+            "chips_used": {c: [chosen.devices_by_chip.get(c, 0), cluster.devices(c)] for c in cluster.names},
+            "idle": {c: why for c, (_, why) in chosen.idle.items()},
+            "heterospeedup": chosen.report,  # None with one chip type: nothing to compare
         }
         (out / "comparison.json").write_text(json.dumps(report, indent=1) + "\n")
         console.print(f"wrote {', '.join(str(out / f) for f in files)}")

@@ -94,7 +94,8 @@ from h2jax.plan._cost import (  # noqa: E402
     stage_cost,
     transfer_s,
 )
-from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines, per_chip_pipelines  # noqa: E402
+from h2jax.plan._pipeline_search import PipelinesResult, search_pipelines  # noqa: E402
+from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines  # noqa: E402
 from h2jax.plan._profiles import (  # noqa: E402
     GIB,
     PROGRAM,
@@ -126,7 +127,8 @@ __all__ += [
     "PipelinesCost",
     "Searcher",
     "estimate_pipelines",
-    "per_chip_pipelines",
+    "search_pipelines",
+    "PipelinesResult",
     "idle_chips",
     "matched_total",
     "same_batch",

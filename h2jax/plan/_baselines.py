@@ -86,13 +86,22 @@ class Searcher:
         self.cluster, self.model, self.table = cluster, model, table
         base = opts if opts is not None else SearchOptions()
         self.opts = dataclasses.replace(base, group_size=None, max_options_per_chip=None, auto=True)
-        self._done: dict[tuple[str, int], SearchResult] = {}
+        self._done: dict[tuple[tuple[str, ...], int], SearchResult] = {}
 
-    def __call__(self, chip: str, global_batch: int) -> SearchResult:
-        key = (chip, global_batch)
+    def __call__(
+        self, chips: str | tuple[str, ...], global_batch: int, *, time_budget_s: float | None = None
+    ) -> SearchResult:
+        """The best plan of chip type `chips` alone (or of the chip types `chips` together: one
+        pipeline of a plan of several) at `global_batch`; `time_budget_s`: a tighter budget for
+        this search than the options' (its result is kept all the same)."""
+        group = (chips,) if isinstance(chips, str) else tuple(chips)
+        key = (group, global_batch)
         if key not in self._done:
+            opts = self.opts
+            if time_budget_s is not None and (opts.time_budget_s is None or time_budget_s < opts.time_budget_s):
+                opts = dataclasses.replace(opts, time_budget_s=time_budget_s)
             self._done[key] = search(
-                self.cluster.only(chip), self.model, global_batch=global_batch, table=self.table, opts=self.opts
+                self.cluster.only(*group), self.model, global_batch=global_batch, table=self.table, opts=opts
             )
         return self._done[key]
 

@@ -7,19 +7,23 @@ update has run and every layer's copies have been summed and copied back. So its
     max over pipelines of its own iteration (h2jax.plan.estimate of that pipeline alone)
     + the exchange across pipelines
 
-where the exchange prices what the runtime does (h2jax.runtime._tied): each layer's gradient
-sent from every other pipeline's copy to the first pipeline's, added there, and the new values
-and moments (three times the gradient's bytes, fp32) sent back; each stage of the first pipeline
-receives its layers' shares one pipeline after the other over the slowest inter-node link of
-the chip types involved, the stages in parallel. Not overlapped with the backward (the runtime
-sums after the step's last backward).
+where the exchange prices what the runtime does (h2jax.runtime._tied): every layer is owned by the
+first pipeline's stage that holds it; each other pipeline's stage holding it sends its gradient
+there, where it is added, and takes back the new values and both moments (three times the
+gradient's bytes, fp32). Each of these transfers runs sharded: the tensor is cut into as many
+pieces as the smaller of the two stages has devices, each piece on its own link (the pattern of
+the boundary transfers, h2jax.plan._stage_cost.transfer_s), and the receiving stage all-gathers
+the pieces over its data axis on its intra-node link. A link between two chip types, or between
+nodes of one, runs at the slower side's inter-node bandwidth; between chips that share a host
+(emulated) the bytes cross its memory at the profiler's measured boundary-transfer rate. An owner
+stage takes its mirrors' transfers one after the other, the owner stages run in parallel, so the
+exchange is the busiest owner stage's sum. It is not overlapped with the backward: the runtime
+sums after the step's last backward.
 
 With shared hosts (emulated chips) the pipelines' stages also share the host's cores: the step
 is at least every pipeline's host work over the cores, as for one pipeline (h2jax.plan._cost).
 
-:func:`per_chip_pipelines` builds the plan the issue calls the floor of the sum of the parts: one
-pipeline per chip type, each the search's best plan of that chip type alone at its share of the
-global batch, the shares chosen (in multiples of a step) to make the slowest pipeline fastest.
+Which plans of several pipelines to run is searched by h2jax.plan._pipeline_search.
 """
 
 from __future__ import annotations
@@ -28,8 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from h2jax.plan._plan import Plan
-
-GRID = 8  # per_chip_pipelines: shares in multiples of global_batch / GRID (the matched-total baseline's: its searches serve both)
 
 
 @dataclass(frozen=True)
@@ -55,24 +57,64 @@ class PipelinesCost:
         return self.tokens_per_step / self.iteration_s if self.iteration_s > 0 else 0.0
 
 
-def exchange_s(plan: Plan, model: Any, profiles: dict[str, Any]) -> float:
+def _holdings(pipe: Plan, model: Any) -> list[tuple[set[int], bool, bool]]:
+    """Per stage of one pipeline: (its blocks, whether it holds the embedding, the head)."""
+    out = [(set(), False, False) for _ in pipe.stages]
+    positions = pipe.positions()
+    for k, (s, c) in enumerate(positions):
+        blocks, emb, head = out[s]
+        a, b = pipe.stages[s].layer_chunks[c]
+        blocks.update(range(a, b))
+        out[s] = (blocks, emb or k == 0, head or k == len(positions) - 1)
+    return out
+
+
+def _rate_s_per_byte(src: Any, s_spec: Any, dst: Any, d_spec: Any, model: Any, table: Any) -> float:
+    """Seconds per byte of a sharded transfer between two stages (module docstring)."""
+    from h2jax.plan._stage_cost import measured_transfer
+
+    eff = table.eff
+    if src.host is not None and src.host == dst.host:
+        hit = measured_transfer(table, model, src, s_spec, s_spec.data)
+        if hit is not None:  # the measured boundary tensor: seq x d_model x act_bytes per sequence
+            return hit.fwd_s / (model.seq_len * model.d_model * model.act_bytes)
+    links = max(1, min(s_spec.num_devices, d_spec.num_devices))
+    bw = min(src.inter_node_gbps, dst.inter_node_gbps) * 1e9 * eff.link
+    gather = 0.0
+    if d_spec.data > 1:  # the receiver's all-gather over its data axis, of its 1/tensor share
+        gather = (d_spec.data - 1) / d_spec.data / d_spec.tensor / (dst.intra_node_gbps * 1e9 * eff.link)
+    return 1.0 / (links * bw) + gather
+
+
+def exchange_s(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = None) -> float:
     """Seconds of the exchange across ``plan``'s pipelines (module docstring); 0 for one pipeline."""
+    from h2jax.plan._cost import _DEFAULT_TABLE
+
     pipes = plan.pipeline_plans()
     if len(pipes) < 2:
         return 0.0
-    chips = {s.chip for s in plan.stages}
-    bw = min(profiles[c].inter_node_gbps for c in chips) * 1e9  # bytes/s
-    first = pipes[0]
-    worst = 0.0
-    for i, s in enumerate(first.stages):
-        params = s.num_layers * model.block_params
-        if i == 0:
-            params += model.embed_params
-        if i == first.num_stages - 1:
-            params += model.embed_params  # the head (untied: its own table-sized matrix)
-        grads = 4 * params  # fp32
-        worst = max(worst, (len(pipes) - 1) * (grads + 3 * grads) / bw)
-    return worst
+    table = table if table is not None else _DEFAULT_TABLE
+    eff = table.eff
+    owners = _holdings(pipes[0], model)
+    busiest = 0.0
+    for o, (blocks, emb, head) in enumerate(owners):
+        spec_o = pipes[0].stages[o]
+        prof_o = profiles[spec_o.chip]
+        total = 0.0
+        for pipe in pipes[1:]:
+            for m, (m_blocks, m_emb, m_head) in enumerate(_holdings(pipe, model)):
+                params = len(blocks & m_blocks) * model.block_params
+                params += model.embed_params * (emb and m_emb) + model.head_params * (head and m_head)
+                if not params:
+                    continue
+                spec_m = pipe.stages[m]
+                prof_m = profiles[spec_m.chip]
+                grads = 4 * params  # fp32
+                total += grads * _rate_s_per_byte(prof_m, spec_m, prof_o, spec_o, model, table)
+                total += 3 * grads * _rate_s_per_byte(prof_o, spec_o, prof_m, spec_m, model, table)
+                total += 2 * eff.collective_latency_s
+        busiest = max(busiest, total)
+    return busiest
 
 
 def estimate_pipelines(plan: Plan, model: Any, cluster: Any, *, table: Any = None, opts: Any = None) -> PipelinesCost:
@@ -82,7 +124,7 @@ def estimate_pipelines(plan: Plan, model: Any, cluster: Any, *, table: Any = Non
     opts = opts if opts is not None else CostOptions()
     costs = tuple(estimate(p, model, cluster, table=table, opts=opts) for p in plan.pipeline_plans())
     profiles = cluster.profiles
-    x = exchange_s(plan, model, profiles)
+    x = exchange_s(plan, model, profiles, table=table)
     step = max(c.iteration_s for c in costs) + x
     work: dict[str, float] = {}
     cores: dict[str, int] = {}
@@ -109,40 +151,3 @@ def estimate_pipelines(plan: Plan, model: Any, cluster: Any, *, table: Any = Non
         reasons=reasons,
         host_bound_s=bound,
     )
-
-
-def per_chip_pipelines(searcher: Any, global_batch: int, *, grid: int = GRID) -> tuple[Plan | None, dict[str, int]]:
-    """One pipeline per chip type (module docstring): (the plan, each chip type's share; 0: not
-    used), or (None, {}) when no split gives every used chip type a plan. ``searcher``:
-    h2jax.plan.Searcher (each chip type's best plan alone at a batch, searched once)."""
-    from h2jax.plan._baselines import share_unit
-
-    names = list(searcher.cluster.names)
-    unit = share_unit(global_batch, grid)
-    g = global_batch // unit
-
-    def time_of(chip: str, j: int) -> float | None:
-        if j == 0:
-            return 0.0
-        r = searcher(chip, j * unit)
-        return r.iteration_s if r.plan is not None else None
-
-    # best[j] = (the slowest pipeline's time, units per chip type so far) with j units given out
-    best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
-    for n in names:
-        times = [time_of(n, j) for j in range(g + 1)]
-        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
-        for used, (slowest, units) in best.items():
-            for j in range(g + 1 - used):
-                if times[j] is None:
-                    continue
-                cand = (max(slowest, times[j]), (*units, j))
-                if used + j not in nxt or cand[0] < nxt[used + j][0]:
-                    nxt[used + j] = cand
-        best = nxt
-    if g not in best:
-        return None, {}
-    shares = {n: j * unit for n, j in zip(names, best[g][1])}
-    pipes = tuple(searcher(n, b).plan for n, b in shares.items() if b)
-    plan = pipes[0] if len(pipes) == 1 else Plan(pipelines=pipes)
-    return plan, shares

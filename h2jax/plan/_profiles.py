@@ -272,9 +272,10 @@ class Cluster:
     def profiles(self) -> dict[str, ChipProfile]:
         return {p.name: p for p, _ in self.chips}
 
-    def only(self, chip: str) -> Cluster:
-        """The same cluster with only chip type `chip` (a homogeneous baseline)."""
-        return Cluster(tuple((p, n) for p, n in self.chips if p.name == chip), name=f"{self.name}[{chip}]")
+    def only(self, *chips: str) -> Cluster:
+        """The same cluster with only the chip types `chips` (one: a homogeneous baseline; several:
+        the chips of one pipeline of a plan of several), in the cluster's order."""
+        return Cluster(tuple((p, n) for p, n in self.chips if p.name in chips), name=f"{self.name}[{'+'.join(chips)}]")
 
     def to_config_chips(self) -> dict[str, dict[str, Any]]:
         """``cluster.chips`` of an experiment config: each chip's profile by name, its node

@@ -1,0 +1,358 @@
+"""The search over plans of several pipelines: how many, which chip types each, their batch shares.
+
+A plan of several pipelines (``Plan.pipelines``) gives each group of chip types its own pipeline
+on its share of every step's sequences; the step is the slowest pipeline's plus the exchange of
+the layers' copies (h2jax.plan._pipelines). The space searched here:
+
+- **groups**: a partition of the cluster's chip types, each group one pipeline on all chips of
+  its types. With up to :data:`ALL_PARTITIONS_UP_TO` chip types every partition (the Bell
+  number: 15 for four); with more, the partitions into runs of consecutive chip types in the
+  order the one-pipeline plan puts them (2^(k-1): 128 for eight), which keeps chip types that
+  the one-pipeline search found good neighbours together. The partition into one group is the
+  one-pipeline plan itself (the incumbent, searched by :func:`h2jax.plan.search`).
+- **shares**: each group's global batch a multiple of ``global_batch / GRID`` (the matched-total
+  baseline's step, so the comparison with the chip types trained alone is on the same grid); a
+  group given 0 does not train (its chips are left idle, as the baseline leaves a chip type
+  whose job would add nothing).
+- **each pipeline**: its stages, meshes and schedule are the one-pipeline search's best plan of
+  the group's chips at its share.
+
+Where the space is small (at most :data:`EXACT_UP_TO` (group, share) pairs) every group is
+searched at every share and every split of every partition is priced whole: the result is the
+space's optimum (tests/plan/test_pipeline_search.py checks it against brute force). Beyond
+that, per partition a dynamic program picks the shares that make the slowest pipeline fastest,
+from each group's time at every share: a one-type group's plan at every share is searched (the
+matched-total baseline's searches, shared through :class:`h2jax.plan.Searcher`); a group of
+several types is searched at the share its chips' compute gives it (its peak FLOP/s over the
+cluster's) and priced at the other shares with the same stages and microbatch size, more or
+fewer microbatches (a valid plan, not necessarily that share's best: the search can only miss a
+faster plan, never report a slower one as faster); then each group is searched at the share the
+program gave it and the shares chosen again (:data:`REFINE_ROUNDS` times at most).
+
+Each partition's chosen shares are priced whole (:func:`estimate_pipelines`: the slowest pipeline,
+the exchange, the shared hosts' cores) and the fastest plan of several pipelines is returned; the
+caller compares it with the one-pipeline plan. One pipeline per chip type is priced first, then
+the other partitions in order of group count (two pipelines first) while ``time_budget_s``
+lasts (each search of a group of several chip types then gets at most a quarter of it, at least
+:data:`MIN_GROUP_SEARCH_S`, and returns its best plan so far); the result says how many of the
+space's partitions were priced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from h2jax.plan._baselines import GRID, Searcher, share_unit
+from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines
+from h2jax.plan._plan import Plan, PlanError, check_plan
+
+REFINE_ROUNDS = 2  # a partition's shares re-chosen after searching its groups at them
+GROUP_SEARCHES_PER_BUDGET = 4  # under a time budget a group of several types is searched for at most 1/4 of it
+MIN_GROUP_SEARCH_S = 0.2  # ... and at least this long, also past the budget (its best plan so far)
+ALL_PARTITIONS_UP_TO = 4  # chip types: every partition up to this many; beyond, runs of consecutive types
+
+
+@dataclass(frozen=True)
+class PipelinesResult:
+    """What :func:`search_pipelines` found: the fastest plan of several pipelines (None: none of
+    the partitions priced has a plan for every group), its cost, each pipeline's chip types and
+    share, and how much of the space was priced."""
+
+    plan: Plan | None
+    cost: PipelinesCost | None
+    groups: tuple[tuple[str, ...], ...]
+    shares: tuple[int, ...]
+    priced: int  # partitions priced
+    partitions: int  # partitions in the space (every partition into two groups or more)
+    search_s: float
+    unit: int  # the shares' step
+    every_partition: bool  # the space holds every partition (else: runs of consecutive chip types)
+    per_chip: PipelinesCost | None = None  # one pipeline per chip type, the best shares (priced first)
+    per_chip_link: str = ""  # the slowest link its exchange crosses, in words
+
+    @property
+    def iteration_s(self) -> float:
+        return self.cost.iteration_s if self.cost is not None else float("inf")
+
+    def to_dict(self, matched: Any) -> dict[str, Any]:
+        """What the plan's files keep of it (`matched`: the matched-total Baseline, for ratios)."""
+        out: dict[str, Any] = {
+            "partitions_priced": self.priced,
+            "partitions": self.partitions,
+            "every_partition": self.every_partition,
+            "share_step": self.unit,
+            "search_s": round(self.search_s, 3),
+            "best": None,
+            "per_chip": None,
+        }
+        if self.cost is not None:
+            out["best"] = {
+                "pipelines": [{"chips": list(g), "global_batch": b} for g, b in zip(self.groups, self.shares)],
+                "iteration_s": round(self.cost.iteration_s, 4),
+                "exchange_s": round(self.cost.exchange_s, 4),
+                "tokens_per_s": round(self.cost.tokens_per_s, 1),
+                "ratio_matched_total": round(matched.ratio(self.cost.tokens_per_s), 4),
+            }
+        if self.per_chip is not None:
+            out["per_chip"] = {
+                "shares": {p.stages[0].chip: p.global_batch for p in self.per_chip.plan.pipeline_plans()},
+                "iteration_s": round(self.per_chip.iteration_s, 4),
+                "exchange_s": round(self.per_chip.exchange_s, 4),
+                "ratio_matched_total": round(matched.ratio(self.per_chip.tokens_per_s), 4),
+            }
+        return out
+
+    def describe(self) -> str:
+        """ "2 pipelines: gaudi2 at 192, h100_sxm at 320 (of 512)"."""
+        if self.plan is None:
+            return "no plan of several pipelines"
+        parts = [f"{'+'.join(g)} at {b}" for g, b in zip(self.groups, self.shares)]
+        return f"{len(self.groups)} pipelines: {', '.join(parts)} (of {sum(self.shares)})"
+
+
+def set_partitions(items: Sequence[str]) -> Iterator[tuple[tuple[str, ...], ...]]:
+    """Every partition of `items` into non-empty groups (each group in `items`' order)."""
+    if not items:
+        yield ()
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        yield ((first,), *part)
+        for i in range(len(part)):
+            yield (*part[:i], (first, *part[i]), *part[i + 1 :])
+
+
+def runs(order: Sequence[str]) -> Iterator[tuple[tuple[str, ...], ...]]:
+    """Every partition of `order` into runs of consecutive items."""
+    n = len(order)
+    for cuts in range(1 << (n - 1)):
+        groups, start = [], 0
+        for i in range(1, n):
+            if cuts >> (i - 1) & 1:
+                groups.append(tuple(order[start:i]))
+                start = i
+        groups.append(tuple(order[start:]))
+        yield tuple(groups)
+
+
+def space(names: Sequence[str], order: Sequence[str]) -> tuple[list[tuple[tuple[str, ...], ...]], bool]:
+    """The partitions searched (module docstring), two groups or more, fewest groups first; and
+    whether they are every partition."""
+    every = len(names) <= ALL_PARTITIONS_UP_TO
+    parts = list(set_partitions(list(names))) if every else list(runs(list(order)))
+    parts = [p for p in parts if len(p) > 1]
+    parts.sort(key=len)
+    return parts, every
+
+
+def rebatch(plan: Plan, global_batch: int, num_layers: int) -> Plan | None:
+    """`plan` with the same stages, schedule and microbatch size at `global_batch` (more or fewer
+    microbatches); None where the size does not divide it or the schedule refuses the count."""
+    mb = plan.microbatch_size
+    if global_batch % mb:
+        return None
+    if global_batch == plan.global_batch:
+        return plan
+    try:
+        p = Plan(plan.stages, global_batch=global_batch, num_microbatches=global_batch // mb, schedule=plan.schedule)
+        check_plan(p, num_layers=num_layers)
+    except (PlanError, ValueError):
+        return None
+    return p
+
+
+class _Groups:
+    """Each group's plans and iteration seconds at every share (module docstring), kept: a
+    group's time at a share is the fastest of the plans searched for it at any share, each
+    priced at this one with its own stages and microbatch size."""
+
+    def __init__(
+        self,
+        searcher: Searcher,
+        global_batch: int,
+        unit: int,
+        *,
+        exact: bool = False,
+        deadline: float | None = None,
+        budget_s: float = 0.0,
+    ):
+        self.searcher, self.gb, self.unit, self.exact = searcher, global_batch, unit, exact
+        self.deadline = deadline  # perf_counter time: a group of several types is searched within what is left
+        self.budget_s = budget_s
+        cluster = searcher.cluster
+        self.flops = {c: cluster.devices(c) * cluster.profile(c).peak_tflops for c in cluster.names}
+        self.searched: dict[tuple[str, ...], set[int]] = {}
+        self._times: dict[tuple[str, ...], list[tuple[float, Plan] | None]] = {}
+
+    def nominal(self, group: tuple[str, ...]) -> int:
+        """The steps of the share the group's compute gives it (its peak FLOP/s over the cluster's)."""
+        g = self.gb // self.unit
+        share = sum(self.flops[c] for c in group) / sum(self.flops.values())
+        return min(g, max(1, round(share * g)))
+
+    def __call__(self, group: tuple[str, ...]) -> list[tuple[float, Plan] | None]:
+        """[(seconds, plan) or None] at j steps of the share, j = 0 .. global_batch / unit."""
+        if group not in self._times:
+            g = self.gb // self.unit
+            self._times[group] = [None] * (g + 1)
+            for j in range(1, g + 1) if len(group) == 1 or self.exact else (self.nominal(group),):
+                self.search(group, j)
+        return self._times[group]
+
+    def search(self, group: tuple[str, ...], j: int) -> None:
+        """Search the group at j steps (once) and price its plan at every share."""
+        from h2jax.plan._cost import estimate
+
+        done = self.searched.setdefault(group, set())
+        if j in done:
+            return
+        done.add(j)
+        s = self.searcher
+        budget = None
+        if self.deadline is not None and len(group) > 1:
+            left = self.deadline - time.perf_counter()
+            budget = max(MIN_GROUP_SEARCH_S, min(left, self.budget_s / GROUP_SEARCHES_PER_BUDGET))
+        r = s(group, j * self.unit, time_budget_s=budget)
+        if r.plan is None:
+            return
+        times = self._times[group]
+        if self.exact:  # each share's own best plan, nothing else
+            times[j] = (r.iteration_s, r.plan)
+            return
+        for k in range(1, len(times)):
+            p = rebatch(r.plan, k * self.unit, s.model.n_layers)
+            if p is None:
+                continue
+            c = r.cost if p is r.plan else estimate(p, s.model, s.cluster, table=s.table, opts=s.opts.cost)
+            if c.fits and (times[k] is None or c.iteration_s < times[k][0]):
+                times[k] = (c.iteration_s, p)
+
+
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every way to write `total` as `parts` integers >= 0, in order (a 0: that group does not train)."""
+    if parts == 1:
+        yield (total,)
+        return
+    for j in range(total + 1):
+        for rest in compositions(total - j, parts - 1):
+            yield (j, *rest)
+
+
+def best_shares(times: Sequence[Sequence[tuple[float, Any] | None]], g: int) -> tuple[int, ...] | None:
+    """The steps of each group (each >= 0, adding up to g; 0: the group does not train) that make
+    the slowest group fastest, by a dynamic program over the groups; None where no such split has
+    a plan for every group it gives a share."""
+    best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    for t in times:
+        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for used, (slowest, js) in best.items():
+            for j in range(g + 1 - used):
+                if j and t[j] is None:
+                    continue
+                cand = (max(slowest, t[j][0]) if j else slowest, (*js, j))
+                if used + j not in nxt or cand[0] < nxt[used + j][0]:
+                    nxt[used + j] = cand
+        best = nxt
+    return best[g][1] if g in best else None
+
+
+EXACT_UP_TO = 64  # (group, share) searches: every group searched at every share, every split priced
+
+
+def exact_space(parts: Sequence[tuple[tuple[str, ...], ...]], g: int) -> bool:
+    """Whether the space is small enough to search every group at every share and price every
+    split (then the result is the space's optimum: tests/plan/test_pipeline_search.py)."""
+    return len({grp for part in parts for grp in part}) * g <= EXACT_UP_TO
+
+
+def _price(searcher: Searcher, part: tuple, times: list, js: Sequence[int], unit: int) -> tuple | None:
+    """(cost, groups, shares) of one split of one partition, priced whole; the largest share's
+    pipeline first (it owns every layer: the exchange's hub; ties in the partition's order)."""
+    ranked = sorted(((j, grp, t) for j, grp, t in zip(js, part, times) if j), key=lambda x: -x[0])
+    plan = Plan(pipelines=tuple(t[j][1] for j, _, t in ranked))
+    cost = estimate_pipelines(plan, searcher.model, searcher.cluster, table=searcher.table, opts=searcher.opts.cost)
+    if not cost.fits:
+        return None
+    return cost, tuple(grp for _, grp, _ in ranked), tuple(j * unit for j, _, _ in ranked)
+
+
+def _better(a: tuple | None, b: tuple | None) -> tuple | None:
+    """The faster of two priced splits (the first on a tie)."""
+    if b is None:
+        return a
+    return b if a is None or b[0].iteration_s < a[0].iteration_s else a
+
+
+def search_pipelines(
+    searcher: Searcher,
+    global_batch: int,
+    *,
+    order: Sequence[str] | None = None,
+    time_budget_s: float | None = None,
+    max_pipelines: int | None = None,
+    grid: int = GRID,
+) -> PipelinesResult:
+    """The fastest plan of several pipelines in the space of the module docstring. `order`: the
+    chip types in the one-pipeline plan's stage order (the runs' order with more than
+    :data:`ALL_PARTITIONS_UP_TO` types; the cluster's order where None or partial).
+    `max_pipelines`: partitions into at most this many groups (None: any). One pipeline per chip
+    type is priced first (its searches are the matched-total baseline's), then the others,
+    fewest pipelines first, while `time_budget_s` lasts (None or 0: no limit)."""
+    t0 = time.perf_counter()
+    cluster = searcher.cluster
+    names = list(cluster.names)
+    order = [c for c in (order or []) if c in names]
+    order += [c for c in names if c not in order]
+    unit = share_unit(global_batch, grid)
+    g = global_batch // unit
+    parts, every = space(names, order)
+    if max_pipelines:
+        parts = [p for p in parts if len(p) <= max_pipelines]
+    singles = next((p for p in parts if all(len(grp) == 1 for grp in p)), None)
+    if singles is not None:
+        parts.remove(singles)
+        parts.insert(0, singles)
+    exact = exact_space(parts, g)
+    deadline = t0 + time_budget_s if time_budget_s else None
+    groups = _Groups(searcher, global_batch, unit, exact=exact, deadline=deadline, budget_s=time_budget_s or 0.0)
+    best = per_chip = None
+    priced = 0
+    for part in parts:
+        if time_budget_s and priced and time.perf_counter() - t0 > time_budget_s:
+            break
+        priced += 1
+        times = [groups(grp) for grp in part]
+        if exact:  # every split priced whole
+            splits = [js for js in compositions(g, len(part)) if all(t[j] is not None for t, j in zip(times, js) if j)]
+        else:
+            js = best_shares(times, g)
+            for _ in range(REFINE_ROUNDS):  # search each group at the share it was given, if not yet
+                todo = [(grp, j) for grp, j in zip(part, js or ()) if j and j not in groups.searched[grp]]
+                if not todo:
+                    break
+                for grp, j in todo:
+                    groups.search(grp, j)
+                js = best_shares(times, g)
+            splits = [js] if js is not None else []
+        for js in splits:
+            found = _price(searcher, part, times, js, unit)
+            best = _better(best, found)
+            if part == singles:
+                per_chip = _better(per_chip, found)
+    slowest = min(names, key=lambda c: cluster.profile(c).inter_node_gbps)
+    return PipelinesResult(
+        plan=best[0].plan if best else None,
+        cost=best[0] if best else None,
+        groups=best[1] if best else (),
+        shares=best[2] if best else (),
+        priced=priced,
+        partitions=len(parts),
+        search_s=time.perf_counter() - t0,
+        unit=unit,
+        every_partition=every,
+        per_chip=per_chip[0] if per_chip else None,
+        per_chip_link=f"{slowest}'s inter-node link at most, {cluster.profile(slowest).inter_node_gbps:g} GB/s",
+    )

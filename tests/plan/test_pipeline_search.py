@@ -1,0 +1,184 @@
+"""The search over plans of several pipelines (h2jax.plan._pipeline_search): its space, the share
+program, and the whole search against brute force on small instances."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from h2jax.plan import Cluster, ModelShape, Plan, Searcher, StageSpec, estimate_pipelines, search_pipelines
+from h2jax.plan._pipeline_search import best_shares, compositions, exact_space, rebatch, runs, set_partitions, space
+
+BELL = {1: 1, 2: 2, 3: 5, 4: 15, 5: 52}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_set_partitions_are_every_partition_once(k):
+    items = [f"c{i}" for i in range(k)]
+    parts = list(set_partitions(items))
+    assert len(parts) == BELL[k]
+    canon = {frozenset(frozenset(g) for g in p) for p in parts}
+    assert len(canon) == len(parts)  # no partition twice
+    for p in parts:
+        assert sorted(x for g in p for x in g) == sorted(items) and all(g for g in p)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_runs_are_the_partitions_into_consecutive_items(k):
+    order = [f"c{i}" for i in range(k)]
+    got = list(runs(order))
+    assert len(got) == 2 ** (k - 1) and len(set(got)) == len(got)
+    for p in got:
+        assert [x for g in p for x in g] == order
+
+
+def test_the_space_is_every_partition_up_to_four_chip_types_then_runs():
+    names = ["a", "b", "c", "d"]
+    parts, every = space(names, names)
+    assert every and len(parts) == BELL[4] - 1 and all(len(p) > 1 for p in parts)
+    assert [len(p) for p in parts] == sorted(len(p) for p in parts)  # fewest pipelines first
+    names5 = ["a", "b", "c", "d", "e"]
+    parts, every = space(names5, ["e", "d", "c", "b", "a"])
+    assert not every and len(parts) == 2**4 - 1 and (("e", "d"), ("c", "b", "a")) in parts
+
+
+@pytest.mark.parametrize("total,parts", [(8, 1), (8, 3), (5, 5), (4, 5), (12, 4)])
+def test_compositions(total, parts):
+    got = list(compositions(total, parts))
+    assert len(got) == math.comb(total + parts - 1, parts - 1) and len(set(got)) == len(got)
+    assert all(sum(c) == total and min(c) >= 0 and len(c) == parts for c in got)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_best_shares_make_the_slowest_fastest(seed):
+    rng = random.Random(seed)
+    g, n = rng.choice([4, 6, 8]), rng.choice([2, 3, 4])
+    times = [[None] + [(None if rng.random() < 0.2 else (rng.uniform(0.1, 1.0) * j, None)) for j in range(1, g + 1)]]
+    times += [
+        [None] + [(None if rng.random() < 0.2 else (rng.uniform(0.1, 1.0) * j, None)) for j in range(1, g + 1)]
+        for _ in range(n - 1)
+    ]
+    brute = None
+    for js in compositions(g, n):  # a group given 0 does not train
+        if all(t[j] is not None for t, j in zip(times, js) if j):
+            slowest = max(t[j][0] for t, j in zip(times, js) if j)
+            brute = slowest if brute is None else min(brute, slowest)
+    got = best_shares(times, g)
+    if brute is None:
+        assert got is None
+        return
+    assert sum(got) == g and max(t[j][0] for t, j in zip(times, got) if j) == pytest.approx(brute)
+
+
+def test_rebatch_keeps_stages_and_microbatch_size():
+    p = Plan((StageSpec("a", (0, 2)), StageSpec("b", (2, 4))), global_batch=8, num_microbatches=4, schedule="1f1b")
+    q = rebatch(p, 12, 4)
+    assert q.stages == p.stages and q.microbatch_size == 2 and q.num_microbatches == 6 and q.schedule == p.schedule
+    assert rebatch(p, 7, 4) is None  # 7 sequences are not microbatches of 2
+    assert rebatch(p, 8, 4) is p
+
+
+def _three_types(gb: int) -> tuple[Cluster, ModelShape]:  # noqa: ARG001 (the same chips at any batch)
+    cluster = Cluster.from_dict(
+        {"chips": {"h100_sxm": {"nodes": 1}, "gaudi2": {"nodes": 1}, "mi250x": {"nodes": 1}}}, name="three"
+    )
+    model = ModelShape.from_config(
+        {"n_layers": 4, "d_model": 512, "n_heads": 8, "d_ff": 2048, "vocab_size": 1024, "seq_len": 256}
+    )
+    return cluster, model
+
+
+@pytest.fixture(scope="module")
+def searchers():
+    """One Searcher per global batch of the three-type instance, shared by the tests (its
+    searches are kept)."""
+    cache = {}
+
+    def get(gb):
+        if gb not in cache:
+            cache[gb] = Searcher(*_three_types(gb))
+        return cache[gb]
+
+    return get
+
+
+@pytest.mark.parametrize("gb", [6, 8])
+def test_search_equals_brute_force_on_small_instances(gb, searchers):
+    """Every partition of three chip types into two or three pipelines, every split of the batch
+    (a group given nothing does not train), each pipeline the search's best plan of its chips at
+    its share, priced whole: the search returns the fastest."""
+    searcher = searchers(gb)
+    cluster, model = searcher.cluster, searcher.model
+    names = list(cluster.names)
+    got = search_pipelines(searcher, gb)
+    parts, _ = space(names, names)
+    assert exact_space(parts, gb) and got.every_partition and got.priced == got.partitions == BELL[3] - 1
+    brute = None
+    for part in parts:
+        for js in compositions(gb, len(part)):  # a group given 0 sequences does not train
+            rs = [searcher(grp, j) if j else None for grp, j in zip(part, js)]
+            if any(r is not None and r.plan is None for r in rs):
+                continue
+            order = sorted((i for i in range(len(part)) if js[i]), key=lambda i: -js[i])
+            cost = estimate_pipelines(Plan(pipelines=tuple(rs[i].plan for i in order)), model, cluster)
+            if cost.fits and (brute is None or cost.iteration_s < brute.iteration_s):
+                brute = cost
+    assert brute is not None and got.cost is not None
+    assert got.cost.iteration_s == pytest.approx(brute.iteration_s, rel=1e-12)
+    assert sum(got.shares) == gb and got.plan.global_batch == gb
+    assert set(c for g in got.groups for c in g) <= set(names)
+    # one pipeline per chip type is in the space and priced: never faster than the best
+    assert got.per_chip is not None and got.per_chip.iteration_s >= got.cost.iteration_s
+
+
+def test_max_pipelines_and_time_budget_limit_the_partitions(searchers):
+    searcher = searchers(8)
+    two = search_pipelines(searcher, 8, max_pipelines=2)
+    assert two.partitions == 3 and len(two.groups) <= 2
+    # a budget spent at once still prices the first partition: one pipeline per chip type
+    first = search_pipelines(searcher, 8, time_budget_s=1e-9)
+    assert first.priced == 1 and first.per_chip is not None
+    assert all(len(g) == 1 for g in first.groups) and first.cost.iteration_s == first.per_chip.iteration_s
+
+
+def test_a_chip_type_too_small_for_the_model_leaves_no_plan_for_its_groups():
+    """Groups whose chips cannot hold the model at any share have no plan: the partitions that
+    need them are skipped, not priced with a made-up time."""
+    cluster = Cluster.from_dict({"chips": {"h100_sxm": {"nodes": 1}, "gaudi2": {"nodes": 1}}}, name="tiny")
+    model = ModelShape.from_config(
+        {"n_layers": 80, "d_model": 8192, "n_heads": 64, "d_ff": 28672, "vocab_size": 32000, "seq_len": 4096}
+    )
+    got = search_pipelines(Searcher(cluster, model), 8)
+    assert got.plan is None and got.cost is None and got.describe() == "no plan of several pipelines"
+
+
+def test_groups_are_disjoint_and_use_only_their_chips(searchers):
+    searcher = searchers(8)
+    cluster = searcher.cluster
+    got = search_pipelines(searcher, 8)
+    for grp, pipe in zip(got.groups, got.plan.pipeline_plans()):
+        assert {s.chip for s in pipe.stages} <= set(grp)
+    used = {}
+    for s in got.plan.stages:
+        used[s.chip] = used.get(s.chip, 0) + s.num_devices
+    assert all(used[c] <= cluster.devices(c) for c in used)
+    assert list(itertools.chain(*got.groups)) and got.cost.fits
+
+
+def test_beyond_the_exact_size_the_search_prices_what_it_returns_and_never_beats_the_optimum(searchers, monkeypatch):
+    """Past EXACT_UP_TO (forced here) the shares come from the program over each group's times
+    (several-type groups searched at their compute's share, then at the share given): the plan
+    returned costs what it says, and is no faster than the exact search's optimum."""
+    import h2jax.plan._pipeline_search as ps
+
+    searcher = searchers(8)
+    exact = search_pipelines(searcher, 8)
+    monkeypatch.setattr(ps, "EXACT_UP_TO", 0)
+    fast = search_pipelines(searcher, 8)
+    assert fast.plan is not None and fast.priced == fast.partitions
+    again = estimate_pipelines(fast.plan, searcher.model, searcher.cluster)
+    assert again.iteration_s == pytest.approx(fast.cost.iteration_s, rel=1e-12)
+    assert fast.cost.iteration_s >= exact.cost.iteration_s * (1 - 1e-12)
