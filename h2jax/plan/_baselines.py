@@ -80,12 +80,15 @@ class Baseline:
 
 class Searcher:
     """Each chip type's best homogeneous plan at a global batch, searched once per (chip type,
-    batch) and kept: the same-batch and matched-total baselines share their searches."""
+    batch) and kept: the same-batch and matched-total baselines share their searches (and the
+    search over several pipelines, whose groups of several chip types are searched with the
+    heterogeneous search's own options, grouping and beam included)."""
 
     def __init__(self, cluster: Any, model: Any, *, table: Any = None, opts: SearchOptions | None = None):
         self.cluster, self.model, self.table = cluster, model, table
         base = opts if opts is not None else SearchOptions()
         self.opts = dataclasses.replace(base, group_size=None, max_options_per_chip=None, auto=True)
+        self.mixed_opts = base  # several chip types together: the heterogeneous search's own options
         self._done: dict[tuple[tuple[str, ...], int], SearchResult] = {}
 
     def __call__(
@@ -97,7 +100,7 @@ class Searcher:
         group = (chips,) if isinstance(chips, str) else tuple(chips)
         key = (group, global_batch)
         if key not in self._done:
-            opts = self.opts
+            opts = self.opts if len(group) == 1 else self.mixed_opts
             if time_budget_s is not None and (opts.time_budget_s is None or time_budget_s < opts.time_budget_s):
                 opts = dataclasses.replace(opts, time_budget_s=time_budget_s)
             self._done[key] = search(

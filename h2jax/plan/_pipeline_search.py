@@ -72,6 +72,7 @@ class PipelinesResult:
     every_partition: bool  # the space holds every partition (else: runs of consecutive chip types)
     per_chip: PipelinesCost | None = None  # one pipeline per chip type, the best shares (priced first)
     per_chip_link: str = ""  # the slowest link its exchange crosses, in words
+    untrained: tuple[str, ...] = ()  # chip types the best plan gives no share (their chips idle)
 
     @property
     def iteration_s(self) -> float:
@@ -106,11 +107,13 @@ class PipelinesResult:
         return out
 
     def describe(self) -> str:
-        """ "2 pipelines: gaudi2 at 192, h100_sxm at 320 (of 512)"."""
+        """ "2 pipelines: gaudi2 at 192, h100_sxm at 320 (of 512)"; the chip types not trained named."""
         if self.plan is None:
             return "no plan of several pipelines"
         parts = [f"{'+'.join(g)} at {b}" for g, b in zip(self.groups, self.shares)]
-        return f"{len(self.groups)} pipelines: {', '.join(parts)} (of {sum(self.shares)})"
+        n = len(self.groups)
+        idle = f"; {', '.join(self.untrained)} not trained" if self.untrained else ""
+        return f"{n} pipeline{'s' if n > 1 else ''}: {', '.join(parts)} (of {sum(self.shares)}{idle})"
 
 
 def set_partitions(items: Sequence[str]) -> Iterator[tuple[tuple[str, ...], ...]]:
@@ -354,5 +357,6 @@ def search_pipelines(
         unit=unit,
         every_partition=every,
         per_chip=per_chip[0] if per_chip else None,
+        untrained=tuple(c for c in names if best and not any(c in grp for grp in best[1])),
         per_chip_link=f"{slowest}'s inter-node link at most, {cluster.profile(slowest).inter_node_gbps:g} GB/s",
     )

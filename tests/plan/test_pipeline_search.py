@@ -182,3 +182,47 @@ def test_beyond_the_exact_size_the_search_prices_what_it_returns_and_never_beats
     again = estimate_pipelines(fast.plan, searcher.model, searcher.cluster)
     assert again.iteration_s == pytest.approx(fast.cost.iteration_s, rel=1e-12)
     assert fast.cost.iteration_s >= exact.cost.iteration_s * (1 - 1e-12)
+
+
+def test_h2jax_plan_chooses_and_writes_the_faster_plan_of_the_search_over_pipelines(tmp_path):
+    """h100_sxm beside mi250x on a small model: the one-pipeline search must give both chip types
+    stages, the search over pipelines finds h100_sxm alone faster (mi250x given no share): the
+    CLI chooses it, writes it, and says why mi250x is idle; --max-pipelines 1 keeps one pipeline."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = tmp_path / "pair.yaml"
+    model = {"n_layers": 8, "d_model": 1024, "n_heads": 16, "d_ff": 4096, "vocab_size": 8192, "seq_len": 512}
+    cfg.write_text(
+        yaml.safe_dump({"chips": {"h100_sxm": {"nodes": 1}, "mi250x": {"nodes": 1}}, "model": model, "global_batch": 8})
+    )
+
+    def plan(*args):
+        r = subprocess.run(
+            [sys.executable, "-m", "h2jax.cli", "plan", str(cfg), *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=root,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    out = plan("--out", str(tmp_path / "p"))
+    assert "mi250x not trained" in out and "chosen" in out and "not chosen" not in out
+    report = json.loads((tmp_path / "p" / "comparison.json").read_text())
+    hs = report["heterospeedup"]
+    assert hs["chosen"] == "several pipelines" and report["chips_used"]["mi250x"][0] == 0
+    assert "no pipeline" in report["idle"]["mi250x"]
+    written = Plan.from_yaml(tmp_path / "p" / "plan.yaml")
+    assert {s.chip for s in written.stages} == {"h100_sxm"} and written.global_batch == 8
+    assert report["tokens_per_s"] > hs["one_pipeline"]["tokens_per_s"]
+    one = plan("--max-pipelines", "1", "--out", str(tmp_path / "q"))
+    assert "several pipelines:" not in one
+    kept = Plan.from_yaml(tmp_path / "q" / "plan.yaml")
+    assert {s.chip for s in kept.stages} == {"h100_sxm", "mi250x"}
