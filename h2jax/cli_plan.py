@@ -481,12 +481,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if not isinstance(pdata.get("model"), (str, type(None))):
             pdata = {k: v for k, v in pdata.items() if k != "model"}
         plan = Plan.from_dict(pdata)
-        if plan.pipelines:
-            raise PlanError(
-                "plan.pipelines",
-                "the simulator replays one pipeline; `h2jax plan` prices a plan of several (the slowest "
-                "pipeline plus the exchange across them): simulate each of plan.pipelines on its own",
-            )
         for i, s in enumerate(plan.stages):
             if s.chip not in cluster.names:
                 raise PlanError(

@@ -120,7 +120,7 @@ from h2jax.plan._search import (  # noqa: E402
     is_memory_descending,
     search,
 )
-from h2jax.plan._simulate import SimEvent, SimResult, simulate, simulate_plan  # noqa: E402
+from h2jax.plan._simulate import SimEvent, SimResult, simulate, simulate_pipelines, simulate_plan  # noqa: E402
 
 __all__ += [
     "Baseline",
@@ -142,6 +142,7 @@ __all__ += [
     "SimEvent",
     "SimResult",
     "simulate",
+    "simulate_pipelines",
     "simulate_plan",
     "ChipProfile",
     "Cluster",
