@@ -106,9 +106,13 @@ def _place_all(values: list[Any], likes: list[jax.Array]) -> list[jax.Array]:
     piece by piece to the receiver's, then all-gathered there over its data axis: what
     h2jax.plan's exchange cost prices), each step one ``jax.device_put`` of the whole list."""
     if all(isinstance(v, jax.Array) for v in values):
-        cut = jax.device_put(list(values), [_wire(v) for v in values])
-        moved = jax.device_put(cut, [_wire(x) for x in likes])
-        return list(jax.device_put(moved, [x.sharding for x in likes], may_alias=False))
+        src = [_wire(v) for v in values]
+        if any(w != v.sharding for w, v in zip(src, values)):  # a stage with a data axis: cut first
+            values = jax.device_put(list(values), src)
+        dst, final = [_wire(x) for x in likes], [x.sharding for x in likes]
+        if dst == final:  # no data axis on the receiver: one move, nothing to gather
+            return list(jax.device_put(list(values), final, may_alias=False))
+        return list(jax.device_put(jax.device_put(list(values), dst), final, may_alias=False))
     return [global_array(np.asarray(v), x.sharding) for v, x in zip(values, likes)]
 
 
