@@ -34,11 +34,11 @@ spread (the quartiles), and the paired speedup -- the median over rounds of one 
 step over two pipelines' step of the same round.
 
 Simulated (``h2jax.plan.simulate_plan``, the discrete-event replay, of both plans; for the
-two pipelines one replay of both, the exchange priced by ``h2jax.plan._pipelines.exchange_s``)
+two pipelines one replay of both, the exchange priced by ``h2jax.plan._pipelines.exchange_parts``)
 from what a user has: the profile ``h2jax profile --measure`` takes, measured in this run by
 its own code (``ChipProfiler``: the stage programs at tensor 1 and the plans' 8 sequences per
-device, and at 1 sequence per device, whose boundary-tensor move gives the exchange its rate
-between chips of one host; ``DriverProfiler``: the runtime driver's own costs), each
+device, with the boundary tensor's move and the exchange across pipelines between two clients
+of the host, the runtime's own calls; ``DriverProfiler``: the runtime driver's own costs), each
 program's median round kept, the host's cores this process's affinity. The profile's rounds
 are spread over the training rounds (a few before each round; ``--profile-first``: all of
 them before the first round, as ``h2jax profile`` takes them). No number is fitted to the
@@ -205,8 +205,8 @@ def measure(args: argparse.Namespace) -> dict:
     shape = ModelShape.from_config(setting(args.tiny)[0])
     cores = local_cores()
     t0 = time.perf_counter()
-    # per chip type, tensor 1: the plans' sequences per device, and 1 (the exchange's rate row)
-    rows = sorted({MICROBATCH, 1})
+    # per chip type, tensor 1, the plans' sequences per device (the exchange's rows come with it)
+    rows = [MICROBATCH]
     profilers = [
         ChipProfiler(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=[1], microbatches=rows)
         for chip in ("sim_a", "sim_b")

@@ -97,6 +97,8 @@ from h2jax.plan._cost import (  # noqa: E402
 from h2jax.plan._pipeline_search import PipelinesResult, search_pipelines  # noqa: E402
 from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines  # noqa: E402
 from h2jax.plan._profiles import (  # noqa: E402
+    EXCHANGE,
+    EXCHANGE_CALL,
     GIB,
     PROGRAM,
     TRANSFER,
@@ -133,6 +135,8 @@ __all__ += [
     "matched_total",
     "same_batch",
     "DEFAULT_TIME_BUDGET_S",
+    "EXCHANGE",
+    "EXCHANGE_CALL",
     "GIB",
     "PROGRAM",
     "TRANSFER",

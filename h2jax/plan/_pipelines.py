@@ -14,11 +14,16 @@ gradient's bytes, fp32). Each of these transfers runs sharded: the tensor is cut
 pieces as the smaller of the two stages has devices, each piece on its own link (the pattern of
 the boundary transfers, h2jax.plan._stage_cost.transfer_s), and the receiving stage all-gathers
 the pieces over its data axis on its intra-node link. A link between two chip types, or between
-nodes of one, runs at the slower side's inter-node bandwidth; between chips that share a host
-(emulated) the bytes cross its memory at the profiler's measured boundary-transfer rate. An owner
-stage takes its mirrors' transfers one after the other, the owner stages run in parallel, so the
-exchange is the busiest owner stage's sum. It is not overlapped with the backward: the runtime
-sums after the step's last backward.
+nodes of one, runs at the slower side's inter-node bandwidth. An owner stage takes its mirrors'
+transfers one after the other, the owner stages run in parallel, so the exchange is the busiest
+owner stage's sum. Between chips that share a host (emulated) the bytes cross its memory and the
+one process's driver runs every (owner, mirror) pair in turn: each pair costs what the profiler
+measured of that exchange between two clients of the host (``"exchange_call"`` per list plus
+``"exchange"`` per block's worth of parameters, h2jax.runtime._profile: the runtime's own calls
+timed), added up over the pairs; without such rows, the link model above at the profiler's
+boundary-transfer rate. The gradient sum and the copy back are priced apart
+(:func:`exchange_parts`; the simulator replays them apart). Neither overlaps the backward: the
+runtime sums after the step's last backward.
 
 With shared hosts (emulated chips) the pipelines' stages also share the host's cores: the step
 is at least every pipeline's host work over the cores, as for one pipeline (h2jax.plan._cost).
@@ -47,6 +52,7 @@ class PipelinesCost:
     cluster_devices_by_chip: dict[str, int]
     reasons: list[str] = field(default_factory=list)
     host_bound_s: float = 0.0
+    exchange_summed_s: float = 0.0  # of exchange_s, the gradient sum's (the rest: the copy back)
 
     @property
     def fits(self) -> bool:
@@ -86,21 +92,37 @@ def _rate_s_per_byte(src: Any, s_spec: Any, dst: Any, d_spec: Any, model: Any, t
     return 1.0 / (links * bw) + gather
 
 
-def exchange_s(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = None) -> float:
-    """Seconds of the exchange across ``plan``'s pipelines (module docstring); 0 for one pipeline."""
+def measured_exchange(table: Any, model: Any, chip: Any, tensor: int) -> tuple[Any, Any] | None:
+    """The profiler's exchange rows of `chip` at tensor degree `tensor` for `model`'s shape
+    (``"exchange"`` per block, ``"exchange_call"`` per list; any microbatch's: they do not depend
+    on it), if measured."""
+    from h2jax.plan._profiles import EXCHANGE, EXCHANGE_CALL
+
+    if table is None:
+        return None
+    key = model.key()
+    for (c, mkey, t, _), parts in sorted(table.entries.items()):
+        if c == chip.name and mkey == key and t == tensor and EXCHANGE in parts and EXCHANGE_CALL in parts:
+            return parts[EXCHANGE], parts[EXCHANGE_CALL]
+    return None
+
+
+def exchange_parts(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = None) -> tuple[float, float]:
+    """(the gradient sum's seconds, the copy back's) of the exchange across ``plan``'s pipelines
+    (module docstring); (0, 0) for one pipeline."""
     from h2jax.plan._cost import _DEFAULT_TABLE
 
     pipes = plan.pipeline_plans()
     if len(pipes) < 2:
-        return 0.0
+        return 0.0, 0.0
     table = table if table is not None else _DEFAULT_TABLE
     eff = table.eff
     owners = _holdings(pipes[0], model)
-    busiest = 0.0
+    busiest, hosts = (0.0, 0.0), [0.0, 0.0]
     for o, (blocks, emb, head) in enumerate(owners):
         spec_o = pipes[0].stages[o]
         prof_o = profiles[spec_o.chip]
-        total = 0.0
+        links = [0.0, 0.0]
         for pipe in pipes[1:]:
             for m, (m_blocks, m_emb, m_head) in enumerate(_holdings(pipe, model)):
                 params = len(blocks & m_blocks) * model.block_params
@@ -109,12 +131,30 @@ def exchange_s(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any =
                     continue
                 spec_m = pipe.stages[m]
                 prof_m = profiles[spec_m.chip]
+                if prof_o.host is not None and prof_o.host == prof_m.host:
+                    rows = [
+                        measured_exchange(table, model, prof, spec.tensor)
+                        for prof, spec in ((prof_o, spec_o), (prof_m, spec_m))
+                    ]
+                    got = [r or rows[1 - i] for i, r in enumerate(rows)]  # the receiver's, else the sender's
+                    if got[0] is not None:  # measured: the host's one driver runs every pair in turn
+                        per_block = params / model.block_params
+                        hosts[0] += got[0][1].fwd_s + per_block * got[0][0].fwd_s
+                        hosts[1] += got[1][1].bwd_s + per_block * got[1][0].bwd_s
+                        continue
                 grads = 4 * params  # fp32
-                total += grads * _rate_s_per_byte(prof_m, spec_m, prof_o, spec_o, model, table)
-                total += 3 * grads * _rate_s_per_byte(prof_o, spec_o, prof_m, spec_m, model, table)
-                total += 2 * eff.collective_latency_s
-        busiest = max(busiest, total)
-    return busiest
+                links[0] += grads * _rate_s_per_byte(prof_m, spec_m, prof_o, spec_o, model, table)
+                links[1] += 3 * grads * _rate_s_per_byte(prof_o, spec_o, prof_m, spec_m, model, table)
+                links[0] += eff.collective_latency_s
+                links[1] += eff.collective_latency_s
+        if sum(links) > sum(busiest):
+            busiest = (links[0], links[1])
+    return busiest[0] + hosts[0], busiest[1] + hosts[1]
+
+
+def exchange_s(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = None) -> float:
+    """Seconds of the exchange across ``plan``'s pipelines (:func:`exchange_parts` added up)."""
+    return sum(exchange_parts(plan, model, profiles, table=table))
 
 
 def estimate_pipelines(plan: Plan, model: Any, cluster: Any, *, table: Any = None, opts: Any = None) -> PipelinesCost:
@@ -124,7 +164,8 @@ def estimate_pipelines(plan: Plan, model: Any, cluster: Any, *, table: Any = Non
     opts = opts if opts is not None else CostOptions()
     costs = tuple(estimate(p, model, cluster, table=table, opts=opts) for p in plan.pipeline_plans())
     profiles = cluster.profiles
-    x = exchange_s(plan, model, profiles, table=table)
+    summed, copied = exchange_parts(plan, model, profiles, table=table)
+    x = summed + copied
     step = max(c.iteration_s for c in costs) + x
     work: dict[str, float] = {}
     cores: dict[str, int] = {}
@@ -144,6 +185,7 @@ def estimate_pipelines(plan: Plan, model: Any, cluster: Any, *, table: Any = Non
         plan=plan,
         pipelines=costs,
         exchange_s=x,
+        exchange_summed_s=summed,
         iteration_s=max(step, bound),
         tokens_per_step=plan.global_batch * model.seq_len,
         devices_by_chip=used,

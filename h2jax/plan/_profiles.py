@@ -426,6 +426,8 @@ class ModelShape:
 PART_KINDS = ("embed", "block", "head")
 PROGRAM = "program"  # pseudo-part of a measured table: the fixed cost of one program call
 TRANSFER = "transfer"  # pseudo-part: one boundary tensor moved to another client of the same host
+EXCHANGE = "exchange"  # pseudo-part: a block's share of the exchange across pipelines between two clients of a host
+EXCHANGE_CALL = "exchange_call"  # pseudo-part: the exchange's fixed seconds per list of parameters
 
 
 @dataclass(frozen=True)
@@ -447,7 +449,11 @@ class LayerCost:
     whatever its layers (dispatch from Python, launch, synchronisation): a stage program
     pays it once, however many parts it fuses. The pseudo-part ``"transfer"`` (emulated
     chips) holds the seconds to move one boundary tensor of that microbatch to another
-    client of the same host (``fwd_s`` activation, ``bwd_s`` gradient).
+    client of the same host (``fwd_s`` activation, ``bwd_s`` gradient). The pseudo-parts
+    ``"exchange"`` (per block, `param_bytes` the block's) and ``"exchange_call"`` (fixed, per
+    list of parameters) hold the exchange across pipelines between two clients of one host, as
+    h2jax.runtime._tied runs it: ``fwd_s`` the gradient sum (a mirror's share moved to the owner
+    and added), ``bwd_s`` the copy back (value and both moments).
     """
 
     fwd_s: float

@@ -40,8 +40,7 @@ order: stages on a shared host (emulated chips: a CPU client runs a single-devic
 thread that dispatches it, so the call returns when it is done) take their tails one after
 another in stage order, stages with hosts of their own (asynchronous dispatch) all at once. The
 exchange's seconds
-(:func:`h2jax.plan._pipelines.exchange_s`) are split between the sum and the copy back as
-its bytes are: one gradient to the owner, the value and two moments back (1 : 3). A plan of
+(:func:`h2jax.plan._pipelines.exchange_parts`) come as the sum's and the copy back's. A plan of
 one pipeline has no exchange and keeps each stage's tail right after its own last op.
 
 Durations come from the cost model
@@ -302,9 +301,6 @@ class _Job:
         w.finish(s, task, start, end)
 
 
-_SUMMED_SHARE = 1 / 4  # of the exchange's seconds, the gradient sum's: one gradient there, value + 2 moments back
-
-
 @dataclass
 class _Lane:
     """One pipeline, read and checked: its walk, and per stage its tail, chip, host and cores."""
@@ -453,6 +449,7 @@ def simulate_pipelines(
     pipelines: Sequence[Mapping[str, Any]],
     *,
     exchange_s: float = 0.0,
+    exchange_summed_s: float | None = None,
     host_cores: Mapping[str, float] | None = None,
 ) -> SimResult:
     """Replay one step of a job of several pipelines in one replay (module docstring).
@@ -461,13 +458,18 @@ def simulate_pipelines(
     the job's stages are pipeline 0's, then pipeline 1's, ... (``Plan.stage_offsets``), and
     a host named by stages of any pipelines is shared by all of them (`host_cores`: the cores
     of each shared host, given once for the job). `exchange_s`: seconds of the exchange across
-    the pipelines (:func:`h2jax.plan._pipelines.exchange_s`); the step ends as the runtime
+    the pipelines (:func:`h2jax.plan._pipelines.exchange_s`), of them `exchange_summed_s` the
+    gradient sum's (None: a quarter, as its bytes are: one gradient to the owner, the value and
+    two moments back); the step ends as the runtime
     ends it: the last backward of every pipeline, the gradient sum, every stage's tail at
     once, the copy back. One pipeline: exactly :func:`simulate` (no exchange)."""
     if not pipelines:
         raise ValueError("pipelines: expected one or more pipelines' arguments, got none")
     if not (exchange_s >= 0 and math.isfinite(exchange_s)):
         raise ValueError(f"exchange_s={exchange_s!r}; expected seconds >= 0")
+    summed = exchange_s / 4 if exchange_summed_s is None else exchange_summed_s
+    if not 0 <= summed <= exchange_s:
+        raise ValueError(f"exchange_summed_s={exchange_summed_s!r}; expected seconds within exchange_s={exchange_s!r}")
     for p, kw in enumerate(pipelines):
         unknown = sorted(set(kw) - set(_LANE_KEYS))
         if unknown:
@@ -492,7 +494,6 @@ def simulate_pipelines(
             raise ValueError(f"pipelines[{p}]: {e}") from None
         lanes.append(lane)
         offset += lane.walk.n
-    summed = exchange_s * _SUMMED_SHARE
     return _replay(
         _Job([lane.walk for lane in lanes]),
         lanes,
@@ -723,7 +724,7 @@ def simulate_plan(
     Stages on a shared host (emulated chips) share its cores as the cost model says; the
     runtime driver's measured seconds per step outside the pipeline are added at the end.
     A plan of several pipelines is replayed as one job (:func:`simulate_pipelines`; the
-    exchange priced by :func:`h2jax.plan._pipelines.exchange_s`) and its estimate is
+    exchange priced by :func:`h2jax.plan._pipelines.exchange_parts`) and its estimate is
     :func:`h2jax.plan._pipelines.estimate_pipelines`'s (a chip mapping is read as a cluster
     of each profile's ``nodes``)."""
     if plan.pipelines:
@@ -735,7 +736,9 @@ def simulate_plan(
             for h, k in c.host_cores.items():
                 cores[h] = min(cores.get(h, k), k)
         args = [_stage_args(pipe, c) for pipe, c in zip(plan.pipeline_plans(), job.pipelines)]
-        sim = simulate_pipelines(args, exchange_s=job.exchange_s, host_cores=cores)
+        sim = simulate_pipelines(
+            args, exchange_s=job.exchange_s, exchange_summed_s=job.exchange_summed_s, host_cores=cores
+        )
         step_s = max(c.driver_step_s for c in job.pipelines)  # one driver loop per step, its threads at once
         if step_s > 0:
             sim.iteration_s += step_s

@@ -64,10 +64,11 @@ from jax.sharding import PartitionSpec as P
 
 from h2jax.config import ChipSpec
 from h2jax.models import GPTConfig, StageModule, build_model
-from h2jax.plan import PROGRAM, TRANSFER, DriverCost, LayerCost, StageSpec, local_cores
+from h2jax.plan import EXCHANGE, EXCHANGE_CALL, PROGRAM, TRANSFER, DriverCost, LayerCost, StageSpec, local_cores
 from h2jax.runtime._cluster import StagePlacement, stage_mesh
 from h2jax.runtime._stage import StageProgram
 from h2jax.runtime._state import make_optimizer
+from h2jax.runtime._tied import exchange_calls
 
 MAX_PROBE_COPIES = 4  # the contention probe runs one copy per host core, on hosts this small
 BLOCK_COUNTS = (1, 2, 4)  # blocks of the programs the per-block cost is fitted to
@@ -263,6 +264,9 @@ class ChipProfiler:
                     continue
                 fns[f"{name}/f"], fns[f"{name}/fb"] = f, fb
                 if name in BLOCK_PROGRAMS:
+                    if self.copies > 1:  # the exchange across pipelines of its parameters, with another client
+                        xs, xc = exchange_calls(lambda st=st: jax.tree.leaves(st.params), meshes[1])
+                        fns[f"{name}/xs"], fns[f"{name}/xc"] = xs, xc
 
                     def update(st=st):
                         float(st.grad_sqnorm())  # the driver syncs on every stage's norm, then updates
@@ -384,6 +388,18 @@ class ChipProfiler:
                 bwd_cores=_cores(probe["b"], 1.0, cap) if probe else _cores(c["b"][part], w["b"][part], cap),
                 update_s=upd[part],
             )
+        if "b1/xs" in wall:  # the exchange across pipelines: per block and per call, sum and copy back
+            (xs_blk, xs_fixed), (xc_blk, xc_fixed) = fit_line(wall, "xs"), fit_line(wall, "xc")
+            for part, fwd, bwd in ((EXCHANGE, xs_blk, xc_blk), (EXCHANGE_CALL, xs_fixed, xc_fixed)):
+                out[part] = LayerCost(
+                    fwd_s=max(fwd, 0.0),
+                    bwd_s=max(bwd, 0.0),
+                    param_bytes=nbytes["block"][0] if part == EXCHANGE else 0.0,
+                    act_bytes=0.0,
+                    input_bytes=0.0,
+                    temp_bytes=0.0,
+                    estimated=False,
+                )
         if "xfer" in wall:  # the host cores the copy keeps busy: its process CPU over its wall seconds
             xc = _cores(work["xfer"], wall["xfer"], cap)
             out[TRANSFER] = LayerCost(

@@ -41,7 +41,7 @@ processes (:meth:`World.from_stage_to` from a stage to itself involves no other 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -116,6 +116,44 @@ def _place_all(values: list[Any], likes: list[jax.Array]) -> list[jax.Array]:
     return [global_array(np.asarray(v), x.sharding) for v, x in zip(values, likes)]
 
 
+def list_program(kind: str, like: list[jax.Array], cache: dict) -> Any:
+    """A jitted add of two lists of arrays (``kind`` "add"), or a times-zero of one ("times_zero":
+    finite elements become 0, non-finite ones stay NaN, so a stage whose share was non-finite
+    still reports it), whose outputs keep ``like``'s shardings (the next step's programs see the
+    layout they were compiled for); kept in ``cache`` by (kind, layouts). One program per list:
+    a job of several pipelines ties every layer, and a program per parameter costs a dispatch
+    each."""
+    key = (kind, tuple(x.sharding for x in like))
+    if key not in cache:
+        if kind == "add":
+            fn = lambda a, b: [x + y for x, y in zip(a, b)]  # noqa: E731
+        else:
+            fn = lambda a: [x * jnp.zeros((), x.dtype) for x in a]  # noqa: E731
+        cache[key] = jax.jit(fn, out_shardings=[x.sharding for x in like])
+    return cache[key]
+
+
+def exchange_calls(params: Callable[[], list[jax.Array]], mesh: Any) -> tuple[Any, Any]:
+    """The exchange across pipelines of one stage's parameters (``params()``: its current ones;
+    an update donates them) with a mirror of them on ``mesh`` (another client), as
+    :class:`TiedParams` runs it, for the profiler to time: (the gradient sum: the mirror's share
+    zeroed and moved into the owner's layout, added there; the copy back: the values, then both
+    optimizer moments, moved into the mirror's layout). Each returns what it made (to wait on)."""
+    mirror = [jax.device_put(x, NamedSharding(mesh, x.sharding.spec)) for x in params()]
+    cache: dict = {}
+
+    def summed() -> Any:
+        mine = params()
+        zeroed = list_program("times_zero", mirror, cache)(mirror)
+        return zeroed, list_program("add", mine, cache)(mine, _place_all(mirror, mine))
+
+    def copied() -> Any:
+        mine = params()
+        return _place_all(mine, mirror), _place_all(mine + mine, mirror + mirror)
+
+    return summed, copied
+
+
 class TiedParams:
     """The tied parameters of a plan, for the stages of this process (module docstring).
 
@@ -179,19 +217,8 @@ class TiedParams:
         return self._index[key]
 
     def _program(self, kind: str, like: list[jax.Array]) -> Any:
-        """A jitted add of two lists of arrays, or a times-zero of one (finite elements become 0,
-        non-finite ones stay NaN, so a stage whose share was non-finite still reports it), whose
-        outputs keep ``like``'s shardings (the next step's programs see the layout they were
-        compiled for). One program per list: a job of several pipelines ties every layer, and a
-        program per parameter costs a dispatch each."""
-        key = (kind, tuple(x.sharding for x in like))
-        if key not in self._programs:
-            if kind == "add":
-                fn = lambda a, b: [x + y for x, y in zip(a, b)]  # noqa: E731
-            else:
-                fn = lambda a: [x * jnp.zeros((), x.dtype) for x in a]  # noqa: E731
-            self._programs[key] = jax.jit(fn, out_shardings=[x.sharding for x in like])
-        return self._programs[key]
+        """:func:`list_program`, kept per (kind, layouts) for this job."""
+        return list_program(kind, like, self._programs)
 
     def _host(self, x: Any) -> Any:
         """What crosses to another stage: the arrays themselves in one process, else host copies

@@ -53,3 +53,37 @@ def test_two_pipelines_cost_the_slowest_plus_the_exchange_and_one_costs_as_befor
     assert both.exchange_s == pytest.approx(max(x0, x1))
     assert both.devices_by_chip == {"sim_a": 4, "sim_b": 2} and both.fits
     assert both.tokens_per_step == 32 * model.seq_len
+
+
+def test_the_exchange_between_chips_of_one_host_is_priced_from_the_profiled_exchange():
+    """Emulated chips share a host: each (owner, mirror) pair costs the profiled exchange -- a
+    fixed part per list plus a part per block's worth of parameters, the gradient sum and the copy
+    back apart, the receiver's row -- and the one driver runs the pairs in turn (added up)."""
+    from h2jax.plan import EXCHANGE, EXCHANGE_CALL, LayerCost, ProfileTable
+    from h2jax.plan._pipelines import exchange_parts
+
+    cluster, model = _sim_mix()
+    assert cluster.profile("sim_a").host == cluster.profile("sim_b").host == "local"
+    a = Plan((StageSpec("sim_a", (0, 4), 1, 1), StageSpec("sim_b", (4, 6), 1, 1)), global_batch=8, num_microbatches=2)
+    b = Plan((StageSpec("sim_a", (0, 6), 1, 1),), global_batch=8, num_microbatches=2)
+    plan = Plan(pipelines=(a, b))
+    rows = {"sim_a": (1e-3, 3e-3, 5e-3, 7e-3), "sim_b": (2e-3, 4e-3, 6e-3, 8e-3)}  # block f, b; call f, b
+
+    def cost(f, b, pb=0.0):
+        return LayerCost(f, b, pb, 0.0, 0.0, 0.0, estimated=False)
+
+    table = ProfileTable()
+    for chip, (bf, bb, cf, cb) in rows.items():
+        parts = {EXCHANGE: cost(bf, bb, 4.0 * model.block_params), EXCHANGE_CALL: cost(cf, cb)}
+        table.add(chip, model.key(), 1, 8, parts)
+    summed, copied = exchange_parts(plan, model, cluster.profiles, table=table)
+    # pair (stage 0 sim_a, mirror sim_a): 4 blocks + embedding; pair (stage 1 sim_b, mirror sim_a): 2 + head
+    n0 = 4 + model.embed_params / model.block_params
+    n1 = 2 + model.head_params / model.block_params
+    # the sum's receiver is the owner (sim_a, then sim_b), the copy back's the mirror (sim_a both times)
+    assert summed == pytest.approx(5e-3 + n0 * 1e-3 + 6e-3 + n1 * 2e-3)
+    assert copied == pytest.approx(2 * 7e-3 + (n0 + n1) * 3e-3)
+    priced = estimate_pipelines(plan, model, cluster, table=table)
+    assert priced.exchange_s == pytest.approx(summed + copied) and priced.exchange_summed_s == pytest.approx(summed)
+    # without the rows: the link model at the boundary-transfer rate (another figure)
+    assert sum(exchange_parts(plan, model, cluster.profiles)) != pytest.approx(summed + copied)

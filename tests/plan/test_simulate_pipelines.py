@@ -136,6 +136,16 @@ def test_pipelines_on_their_own_hosts_take_the_slowest_plus_the_exchange():
         (pytest.approx(end + 0.2), pytest.approx(end + 0.8), "across pipelines: parameters copied"),
     ]
     assert len([e for e in both.events if e.kind == "other"]) == 2 * 3
+    # the sum's seconds given (the cost model prices the two parts apart): the same step, split there
+    split = simulate_pipelines(TWO, exchange_s=0.8, exchange_summed_s=0.5)
+    assert math.isclose(split.iteration_s, both.iteration_s)
+    other = sorted({(e.start, e.end, e.extra["name"]) for e in split.events if e.kind == "other"})
+    assert other[0][1] == pytest.approx(end + 0.5) and other[1][:2] == (
+        pytest.approx(end + 0.5),
+        pytest.approx(end + 0.8),
+    )
+    with pytest.raises(ValueError, match="exchange_summed_s=0.9"):
+        simulate_pipelines(TWO, exchange_s=0.8, exchange_summed_s=0.9)
 
 
 def test_every_tail_waits_for_the_last_backward_of_the_job():

@@ -8,7 +8,7 @@ import pytest
 from h2jax.config import load_config
 from h2jax.models import GPTConfig
 from h2jax.plan import ModelShape, ProfileTable, estimate, load_chip, roofline_costs
-from h2jax.plan._profiles import PROGRAM, TRANSFER, local_cores
+from h2jax.plan._profiles import EXCHANGE, EXCHANGE_CALL, PROGRAM, TRANSFER, local_cores
 from h2jax.runtime import _profile
 from h2jax.runtime._profile import BLOCK_COUNTS, ChipProfiler, ProfileNoiseError, fit_line, profile_chip
 
@@ -24,15 +24,20 @@ def test_measured_profile_feeds_the_planner(tmp_path):
     assert set(rows) == {(1, 2), (2, 2)}
     for parts in rows.values():
         # sim_a has a second node in the tests' cluster: the contention probe and the
-        # transfer between two clients of this host ran
-        assert set(parts) == {"embed", "block", "head", PROGRAM, TRANSFER}
+        # transfer and the exchange across pipelines between two clients of this host ran
+        assert set(parts) == {"embed", "block", "head", PROGRAM, TRANSFER, EXCHANGE, EXCHANGE_CALL}
         assert parts[TRANSFER].fwd_s > 0
+        # a one-block exchange (fitted per block + per call) takes time both ways; the per-block
+        # part is the block's parameters
+        x, call = parts[EXCHANGE], parts[EXCHANGE_CALL]
+        assert x.fwd_s + call.fwd_s > 0 and x.bwd_s + call.bwd_s > 0
+        assert x.param_bytes == parts["block"].param_bytes and call.param_bytes == 0
         for name, cost in parts.items():
             assert not cost.estimated
             assert cost.fwd_s >= 0 and cost.bwd_s >= 0
             # host cores busy while it runs: measured, within this machine's cores
             assert 0 <= cost.fwd_cores <= local_cores() and 0 <= cost.bwd_cores <= local_cores()
-            if name not in (PROGRAM, TRANSFER):
+            if name not in (PROGRAM, TRANSFER, EXCHANGE, EXCHANGE_CALL):
                 assert cost.param_bytes > 0 and cost.update_s > 0
         blk = parts["block"]
         assert blk.fwd_s > 0 and blk.bwd_s > 0 and blk.fwd_cores > 0 and blk.bwd_cores > 0
