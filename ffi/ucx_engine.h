@@ -6,8 +6,12 @@
 // engine). Python bootstraps it over an mpi4py communicator (h2jax/comm/_ucx.py): every rank
 // publishes Worker().address(), the ranks allgather them, and Connect(comm_id, rank, addresses)
 // makes one endpoint per peer (the self one included) and returns a handle, the `comm` attribute
-// of the handlers. Endpoints use UCP_ERR_HANDLING_MODE_PEER with an error callback that marks
-// the peer dead, so a wait on a dead peer fails with a line naming it instead of hanging.
+// of the handlers. Endpoints to the peers Python asks for use UCP_ERR_HANDLING_MODE_PEER with
+// an error callback that marks the peer dead, so a wait on a dead peer fails at once with a line
+// naming it. UCX 1.22's shared-memory transports (self, posix, sysv) have no peer failure
+// handler, so that mode would route a same-host peer over tcp: Python asks for it only for
+// peers on other hosts, and an endpoint that cannot have it falls back to
+// UCP_ERR_HANDLING_MODE_NONE (a dead peer then shows as the wait's timeout, never a hang).
 //
 // Tags: 64 bits = comm id (12) | source rank (20) | user tag (32, >= 0 as int32). A receive
 // matches (comm, source, tag) exactly (full mask), so no wildcard is ever needed.
@@ -71,6 +75,7 @@ struct Comm {
   std::vector<ucp_ep_h> eps;
   std::vector<std::unique_ptr<PeerRef>> refs;
   std::vector<std::string> dead;  // per peer: "" while alive, else why not
+  std::vector<bool> peer_errors;  // per peer: UCP_ERR_HANDLING_MODE_PEER in effect
 };
 
 // a message taken in before its receive was posted; `req` is its UCP receive until complete
@@ -157,13 +162,16 @@ inline void OnPeerError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
 }
 
 // One endpoint per peer of a new comm; *handle gets the handle for the handlers' `comm` attribute.
-inline std::string Connect(uint32_t comm_id, int rank, const std::vector<std::string>& addresses, int64_t* handle) {
+// `peer_errors[p]`: ask for UCP_ERR_HANDLING_MODE_PEER towards p (falls back to NONE).
+inline std::string Connect(uint32_t comm_id, int rank, const std::vector<std::string>& addresses,
+                           const std::vector<bool>& peer_errors, int64_t* handle) {
   Engine& eng = Engine::get();
   std::lock_guard<std::mutex> lock(eng.mu);
   if (eng.worker == nullptr) return "h2jax ucx: the engine is not initialised";
   const int size = int(addresses.size());
   if (comm_id > kMaxCommId) return "h2jax ucx: comm id " + std::to_string(comm_id) + " is over 4095";
   if (size > kMaxRanks) return "h2jax ucx: " + std::to_string(size) + " ranks, at most 1048576";
+  if (peer_errors.size() != addresses.size()) return "h2jax ucx: one peer_errors flag per address";
   if (rank < 0 || rank >= size) return "h2jax ucx: rank " + std::to_string(rank) + " outside 0.." + std::to_string(size - 1);
   for (auto& [h, c] : eng.comms)
     if (c->id == comm_id) return "h2jax ucx: comm id " + std::to_string(comm_id) + " is already connected";
@@ -172,17 +180,23 @@ inline std::string Connect(uint32_t comm_id, int rank, const std::vector<std::st
   comm->rank = rank;
   comm->size = size;
   comm->dead.assign(size, "");
+  comm->peer_errors.assign(size, false);
   for (int p = 0; p < size; ++p) {
     comm->refs.push_back(std::make_unique<PeerRef>(PeerRef{comm.get(), p}));
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
     ep.address = reinterpret_cast<const ucp_address_t*>(addresses[p].data());
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_mode = peer_errors[p] ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     ep.err_handler.cb = OnPeerError;
     ep.err_handler.arg = comm->refs.back().get();
     ucp_ep_h h = nullptr;
     ucs_status_t st = ucp_ep_create(eng.worker, &ep, &h);
+    if (st == UCS_ERR_UNREACHABLE && peer_errors[p]) {  // no transport to p can report its failure
+      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+      st = ucp_ep_create(eng.worker, &ep, &h);
+    }
+    comm->peer_errors[p] = st == UCS_OK && ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
     if (st != UCS_OK) {
       for (ucp_ep_h e : comm->eps) {
         ucp_request_param_t cp{};
@@ -296,12 +310,26 @@ inline std::string Transfer(int64_t handle, const void* sbuf, size_t sbytes, int
       from_stash = it->second.front().release();
       it->second.pop_front();
     } else {
-      void* r = ucp_tag_recv_nbx(eng.worker, rbuf, rbytes, MakeTag(c->id, src, rtag), kFullMask, &prm);
-      if (UCS_PTR_IS_ERR(r)) return prefix + "ucp_tag_recv_nbx failed: " + Status(UCS_PTR_STATUS(r));
-      rreq = r;  // never null: a receive always returns a request
+      // a receive that completes at once returns NULL and reports its length here only
+      ucp_tag_recv_info_t info{};
+      ucp_request_param_t rp = prm;
+      rp.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+      rp.recv_info.tag_info = &info;
+      void* r = ucp_tag_recv_nbx(eng.worker, rbuf, rbytes, MakeTag(c->id, src, rtag), kFullMask, &rp);
+      if (UCS_PTR_IS_ERR(r)) {
+        ucs_status_t st = UCS_PTR_STATUS(r);
+        if (st != UCS_ERR_MESSAGE_TRUNCATED) return prefix + "ucp_tag_recv_nbx failed: " + Status(st);
+        error = larger();
+        recv_done = true;
+      } else if (r == nullptr) {
+        if (info.length != rbytes) error = wrong_size(info.length);
+        recv_done = true;
+      } else {
+        rreq = r;
+      }
     }
   }
-  if (want_send) {
+  if (want_send && error.empty()) {
     if (!c->dead[dest].empty()) {
       error = dead_line(dest);
     } else {

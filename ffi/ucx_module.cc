@@ -58,19 +58,22 @@ NB_MODULE(_ucx_ffi_cpu, m) {
   });
   m.def(
       "connect",
-      [](uint32_t comm_id, int rank, const std::vector<nb::bytes>& addresses) {
+      [](uint32_t comm_id, int rank, const std::vector<nb::bytes>& addresses, const std::vector<bool>& peer_errors) {
         std::vector<std::string> addrs;
         for (const nb::bytes& a : addresses) addrs.emplace_back(a.c_str(), a.size());
         int64_t handle = 0;
         std::string err;
         {
           nb::gil_scoped_release nogil;
-          err = h2ucx::Connect(comm_id, rank, addrs, &handle);
+          err = h2ucx::Connect(comm_id, rank, addrs, peer_errors, &handle);
         }
         Check(err);
-        return handle;
+        h2ucx::Engine& eng = h2ucx::Engine::get();
+        std::lock_guard<std::mutex> lock(eng.mu);
+        const h2ucx::Comm* c = h2ucx::Find(eng, handle);
+        return std::make_pair(handle, c->peer_errors);  // and where peer failure detection is on
       },
-      nb::arg("comm_id"), nb::arg("rank"), nb::arg("addresses"));
+      nb::arg("comm_id"), nb::arg("rank"), nb::arg("addresses"), nb::arg("peer_errors"));
   m.def("ucx_version", []() { return std::string(ucp_get_version_string()); });
   m.def("tag_ub", []() { return h2ucx::kTagUb; });
   m.def("max_comm_id", []() { return h2ucx::kMaxCommId; });
