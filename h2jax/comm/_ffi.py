@@ -273,7 +273,9 @@ def sendrecv(
     shape = tuple(int(d) for d in shape)
     _check(comm, "dest", dest, send_tag, timeout_s)
     _check(comm, "source", source, recv_tag, timeout_s)
-    call = jax.ffi.ffi_call(_target(comm, "sendrecv"), (jax.ShapeDtypeStruct(shape, dtype), _TOKEN), has_side_effect=True)
+    call = jax.ffi.ffi_call(
+        _target(comm, "sendrecv"), (jax.ShapeDtypeStruct(shape, dtype), _TOKEN), has_side_effect=True
+    )
     what = f"send {desc(x.shape, x.dtype)} / recv {desc(shape, dtype)}"
     return call(
         _route(dest, send_tag, source, recv_tag),

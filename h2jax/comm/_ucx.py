@@ -102,7 +102,9 @@ def check_versions(versions: list[str]) -> None:
     by_version: dict[str, list[int]] = {}
     for rank, v in enumerate(versions):
         by_version.setdefault(v, []).append(rank)
-    parts = "; ".join(f"ranks {','.join(map(str, r))}: {v}" for v, r in sorted(by_version.items(), key=lambda kv: kv[1]))
+    parts = "; ".join(
+        f"ranks {','.join(map(str, r))}: {v}" for v, r in sorted(by_version.items(), key=lambda kv: kv[1])
+    )
     raise RuntimeError(f"h2jax ucx: the ranks run different UCX versions ({parts}); install one libucx on all")
 
 
