@@ -23,12 +23,19 @@ from typing import Any
 from h2jax.comm._ffi import FfiUnavailableError
 
 # UCX settings this engine applies where the environment does not set UCX_<name> (the user's
-# value always wins), measured on a 2-core host with ucx_perftest and benchmarks/transport.py
-# (numbers in the report of issue 31; docs/LOG.md):
-#   TLS=sm,self: shared memory (posix/sysv mailboxes + cma zero copy) and loopback only; left
-#     to itself UCX also opens tcp on every interface, whose wireup and keepalive cost more than
-#     the transfers on one host. Multi-host jobs set UCX_TLS themselves (e.g. sm,self,tcp or rc).
-DEFAULTS: tuple[tuple[str, str], ...] = (("TLS", "sm,self"),)
+# value always wins). Measured on a 2-core host, 2 ranks, one-way time of a ping-pong inside
+# one jitted program (the engine) against mpi4py Send/Recv (Open MPI 5: ob1, sm + cma):
+#   TLS=sm,self: shared memory (posix/sysv mailboxes, cma single-copy) and loopback only. Left
+#     to itself UCX also opens tcp on every interface (wireup and keepalive for nothing on one
+#     host). Jobs across hosts set UCX_TLS themselves (e.g. sm,self,tcp or sm,self,rc).
+#   CMA_SEG_SIZE=1G: a rendezvous reads the sender's buffer with process_vm_readv in segments
+#     of this size (UCX's default 512K makes 128 system calls, each followed by a progress
+#     round, for 64 MiB). 64 MiB: 24 -> 15-17 ms (mpi4py 13-14 ms; ratio 1.6-1.7 -> 1.15-1.2);
+#     1 MiB and 16 MiB unchanged within noise (1.1-1.25x mpi4py), 8 B - 64 KiB at or below
+#     mpi4py (1.2 vs 1.3 µs at 8 B). RNDV_THRESH (16K, 256K), RNDV_SCHEME (get/put_zcopy),
+#     MAX_RNDV_RAILS=1, PROTO_ENABLE=n, TLS=posix,self (no cma: 2.6x slower at 64 MiB) and
+#     TLS=sysv,cma,self were no better.
+DEFAULTS: tuple[tuple[str, str], ...] = (("TLS", "sm,self"), ("CMA_SEG_SIZE", "1G"))
 
 _lock = threading.Lock()
 _ext: Any = None
