@@ -130,11 +130,15 @@ class UcxComm:
 
     ``rank``/``size`` are the communicator's; ``handle`` goes to the handlers as ``comm``;
     ``tag_ub`` is the largest tag (INT32_MAX: a user tag is the low 32 bits of a UCP tag);
-    ``peer_failure_detection[p]``: a failure of rank p fails a wait at once (peers on other
-    hosts, where the transport supports it); elsewhere a dead peer shows as the timeout.
+    ``peer_failure_detection[p]``: a failure of rank p fails a wait at once, naming p; elsewhere
+    a dead peer shows as the wait's timeout. ``peer_errors`` says towards whom to ask for it:
+    "remote" (ranks on other hosts; default), "all" (same-host ranks then go over a transport
+    that can report failures, e.g. tcp, if UCX_TLS offers one) or "none".
     """
 
-    def __init__(self, comm: Any):
+    def __init__(self, comm: Any, *, peer_errors: str = "remote"):
+        if peer_errors not in ("remote", "all", "none"):
+            raise ValueError(f"h2jax ucx: peer_errors is 'remote', 'all' or 'none', got {peer_errors!r}")
         if not hasattr(comm, "allgather"):
             raise TypeError(f"UcxComm needs an mpi4py communicator, got {type(comm).__name__}")
         ext = _load()
@@ -152,9 +156,8 @@ class UcxComm:
         # UCX's shared-memory transports cannot report a peer's failure: asking for that mode
         # towards a same-host peer would route it over tcp, so ask only across hosts
         hosts = comm.allgather(_host())
-        handle, self.peer_failure_detection = ext.connect(
-            self.comm_id, self.rank, addresses, [h != hosts[self.rank] for h in hosts]
-        )
+        ask = [peer_errors == "all" or (peer_errors == "remote" and h != hosts[self.rank]) for h in hosts]
+        handle, self.peer_failure_detection = ext.connect(self.comm_id, self.rank, addresses, ask)
         self.handle = int(handle)
         self.tag_ub = int(ext.tag_ub())
         self.version = ext.ucx_version()

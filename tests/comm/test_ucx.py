@@ -46,6 +46,17 @@ def test_extension_registers_the_ucx_targets_and_names_ucx_by_soname():
 
 @pytest.mark.ffi
 @needs_ucx
+def test_defaults_apply_only_where_the_environment_sets_none():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env["UCX_TLS"] = "self,sm"
+    code = "from h2jax.comm import _ucx; print(dict(_ucx.applied_defaults()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    applied = eval(out)
+    assert "TLS" not in applied and applied == {k: v for k, v in _ucx.DEFAULTS if k != "TLS"}, out
+
+
+@pytest.mark.ffi
+@needs_ucx
 def test_self_send_and_recv_on_one_rank():
     from mpi4py import MPI
 
@@ -87,8 +98,8 @@ def test_arguments_are_checked_before_tracing():
         _ucx.UcxComm(0)
 
 
-def _run_worker(scenarios: str, out: Path, timeout_s: float = 120) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+def _run_worker(scenarios: str, out: Path, timeout_s: float = 120, **extra_env: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")} | extra_env
     cmd = [
         find_mpirun(),
         "--allow-run-as-root",
@@ -126,3 +137,17 @@ def test_two_ranks_dtypes_large_1f1b_and_error_lines(tmp_path):
         bad = {k: res["errors"].get(k, "") for k, ok in res["checks"].items() if not ok}
         assert not bad, f"rank {r}: {len(bad)} failed checks: {bad}"
         assert len(res["checks"]) >= 61
+
+
+@pytest.mark.multiproc
+@pytest.mark.ffi
+@needs_ucx
+@pytest.mark.skipif(find_mpirun() is None, reason="mpirun not installed")
+def test_a_dead_peer_fails_the_wait_at_once_naming_it(tmp_path):
+    # peer failure detection needs a transport that reports it (tcp here; UCX's shared memory
+    # cannot): rank 1 exits without a word while rank 0 waits on it with a 60 s timeout
+    results = _run_worker("peer_death", tmp_path, UCX_TLS="sm,self,tcp")
+    assert results[1]["checks"] == {"detection_on": True, "alive_first": True}
+    res = results[0]
+    assert all(res["checks"].values()) and len(res["checks"]) == 4, res
+    assert "peer 1 is unreachable" in res["errors"]["dead_peer"]

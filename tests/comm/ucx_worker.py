@@ -191,19 +191,47 @@ def errors_(comm) -> None:
     check("after_errors", lambda: same(y, x + OTHER))
 
 
+def peer_death(_comm) -> None:
+    """Rank 1 dies; rank 0, waiting on it, fails at once with a line naming it (not a timeout)."""
+    import time
+
+    comm = _ucx.UcxComm(MPI.COMM_WORLD, peer_errors="all")  # over tcp here (UCX_TLS from the test)
+    checks["detection_on"] = comm.peer_failure_detection[OTHER]
+    y = jax.jit(
+        lambda: hc.sendrecv(
+            jnp.ones(4), (4,), jnp.float32, dest=OTHER, source=OTHER, send_tag=1, recv_tag=1, comm=comm
+        )[0]
+    )()
+    checks["alive_first"] = float(y[0]) == 1.0
+    MPI.COMM_WORLD.Barrier()
+    if RANK == 1:
+        with open(os.path.join(sys.argv[2], "rank1.json"), "w") as f:
+            json.dump({"checks": checks, "errors": errors}, f)
+        os._exit(0)  # no goodbye: the peer must notice on its own
+    t0 = time.perf_counter()
+    recv = jax.jit(lambda: hc.recv((4,), jnp.float32, peer=OTHER, tag=2, comm=comm, timeout_s=60.0)[0])
+    expect_error("dead_peer", lambda: recv().block_until_ready(), f"peer {OTHER} is unreachable")
+    errors["dead_peer_s"] = f"{time.perf_counter() - t0:.1f}"
+    checks["dead_peer_fast"] = time.perf_counter() - t0 < 30
+
+
 def main() -> None:
     scenarios, out_dir = sys.argv[1].split(","), sys.argv[2]
     try:
         comm = _ucx.UcxComm(MPI.COMM_WORLD)
         for s in scenarios:
-            {"dtypes": dtypes, "big": big, "errors": errors_}[s](comm)
-            MPI.COMM_WORLD.Barrier()
+            {"dtypes": dtypes, "big": big, "errors": errors_, "peer_death": peer_death}[s](comm)
+            if s != "peer_death":
+                MPI.COMM_WORLD.Barrier()
     except Exception as e:
         errors["<scenario>"] = traceback.format_exc()[-3000:]
         print(f"rank {RANK}: {e}", file=sys.stderr, flush=True)
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
         json.dump({"checks": checks, "errors": errors}, f, indent=1)
-    MPI.COMM_WORLD.Barrier()
+    if "peer_death" not in scenarios:
+        MPI.COMM_WORLD.Barrier()
+    else:
+        os._exit(0)  # the peer is gone: no MPI_Finalize
 
 
 if __name__ == "__main__":
