@@ -12,6 +12,8 @@ import os
 import sys
 import traceback
 
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+
 from h2jax.comm import _ucx  # noqa: I001 -- before mpi4py: the wheel's UCX, not Open MPI's bundled one
 
 _ucx._load()
@@ -111,6 +113,28 @@ def dtypes(comm) -> None:
         donate_argnums=1,
     )
     check("recv_into", lambda: same(into(jnp.asarray(a), jnp.zeros((33, 9))), make((33, 9), jnp.float32, 7 + OTHER)))
+
+
+def shard_map(comm) -> None:
+    """Per device under shard_map (two devices per process, so two threads in the engine at once),
+    each device with its own traced tag, both directions at once, rendezvous-sized shards."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    tags = jnp.asarray([300, 301], jnp.int32)
+    n = 1 << 20  # 4 MiB of float32 per device
+
+    def body(x):
+        tag = tags[jax.lax.axis_index("data")]
+        y, _ = hc.sendrecv(x, x.shape, x.dtype, dest=OTHER, source=OTHER, send_tag=tag, recv_tag=tag, comm=comm)
+        return y
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    mine, theirs = make((2 * n,), jnp.float32, 50 + RANK), make((2 * n,), jnp.float32, 50 + OTHER)
+    for it in range(2):
+        out = fn(jax.device_put(mine, NamedSharding(mesh, P("data"))))
+        check(f"shard_map/iter{it}", lambda out=out: same(out, theirs))
 
 
 def big(comm) -> None:
@@ -220,7 +244,7 @@ def main() -> None:
     try:
         comm = _ucx.UcxComm(MPI.COMM_WORLD)
         for s in scenarios:
-            {"dtypes": dtypes, "big": big, "errors": errors_, "peer_death": peer_death}[s](comm)
+            {"dtypes": dtypes, "shard_map": shard_map, "big": big, "errors": errors_, "peer_death": peer_death}[s](comm)
             if s != "peer_death":
                 MPI.COMM_WORLD.Barrier()
     except Exception as e:
