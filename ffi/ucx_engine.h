@@ -332,6 +332,7 @@ inline std::string Transfer(int64_t handle, const void* sbuf, size_t sbytes, int
   if (want_send && error.empty()) {
     if (!c->dead[dest].empty()) {
       error = dead_line(dest);
+      send_done = true;  // nothing was posted
     } else {
       void* r = ucp_tag_send_nbx(c->eps[dest], sbuf, sbytes, MakeTag(c->id, c->rank, stag), &prm);
       if (UCS_PTR_IS_ERR(r))
@@ -345,7 +346,7 @@ inline std::string Transfer(int64_t handle, const void* sbuf, size_t sbytes, int
   const auto spin_until = t_start + std::chrono::microseconds(20);
   const auto yield_until = t_start + std::chrono::milliseconds(5);
   const auto deadline = t_start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  for (;;) {
+  while (error.empty()) {
     const auto now = Clock::now();
     const bool spinning = now < spin_until;
     ucp_worker_progress(eng.worker);
@@ -430,7 +431,10 @@ inline std::string Transfer(int64_t handle, const void* sbuf, size_t sbytes, int
   }
   if (sreq != nullptr) {
     // UCP cannot cancel a send: close the endpoint (force: drops what it still holds of our
-    // buffer) and mark the peer, so later transfers to it fail at once with this reason
+    // buffer) and mark the peer, so later transfers to it fail at once with this reason. If the
+    // rendezvous announcement already reached the peer, the peer may still match it later and
+    // read (cma) whatever the freed buffer then holds -- as with MPI, whose MPI_Cancel cannot
+    // withdraw a send either; a timed-out send is an error of the job, not a recoverable state.
     ucp_request_param_t cp{};
     cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -441,7 +445,7 @@ inline std::string Transfer(int64_t handle, const void* sbuf, size_t sbytes, int
     }
     ucp_request_free(sreq);
     c->eps[dest] = nullptr;
-    if (c->dead[dest].empty()) c->dead[dest] = "endpoint closed after a send to it failed or timed out";
+    if (c->dead[dest].empty()) c->dead[dest] = "endpoint closed: an earlier send to it did not complete";
   }
   return error;
 }

@@ -214,6 +214,26 @@ def errors_(comm) -> None:
     )(x)
     check("after_errors", lambda: same(y, x + OTHER))
 
+    # a send nobody receives times out with a line; UCP cannot cancel a send, so the engine
+    # closes that endpoint and later sends to it fail at once (whether the peer still sees the
+    # message depends on whether its announcement had arrived: see ucx_engine.h)
+    if RANK == 0:
+        send = jax.jit(lambda: hc.send(jnp.ones(1 << 20), peer=1, tag=13, comm=comm, timeout_s=0.5))
+        expect_error(
+            "send_timeout",
+            lambda: send().block_until_ready(),
+            "DEADLINE_EXCEEDED",
+            "timed out after 0.5 s",
+            "to peer 1 tag 13 was not received",
+        )
+        expect_error(
+            "send_after_close", lambda: send().block_until_ready(), "INTERNAL", "peer 1 is unreachable (endpoint closed"
+        )
+    else:
+        import time
+
+        time.sleep(1.5)
+
 
 def peer_death(_comm) -> None:
     """Rank 1 dies; rank 0, waiting on it, fails at once with a line naming it (not a timeout)."""
