@@ -34,6 +34,18 @@ def test_version_mismatch_is_refused_naming_ranks_and_versions():
     assert "ranks 0,2: 1.22.0" in msg and "ranks 1,3: 1.20.1" in msg, msg
 
 
+def test_unavailable_engine_says_how_to_get_it(monkeypatch):
+    def missing(name):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(_ucx, "_ext", None)
+    monkeypatch.setattr(_ucx.importlib, "import_module", missing)
+    with pytest.raises(_ucx.UcxUnavailableError, match=r"pip install libucx-cu12.*H2JAX_UCX") as e:
+        _ucx._load()
+    assert isinstance(e.value, hc.FfiUnavailableError) and "\n" not in str(e.value)
+    assert not _ucx.is_available()
+
+
 @pytest.mark.ffi
 @needs_ucx
 def test_extension_registers_the_ucx_targets_and_names_ucx_by_soname():
