@@ -7,6 +7,7 @@
 Paths (one-way time = half a ping-pong round trip, best of several repetitions; each
 repetition runs every path once in turn, so the paths are compared paired in time):
   ffi_jit    h2jax FFI send/recv, many transfers inside ONE jitted program per side (fori_loop)
+  ucx_jit    the same ops and program on the ucx engine (a UcxComm; h2jax/comm/_ucx.py)
   ffi_call   h2jax FfiTransport: one standalone jitted program per transfer (dispatch included)
   host       h2jax HostTransport: jax -> numpy -> mpi4py -> numpy -> device_put
   tcp        plain TCP socket on 127.0.0.1, raw host bytes (the CPU-mediated TCP baseline)
@@ -19,6 +20,9 @@ Latency sizes 8 B - 64 KiB, bandwidth sizes 1 - 256 MiB. The last line is `RESUL
   bw_ratio_ffi_over_memcpy    min over sizes >= 16 MiB of ffi_jit / memcpy bandwidth
   max_ratio_ffi_over_mpi      max over sizes of ffi_jit / mpi4py time
   max_ratio_ffi_over_mpi4jax  max over sizes of ffi_jit / mpi4jax time (null if mpi4jax is missing)
+  max_ratio_ucx_over_mpi4py   max over sizes >= 64 KiB of ucx_jit / mpi4py time (null without UCX)
+  latency_ratio_tcp_over_ucx  min over sizes <= 64 KiB of tcp / ucx_jit time (null without UCX)
+The ucx engine's UCX is loaded before mpi4py, so Open MPI uses that same UCX library too.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from h2jax._hostmem import host_memory_line, hugepage_env, thp_mode  # noqa: E40
 
 LAT_SIZES = [8, 64, 512, 4096, 65536]
 BW_SIZES = [s << 20 for s in (1, 4, 16, 64, 256)]
-PATHS = ["ffi_jit", "ffi_call", "host", "tcp", "mpi4py", "mpi4jax", "memcpy"]
+PATHS = ["ffi_jit", "ucx_jit", "ffi_call", "host", "tcp", "mpi4py", "mpi4jax", "memcpy"]
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -67,6 +71,10 @@ def fmt_size(n: int) -> str:
 
 # -- the measurements (both ranks run each; rank 0 starts every round trip) ---------------------------
 def measure_all(log: bool) -> None:
+    from h2jax.comm import _ucx
+
+    have_ucx = _ucx.is_available()  # before mpi4py: the wheel's UCX, not Open MPI's bundled copy
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -83,6 +91,7 @@ def measure_all(log: bool) -> None:
     except ImportError:
         mpi4jax = None
     mpi4jax_comm = world.Dup()
+    ucx_comm = _ucx.UcxComm(world) if have_ucx else None
 
     # TCP: rank 0 listens on 127.0.0.1, tells rank 1 the port over MPI
     if rank == 0:
@@ -155,6 +164,34 @@ def measure_all(log: bool) -> None:
             state[0].block_until_ready()
 
         paths = {"ffi_jit": ffi_jit}
+
+        if ucx_comm is not None:  # the same program on the ucx engine
+
+            def ucx_ping(i, carry):
+                src, buf, tok = carry
+                tok = hc.send(src, peer=other, tag=11, comm=ucx_comm, token=tok)
+                buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=12, comm=ucx_comm, token=tok, into=buf)
+                return src, buf, tok
+
+            def ucx_pong(i, carry):
+                src, buf, tok = carry
+                buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=11, comm=ucx_comm, token=tok, into=buf)
+                tok = hc.send(buf, peer=other, tag=12, comm=ucx_comm, token=tok)
+                return src, buf, tok
+
+            ucx_prog = jax.jit(
+                lambda a, b: jax.lax.fori_loop(0, per, ucx_ping if rank == 0 else ucx_pong, (a, b, hc.new_token()))[1],
+                donate_argnums=1,
+            )
+            ucx_state = [x + 0]
+
+            def ucx_jit():
+                ucx_state[0] = ucx_prog(x, ucx_state[0])
+                ucx_state[0].block_until_ready()
+
+            paths["ucx_jit"] = ucx_jit
+        else:
+            results["ucx_jit"][nbytes] = None
 
         # ffi_call: FfiTransport, a program per transfer
         def ffi_call():
@@ -244,6 +281,8 @@ def measure_all(log: bool) -> None:
                 ts.append((time.perf_counter() - t0) / per)
             results["memcpy"][nbytes] = min(ts)
         del x, a, b, state
+        if ucx_comm is not None:
+            del ucx_state
         if rank == 0:
             print(
                 f"  {fmt_size(nbytes):>8}: " + "  ".join(f"{p}={fmt_time(results[p][nbytes])}" for p in PATHS),
@@ -258,6 +297,10 @@ def measure_all(log: bool) -> None:
             file=sys.stderr,
             flush=True,
         )
+        if ucx_comm is not None:
+            print(
+                f"ucx engine: UCX {ucx_comm.version}, defaults applied {ucx_comm.applied}", file=sys.stderr, flush=True
+            )
         report(results, mpi4jax is not None, log)
     world.Barrier()
 
@@ -273,11 +316,17 @@ def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
         lines.append(f"| {fmt_size(s)} | " + " | ".join(cells) + f" | {bw:.2f} | {mbw:.2f} |")
     table = "\n".join(lines)
     ffi = results["ffi_jit"]
+    ucx = results["ucx_jit"]
+    have_ucx = all(ucx.get(s) is not None for s in sizes)
     res = {
         "latency_ratio_tcp_over_ffi": min(results["tcp"][s] / ffi[s] for s in LAT_SIZES),
         "bw_ratio_ffi_over_memcpy": min(results["memcpy"][s] / ffi[s] for s in BW_SIZES if s >= 16 << 20),
         "max_ratio_ffi_over_mpi": max(ffi[s] / results["mpi4py"][s] for s in sizes),
         "max_ratio_ffi_over_mpi4jax": (max(ffi[s] / results["mpi4jax"][s] for s in sizes) if have_mpi4jax else None),
+        "max_ratio_ucx_over_mpi4py": (
+            max(ucx[s] / results["mpi4py"][s] for s in sizes if s >= 65536) if have_ucx else None
+        ),
+        "latency_ratio_tcp_over_ucx": (min(results["tcp"][s] / ucx[s] for s in LAT_SIZES) if have_ucx else None),
         "ffi_call_8B_us": results["ffi_call"][8] * 1e6,
         "ffi_jit_8B_us": ffi[8] * 1e6,
         "ffi_jit_256MiB_GBps": (256 << 20) / ffi[256 << 20] / 1e9,

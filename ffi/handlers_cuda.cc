@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "handlers_host.h"
 #include "mpi_engine.h"
 #include "xla/ffi/api/ffi.h"
 #if __has_include(<mpi-ext.h>)
@@ -31,11 +32,7 @@ bool CudaAwareMpi() {
 #endif
 }
 
-ffi::Error ToFfi(const std::string& err) {
-  if (err.empty()) return ffi::Error::Success();
-  if (err.find("timed out") != std::string::npos) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
-  return ffi::Error(ffi::ErrorCode::kInternal, err);
-}
+using h2::ToFfi;  // the host handlers' mapping of an engine's line to an FFI error
 
 ffi::Error CudaCheck(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return ffi::Error::Success();

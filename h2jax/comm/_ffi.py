@@ -27,6 +27,10 @@ transfers between the same two processes need distinct tags.
 Failures: a receive waits at most ``timeout_s`` (also a send that nobody receives); the
 error names the rank, peer, tag, the tensor and what did arrive instead. A message of the
 right (peer, tag) with the wrong size fails at once.
+
+Engines: ``comm`` is an mpi4py communicator (the MPI engine, targets ``h2jax_*``) or a
+``h2jax.comm._ucx.UcxComm`` built over one (the UCX engine, targets ``h2jax_ucx_*``): one
+op, the engine below it.
 """
 
 from __future__ import annotations
@@ -127,10 +131,26 @@ def new_token() -> jax.Array:
     return jnp.zeros(_TOKEN.shape, _TOKEN.dtype)
 
 
+def _is_ucx(comm: Any) -> bool:
+    from h2jax.comm._ucx import UcxComm
+
+    return isinstance(comm, UcxComm)
+
+
 def _comm_handle(comm: Any) -> np.int64:
+    if _is_ucx(comm):
+        return np.int64(comm.handle)
     if not hasattr(comm, "py2f"):
-        raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+        raise TypeError(f"comm must be an mpi4py communicator or a UcxComm, got {type(comm).__name__}")
     return np.int64(comm.py2f())
+
+
+def _target(comm: Any, op: str) -> str:
+    """The FFI target of ``op`` on ``comm``'s engine (registering the engine's handlers)."""
+    if _is_ucx(comm):
+        return f"h2jax_ucx_{op}"  # registered by UcxComm's constructor
+    _register_all()
+    return f"h2jax_{op}"
 
 
 def desc(shape: tuple[int, ...], dtype: Any) -> str:
@@ -149,10 +169,13 @@ def _check(comm: Any, what: str, rank: Any, tag: Any, timeout_s: float) -> None:
     size = comm.Get_size()
     if _is_static(rank) and not 0 <= int(rank) < size:
         raise ValueError(f"h2jax ffi: {what} {rank} is not a rank of the communicator (size {size})")
-    # MPI_TAG_UB is the same on every communicator; mpi4py shows it on COMM_WORLD only
-    tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
+    if _is_ucx(comm):
+        tag_ub, ub_name = comm.tag_ub, "the ucx engine's tag bound"
+    else:
+        # MPI_TAG_UB is the same on every communicator; mpi4py shows it on COMM_WORLD only
+        tag_ub, ub_name = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767, "MPI_TAG_UB"
     if _is_static(tag) and not 0 <= int(tag) <= tag_ub:
-        raise ValueError(f"h2jax ffi: tag {tag} is outside 0..{tag_ub} (MPI_TAG_UB)")
+        raise ValueError(f"h2jax ffi: tag {tag} is outside 0..{tag_ub} ({ub_name})")
     if not timeout_s > 0:
         raise ValueError(f"h2jax ffi: timeout_s must be > 0, got {timeout_s}")
 
@@ -188,8 +211,7 @@ def send(
     """
     x = jnp.asarray(x)
     _check(comm, "peer", peer, tag, timeout_s)
-    _register_all()
-    call = jax.ffi.ffi_call("h2jax_send", _TOKEN, has_side_effect=True)
+    call = jax.ffi.ffi_call(_target(comm, "send"), _TOKEN, has_side_effect=True)
     return call(
         _route(peer, tag),
         x,
@@ -218,14 +240,14 @@ def recv(
     """
     shape = tuple(int(d) for d in shape)
     _check(comm, "peer", peer, tag, timeout_s)
-    _register_all()
     out = (jax.ShapeDtypeStruct(shape, dtype), _TOKEN)
     attrs = dict(comm=_comm_handle(comm), timeout_s=np.float64(timeout_s), desc=desc(shape, dtype))
     if into is None:
-        return jax.ffi.ffi_call("h2jax_recv", out, has_side_effect=True)(_route(peer, tag), _token(token), **attrs)
+        call = jax.ffi.ffi_call(_target(comm, "recv"), out, has_side_effect=True)
+        return call(_route(peer, tag), _token(token), **attrs)
     if tuple(into.shape) != shape or into.dtype != jnp.dtype(dtype):
         raise TypeError(f"h2jax ffi: into is {desc(into.shape, into.dtype)}, expected {desc(shape, dtype)}")
-    call = jax.ffi.ffi_call("h2jax_recv_into", out, has_side_effect=True, input_output_aliases={2: 0})
+    call = jax.ffi.ffi_call(_target(comm, "recv_into"), out, has_side_effect=True, input_output_aliases={2: 0})
     return call(_route(peer, tag), _token(token), into, **attrs)
 
 
@@ -251,8 +273,9 @@ def sendrecv(
     shape = tuple(int(d) for d in shape)
     _check(comm, "dest", dest, send_tag, timeout_s)
     _check(comm, "source", source, recv_tag, timeout_s)
-    _register_all()
-    call = jax.ffi.ffi_call("h2jax_sendrecv", (jax.ShapeDtypeStruct(shape, dtype), _TOKEN), has_side_effect=True)
+    call = jax.ffi.ffi_call(
+        _target(comm, "sendrecv"), (jax.ShapeDtypeStruct(shape, dtype), _TOKEN), has_side_effect=True
+    )
     what = f"send {desc(x.shape, x.dtype)} / recv {desc(shape, dtype)}"
     return call(
         _route(dest, send_tag, source, recv_tag),

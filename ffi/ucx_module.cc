@@ -1,0 +1,102 @@
+// The UCX Python extension h2jax.comm._ucx_ffi_cpu: the handler capsules, and the bootstrap
+// (h2jax/comm/_ucx.py drives it over an mpi4py communicator): init with defaults, the worker's
+// address, connect to every rank's address, the UCX version. Built only where UCX is found.
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nanobind/nanobind.h"
+#include "nanobind/stl/pair.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
+#include "ucx_engine.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" XLA_FFI_Error* H2SendUcx(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2RecvUcx(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2RecvIntoUcx(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2SendRecvUcx(XLA_FFI_CallFrame*);
+
+namespace {
+void Check(const std::string& err) {
+  if (!err.empty()) throw std::runtime_error(err);
+}
+}  // namespace
+
+NB_MODULE(_ucx_ffi_cpu, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["h2jax_ucx_send"] = nb::capsule(reinterpret_cast<void*>(H2SendUcx));
+    d["h2jax_ucx_recv"] = nb::capsule(reinterpret_cast<void*>(H2RecvUcx));
+    d["h2jax_ucx_recv_into"] = nb::capsule(reinterpret_cast<void*>(H2RecvIntoUcx));
+    d["h2jax_ucx_sendrecv"] = nb::capsule(reinterpret_cast<void*>(H2SendRecvUcx));
+    return d;
+  });
+  m.def(
+      "init",
+      [](const std::vector<std::pair<std::string, std::string>>& defaults) {
+        std::string err;
+        {
+          nb::gil_scoped_release nogil;
+          err = h2ucx::Init(defaults);
+        }
+        Check(err);
+        h2ucx::Engine& eng = h2ucx::Engine::get();
+        std::lock_guard<std::mutex> lock(eng.mu);
+        return eng.applied;  // the defaults that took effect (the environment set the others)
+      },
+      nb::arg("defaults"),
+      "Create the process's UCP context and worker once; `defaults` are (name without UCX_, value) "
+      "pairs applied only where the environment does not set UCX_<name>. Returns those applied.");
+  m.def("worker_address", []() {
+    std::string addr;
+    Check(h2ucx::WorkerAddress(&addr));
+    return nb::bytes(addr.data(), addr.size());
+  });
+  m.def(
+      "connect",
+      [](uint32_t comm_id, int rank, const std::vector<nb::bytes>& addresses, const std::vector<bool>& peer_errors) {
+        std::vector<std::string> addrs;
+        for (const nb::bytes& a : addresses) addrs.emplace_back(a.c_str(), a.size());
+        int64_t handle = 0;
+        std::string err;
+        {
+          nb::gil_scoped_release nogil;
+          err = h2ucx::Connect(comm_id, rank, addrs, peer_errors, &handle);
+        }
+        Check(err);
+        h2ucx::Engine& eng = h2ucx::Engine::get();
+        std::lock_guard<std::mutex> lock(eng.mu);
+        const h2ucx::Comm* c = h2ucx::Find(eng, handle);
+        return std::make_pair(handle, c->peer_errors);  // and where peer failure detection is on
+      },
+      nb::arg("comm_id"), nb::arg("rank"), nb::arg("addresses"), nb::arg("peer_errors"));
+  m.def("ucx_version", []() { return std::string(ucp_get_version_string()); });
+  m.def("tag_ub", []() { return h2ucx::kTagUb; });
+  m.def("max_comm_id", []() { return h2ucx::kMaxCommId; });
+  m.def("stash_stats", []() {
+    h2ucx::Engine& eng = h2ucx::Engine::get();
+    std::lock_guard<std::mutex> lock(eng.mu);
+    nb::dict d;
+    d["messages"] = eng.stashed_messages;
+    d["bytes"] = eng.stashed_bytes;
+    return d;
+  });
+  m.def("transports", []() {
+    // what UCP chose for this process's context (ucp_context_print_info's text)
+    h2ucx::Engine& eng = h2ucx::Engine::get();
+    std::lock_guard<std::mutex> lock(eng.mu);
+    if (eng.ctx == nullptr) return std::string();
+    char* buf = nullptr;
+    size_t len = 0;
+    FILE* f = open_memstream(&buf, &len);
+    ucp_context_print_info(eng.ctx, f);
+    fclose(f);
+    std::string s(buf, len);
+    free(buf);
+    return s;
+  });
+}
