@@ -85,6 +85,25 @@ NB_MODULE(_ucx_ffi_cpu, m) {
     d["bytes"] = eng.stashed_bytes;
     return d;
   });
+  m.def(
+      "protocols",
+      [](int64_t handle, int peer) {
+        // the endpoint's lanes and the protocol tables UCX has selected on it so far (per operation
+        // and memory type: the message sizes' protocols and transports; h2jax.comm._paths parses them)
+        h2ucx::Engine& eng = h2ucx::Engine::get();
+        std::lock_guard<std::mutex> lock(eng.mu);
+        const h2ucx::Comm* c = h2ucx::Find(eng, handle);
+        if (c == nullptr || peer < 0 || peer >= int(c->eps.size()) || c->eps[peer] == nullptr) return std::string();
+        char* buf = nullptr;
+        size_t len = 0;
+        FILE* f = open_memstream(&buf, &len);
+        ucp_ep_print_info(c->eps[peer], f);
+        fclose(f);
+        std::string s(buf, len);
+        free(buf);
+        return s;
+      },
+      nb::arg("handle"), nb::arg("peer"));
   m.def("transports", []() {
     // what UCP chose for this process's context (ucp_context_print_info's text)
     h2ucx::Engine& eng = h2ucx::Engine::get();

