@@ -41,7 +41,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from h2jax.comm._transports import PROCESS_TRANSPORTS, REGISTRY, TRANSPORTS, Transport
+from h2jax.comm._transports import ENGINES, PROCESS_TRANSPORTS, REGISTRY, TRANSPORTS, Transport
 
 _LAZY = {
     "Channel": "h2jax.comm._channel",
@@ -107,7 +107,7 @@ if TYPE_CHECKING:
     from h2jax.comm._peer import FfiTransport, PeerTransport
     from h2jax.comm._routing import BWD, FWD, Boundary, RoutingUnsupported, tag_base
 
-__all__ = ["PROCESS_TRANSPORTS", "REGISTRY", "TRANSPORTS", "Transport", *sorted(_LAZY)]
+__all__ = ["ENGINES", "PROCESS_TRANSPORTS", "REGISTRY", "TRANSPORTS", "Transport", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:

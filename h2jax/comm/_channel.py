@@ -478,13 +478,16 @@ def make_channel(
     chip: str = "",
     timeout_s: float = 60.0,
     shared: dict | None = None,
+    engine: str = "mpi",
 ) -> Channel:
     """The channel of one stage (or model position) for ``train.transport`` (collective over
     ``comm`` for the multi-process transports: every rank builds its channel at the same
     point). Each multi-process channel talks over a duplicate of ``comm``; the channels of
     one stage's chunks pass one ``shared`` dict and so share one duplicate (and transport),
     made by the first: a chunk's messages must meet its neighbour chunk's on the same
-    communicator, whatever their chunk indices (their tags tell them apart)."""
+    communicator, whatever their chunk indices (their tags tell them apart). `engine`: what
+    moves the bytes under ``ffi`` and ``ffi-call`` (``mpi`` or ``ucx``: the communicator is then
+    a :class:`h2jax.comm._ucx.UcxComm` over the duplicate; ``comm.engine``, resolved)."""
     if transport == "local":
         if hub is None:
             raise ValueError("the local transport needs the process's LocalHub")
@@ -497,16 +500,25 @@ def make_channel(
             "(mpirun/srun) and an MPI communicator"
         )
     shared = {} if shared is None else shared
+    if engine not in ("mpi", "ucx"):
+        raise ValueError(f"comm.engine: {engine!r}; expected 'mpi' or 'ucx' (auto resolved before)")
     if transport == "ffi":
         if "comm" not in shared:
-            shared["comm"] = comm.Dup()
+            if engine == "ucx":
+                from h2jax.comm._ucx import UcxComm
+
+                shared["comm"] = UcxComm(comm.Dup())
+            else:
+                shared["comm"] = comm.Dup()
         return FfiChannel(link, shared["comm"], timeout_s=timeout_s)
     from h2jax.comm._host import HostTransport
     from h2jax.comm._peer import FfiTransport
 
     if "peer" not in shared:
-        make = HostTransport if transport == "host" else FfiTransport
-        shared["peer"] = make(comm, timeout_s=timeout_s)
+        if transport == "host":
+            shared["peer"] = HostTransport(comm, timeout_s=timeout_s)
+        else:
+            shared["peer"] = FfiTransport(comm, timeout_s=timeout_s, engine=engine)
     return PeerChannel(link, shared["peer"])
 
 

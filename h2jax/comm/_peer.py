@@ -48,13 +48,22 @@ class FfiTransport:
 
     name = "ffi"
 
-    def __init__(self, comm: Any = None, *, timeout_s: float = _ffi.DEFAULT_TIMEOUT_S, dup: bool = True):
+    def __init__(
+        self, comm: Any = None, *, timeout_s: float = _ffi.DEFAULT_TIMEOUT_S, dup: bool = True, engine: str = "mpi"
+    ):
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD if comm is None else comm
-        _ffi.register()  # fail here, with the build hint, rather than at the first transfer
         # collective over comm: every rank constructs its transport at the same point
-        self.comm = comm.Dup() if dup else comm
+        self.mpi_comm = comm.Dup() if dup else comm
+        self.engine = engine
+        if engine == "ucx":  # the same ops over UCX (h2jax.comm._ucx), bootstrapped over the duplicate
+            from h2jax.comm._ucx import UcxComm
+
+            self.comm = UcxComm(self.mpi_comm)
+        else:
+            _ffi.register()  # fail here, with the build hint, rather than at the first transfer
+            self.comm = self.mpi_comm
         self.timeout_s = float(timeout_s)
         self._programs: dict[tuple, Any] = {}
         self._pending: list[jax.Array] = []  # tokens of sends in flight

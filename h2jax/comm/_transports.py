@@ -32,3 +32,7 @@ REGISTRY: dict[str, Transport] = {
 
 TRANSPORTS: tuple[str, ...] = tuple(REGISTRY)
 PROCESS_TRANSPORTS: tuple[str, ...] = tuple(n for n, t in REGISTRY.items() if t.between_processes)
+
+ENGINES: tuple[str, ...] = ("auto", "mpi", "ucx")
+"""``comm.engine``: what moves the bytes under the ``ffi`` and ``ffi-call`` transports (``auto``
+resolves to one of the others per run: h2jax.runtime._links)."""

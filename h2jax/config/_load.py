@@ -15,7 +15,7 @@ import yaml
 
 from h2jax._paths import find_experiment
 from h2jax._strict import VALUE_CHECKS, build_dataclass, read_yaml, to_raw
-from h2jax.comm import PROCESS_TRANSPORTS, TRANSPORTS
+from h2jax.comm import ENGINES, PROCESS_TRANSPORTS, TRANSPORTS
 from h2jax.config._chips import resolve_chip
 from h2jax.config._errors import ConfigError
 from h2jax.config._gin import read_gin
@@ -237,6 +237,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
             "train.transport", f"transport={t.transport!r}; expected one of {[AUTO_TRANSPORT, *TRANSPORTS]}"
         )
     check_launcher(t.transport, cfg.plan.num_stages)
+    if cfg.comm.engine not in ENGINES:
+        raise ConfigError("comm.engine", f"engine={cfg.comm.engine!r}; expected one of {list(ENGINES)}")
     if t.gantt_step != -1 and not 0 <= t.gantt_step < t.steps:
         raise ConfigError("train.gantt_step", f"gantt_step={t.gantt_step}; expected -1 or 0..{t.steps - 1}")
     if t.nonfinite not in NONFINITE_POLICIES:

@@ -164,6 +164,13 @@ class CommConfig:
     """Time every link at start-up (an 8-byte and a 4 MiB message, round trips halved) for the
     link table of the run header, ranks.json and summary.json. False: each link's path is
     still named, not timed."""
+    engine: str = "auto"
+    """What moves the bytes under the in-program transports (``ffi``, ``ffi-call``): ``mpi`` (the
+    MPI library mpi4py loaded; device pointers go straight to it only where it is CUDA/ROCm-aware),
+    ``ucx`` (UCX's tag API on the buffer's memory type: shared memory, cma, tcp, cuda_ipc, verbs;
+    a system UCX where h2jax was built against one, else the libucx wheel), or ``auto``: ``mpi``
+    where every device stage's memory goes direct through it (CPU and emulated stages included),
+    else ``ucx`` where it loads. Every link's path says which engine carried it."""
     require_device_direct: bool = False
     """Refuse to train (exit 2, one line naming the link, why and the fix) when a link between
     two device stages copies through host memory (path "staged"). CPU stages and emulated chip

@@ -23,6 +23,7 @@ import numpy as np
 
 from h2jax._units import MIB
 from h2jax.comm import LinkEnd, MpiFacts, classify_link, library_name, not_direct
+from h2jax.comm._paths import UcxFacts, parse_proto_info
 from h2jax.config import ConfigError
 
 SIZES = ((8, 50), (4 * MIB, 5))  # (bytes, round trips timed at once): the small and the large message
@@ -40,12 +41,64 @@ def stage_pairs(plan: Any) -> list[tuple[int, int]]:
     return out
 
 
-def _engine(transport: str, ends: list[LinkEnd]) -> tuple[str, str, MpiFacts | None]:
-    """(engine, library, the MPI facts) of ``transport``."""
+def _device_platforms(cfg: Any) -> list[str]:
+    """The platforms of the plan's stages whose tensors sit in device memory."""
+    chips = cfg.cluster.chips
+    return sorted(
+        {
+            chips[s.chip].platform
+            for s in cfg.plan.stages
+            if not chips[s.chip].emulated and chips[s.chip].platform != "cpu"
+        }
+    )
+
+
+def resolve_engine(cfg: Any, world: Any) -> str:
+    """What moves the bytes under ``train.transport`` (``comm.engine``, ``auto`` resolved): "mpi" or
+    "ucx" for the ``ffi`` and ``ffi-call`` transports, "" for the others (they have none to choose).
+    ``auto``: mpi where every device stage's memory goes direct through the MPI library (no
+    device stages: CPU and emulated chip types), else ucx where every rank has the ucx engine for
+    those platforms, else mpi (its links then say ``staged``). Collective in that last case (every
+    rank decides alike). An engine asked for that cannot carry a stage's memory is refused."""
+    if cfg.train.transport not in ("ffi", "ffi-call"):
+        return ""
+    want, platforms = cfg.comm.engine, _device_platforms(cfg)
+    from h2jax.comm._ucx import UCX_PLATFORMS
+
+    if want == "ucx":
+        missing = [p for p in platforms if p not in UCX_PLATFORMS]
+        if missing:
+            raise ConfigError(
+                "comm.engine",
+                f"engine='ucx' has no handlers for {'/'.join(missing)} stages (built for {', '.join(UCX_PLATFORMS)}); "
+                "use engine 'mpi' or 'auto'",
+            )
+    if want != "auto":
+        return want
+    if not platforms:
+        return "mpi"
+    from h2jax.comm import mpi_device_aware
+    from h2jax.comm._ucx import is_available
+
+    mine = (all(mpi_device_aware(p) for p in platforms), is_available() and set(platforms) <= set(UCX_PLATFORMS))
+    every = world.allgather(mine)
+    if all(aware for aware, _ in every):
+        return "mpi"
+    return "ucx" if all(ucx for _, ucx in every) else "mpi"
+
+
+def _engine(
+    transport: str, ends: list[LinkEnd], engine: str = "mpi", version: str | None = None
+) -> tuple[str, str, MpiFacts | None]:
+    """(engine, library, the MPI facts) of ``transport`` over ``engine`` (ucx: its version)."""
     if transport == "local":
         import jax
 
         return "jax.device_put", f"jax {jax.__version__}", None
+    if engine == "ucx":
+        from h2jax.comm._ucx import settings
+
+        return "ucx", f"UCX {version or '(not probed)'}, {settings()}", None
     from mpi4py import MPI
 
     lib = library_name(MPI.Get_library_version())
@@ -125,20 +178,25 @@ def _ffi_loop(comm: Any, *, peer: int, lead: bool, device: Any, nbytes: int, rep
     return min(times[1:])
 
 
-def _probe(cfg: Any, world: Any, pairs: list[tuple[int, int]], stages: list[Any]) -> dict:
-    """{(a, b): ((small s, large s), (rank a, rank b) or None)} (module docstring). Collective."""
+def _probe(cfg: Any, world: Any, pairs: list[tuple[int, int]], stages: list[Any], engine: str = "mpi") -> tuple:
+    """({(a, b): ((small s, large s), (rank a, rank b) or None)} (module docstring), and under the
+    ucx engine {(a, b): UCX's protocol tables text of the leading rank's endpoint} and the UCX
+    version). Collective."""
     device = {st.stage_idx: st.mesh.local_devices[0] for st in stages}  # a stage's chunks share one mesh
     w = world
     if not w.multiprocess:
-        return {(a, b): (tuple(_time_local(device[a], device[b], n, r) for n, r in SIZES), None) for a, b in pairs}
+        timed = {(a, b): (tuple(_time_local(device[a], device[b], n, r) for n, r in SIZES), None) for a, b in pairs}
+        return timed, {}, None
     if w.group is None or not hasattr(w.comm, "py2f"):
-        return {}  # threads standing in for processes (tests): no MPI link to time
+        return {}, {}, None  # threads standing in for processes (tests): no MPI link to time
     from h2jax.comm import FfiTransport, HostTransport
 
     transport = cfg.train.transport
-    make = HostTransport if transport == "host" else FfiTransport
-    mover = make(w.comm, timeout_s=cfg.train.transfer_timeout_s)  # collective: its own communicator
-    mine = {}
+    if transport == "host":
+        mover = HostTransport(w.comm, timeout_s=cfg.train.transfer_timeout_s)
+    else:  # collective: its own communicator
+        mover = FfiTransport(w.comm, timeout_s=cfg.train.transfer_timeout_s, engine=engine)
+    mine, protocols = {}, {}
     for i, (a, b) in enumerate(pairs):
         ra, rb = w.group.layout.device_ranks(a)[0], w.group.layout.device_ranks(b)[0]
         for k, (n, r) in enumerate(SIZES):
@@ -150,16 +208,40 @@ def _probe(cfg: Any, world: Any, pairs: list[tuple[int, int]], stages: list[Any]
             t = _ffi_loop(mover.comm, **kw) if transport == "ffi" else _ping_pong(mover, **kw)
             if lead:
                 mine.setdefault((a, b), ([], (ra, rb)))[0].append(t)
+        if engine == "ucx" and w.rank in (ra, rb):  # the protocols UCX chose for what was just sent, each way
+            protocols[(a, b, w.rank == ra)] = mover.comm.protocols(rb if w.rank == ra else ra)
     mover.flush()
     w.barrier()
-    mover.comm.Free()
-    return {k: (tuple(t), rr) for d in w.allgather(mine) for k, (t, rr) in d.items()}
+    (mover.comm if transport == "host" else mover.mpi_comm).Free()
+    version = getattr(mover.comm, "version", None)
+    timed = {k: (tuple(t), rr) for d in w.allgather(mine) for k, (t, rr) in d.items()}
+    return timed, {k: v for d in w.allgather(protocols) for k, v in d.items()}, version
 
 
-def link_table(cfg: Any, world: Any, stages: list[Any], backends: dict[int, str]) -> list[dict[str, Any]]:
+def _ucx_facts(texts: list[str], version: str | None) -> tuple[UcxFacts, str | None]:
+    """UCX's facts of one link from its endpoints' protocol tables (both directions), and the
+    protocols of the sending stage's buffers at the small and the large message, in words."""
+    tables = [t for text in texts for t in parse_proto_info(text)]
+    by_memory: dict[str, tuple] = {}
+    for t in tables:
+        by_memory[t.memory] = (*by_memory.get(t.memory, ()), t)
+    facts = UcxFacts(version or "?", by_memory, large_bytes=SIZES[1][0])
+    first = tables[0] if tables else None  # the sending stage's first: texts[0] is its endpoint's
+    words = []
+    for n, _ in SIZES:
+        row = first.row(n) if first is not None else None
+        if row is not None:
+            words.append(f"{n} B {row.description} over {row.config}")
+    return facts, "; ".join(words) or None
+
+
+def link_table(
+    cfg: Any, world: Any, stages: list[Any], backends: dict[int, str], engine: str = "mpi"
+) -> list[dict[str, Any]]:
     """One dict per link (module docstring), the same on every process; raises ConfigError
     under ``comm.require_device_direct`` when a link between device stages is not direct.
-    ``stages``, ``backends``: this process's stage programs and their backends. Collective."""
+    ``stages``, ``backends``: this process's stage programs and their backends; ``engine``: the
+    resolved ``comm.engine`` (:func:`resolve_engine`). Collective."""
     plan, w, transport = cfg.plan, world, cfg.train.transport
     pairs = stage_pairs(plan)
     if not pairs:
@@ -170,11 +252,21 @@ def link_table(cfg: Any, world: Any, stages: list[Any], backends: dict[int, str]
         LinkEnd(s, st.chip, chips[st.chip].platform, chips[st.chip].emulated, backend.get(s, ""))
         for s, st in enumerate(plan.stages)
     ]
-    engine, library, mpi = _engine(transport, ends)
-    timed = _probe(cfg, w, pairs, stages) if cfg.comm.probe else {}
+    # under ucx the path of a device link is what UCX chose for the probe's messages: probed anyway
+    ucx_device = engine == "ucx" and any(e.device_memory for e in ends)
+    timed, protocols, version = (
+        _probe(cfg, w, pairs, stages, engine) if cfg.comm.probe or ucx_device else ({}, {}, None)
+    )
+    name, library, mpi = _engine(transport, ends, engine, version)
     links = []
     for a, b in pairs:
-        path, why = classify_link(transport, ends[a], ends[b], mpi=mpi)
+        words = None
+        if engine == "ucx":
+            texts = [protocols[k] for k in ((a, b, True), (a, b, False)) if k in protocols]
+            facts, words = _ucx_facts(texts, version)
+            path, why = classify_link(transport, ends[a], ends[b], ucx=facts)
+        else:
+            path, why = classify_link(transport, ends[a], ends[b], mpi=mpi)
         (small, large), ranks = timed.get((a, b), ((None, None), None))
         links.append(
             {
@@ -187,8 +279,9 @@ def link_table(cfg: Any, world: Any, stages: list[Any], backends: dict[int, str]
                 "path": path,
                 "why": why,
                 "transport": transport,
-                "engine": engine,
+                "engine": name,
                 "library": library,
+                "protocols": words,
                 "small_bytes": SIZES[0][0],
                 "small_us": None if small is None else small * 1e6,
                 "large_bytes": SIZES[1][0],
@@ -226,5 +319,6 @@ def link_lines(links: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"link stage {lk['src']} ({lk['src_chip']}) -> stage {lk['dst']} ({lk['dst_chip']}): {lk['path']} "
             f"via {lk['transport']} (engine {lk['engine']}, {lk['library']}){timed} -- {lk['why']}"
+            + (f" [UCX: {lk['protocols']}]" if lk.get("protocols") else "")
         )
     return out

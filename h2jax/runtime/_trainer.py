@@ -171,7 +171,7 @@ class Trainer:
         if cfg.train.memory_check:
             self.memory = w.all(self.check_memory, "config error")
         # each link's path and speed (h2jax.runtime._links); comm.require_device_direct refuses here
-        self.links = w.all(lambda: link_table(cfg, w, self.stages, self.backends), "config error")
+        self.links = w.all(lambda: link_table(cfg, w, self.stages, self.backends, engine=wiring.engine), "config error")
 
     # -- data (h2jax.runtime._feed) -------------------------------------------------------------
     def data_position(self, step: int) -> int:

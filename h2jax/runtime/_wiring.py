@@ -23,6 +23,7 @@ from h2jax.comm import LocalHub, make_channel, stage_links
 from h2jax.config import ConfigError, ExperimentConfig
 from h2jax.models import StageModule, boundary_shapes, shared_parameters
 from h2jax.plan import stage_tasks
+from h2jax.runtime._links import resolve_engine
 from h2jax.runtime._procgroup import global_array, stage_label
 from h2jax.runtime._runner import StageRunner
 from h2jax.runtime._stage import StageProgram
@@ -62,6 +63,7 @@ class Wiring:
     timeline: Timeline | None
     pipes: list[Pipe]  # the job's pipelines (one for a one-pipeline plan)
     own_hub: bool  # the hubs were made here (the trainer closes them)
+    engine: str = ""  # comm.engine resolved: mpi or ucx under ffi / ffi-call ("" for local, host)
 
     @property
     def hub(self) -> LocalHub | None:
@@ -148,6 +150,7 @@ def wire(
     timeline = Timeline(stage_labels=labels, t0=t0) if cfg.train.timeline else None
     own_hub = hub is None
     record = group is None or group.is_leader  # a stage over several processes records once
+    engine = resolve_engine(cfg, w)  # comm.engine: what moves the bytes under ffi / ffi-call
     pipes: list[Pipe] = []
     q0 = 0
     for p, (pipe, base, rows) in enumerate(zip(plan.pipeline_plans(), plan.stage_offsets(), plan.sequence_ranges())):
@@ -178,7 +181,7 @@ def wire(
                     stages=[stage_of[q] for q in qs] if chunked else None,
                     chunks=[positions[q][1] for q in qs] if chunked else None,
                 )
-                channel = _channel(cfg, link, w.comm, pipe_hub, st.spec.chip, shared=shared_comm)
+                channel = _channel(cfg, link, w.comm, pipe_hub, st.spec.chip, shared=shared_comm, engine=engine)
                 st.build(channel)
                 channels.append(channel)
             last = next((st for st in programs if st.last), None)
@@ -202,6 +205,7 @@ def wire(
         timeline=timeline,
         pipes=pipes,
         own_hub=own_hub,
+        engine=engine,
     )
 
 
@@ -216,13 +220,22 @@ def _check_compute_dtypes(cfg: ExperimentConfig) -> None:
             )
 
 
-def _channel(cfg: ExperimentConfig, link: Any, comm: Any, hub: LocalHub | None, chip: str, *, shared: dict) -> Any:
+def _channel(
+    cfg: ExperimentConfig, link: Any, comm: Any, hub: LocalHub | None, chip: str, *, shared: dict, engine: str
+) -> Any:
     from h2jax.comm import RoutingUnsupported
 
     transport = cfg.train.transport
     try:
         return make_channel(
-            transport, link, comm=comm, hub=hub, chip=chip, timeout_s=cfg.train.transfer_timeout_s, shared=shared
+            transport,
+            link,
+            comm=comm,
+            hub=hub,
+            chip=chip,
+            timeout_s=cfg.train.transfer_timeout_s,
+            shared=shared,
+            engine=engine or "mpi",
         )
     except RoutingUnsupported as e:
         raise ConfigError("train.transport", f"{transport!r} cannot carry this plan's boundaries: {e}") from e
