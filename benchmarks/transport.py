@@ -140,56 +140,37 @@ def measure_all(log: bool) -> None:
         # rank 0 sends from one buffer and receives into another, rank 1 receives into a buffer
         # and sends it back (sending and receiving through one buffer is slower: mpi4py itself
         # takes 17-21 vs 14-16 µs at 64 KiB that way on this host)
-        def body_ping(i, carry):
-            src, buf, tok = carry
-            tok = hc.send(src, peer=other, tag=1, comm=comm, token=tok)
-            buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=2, comm=comm, token=tok, into=buf)
-            return src, buf, tok
+        def in_program(c, tag):
+            """The timed call of `per` round trips inside one program per side over comm `c`."""
 
-        def body_pong(i, carry):
-            src, buf, tok = carry
-            buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=1, comm=comm, token=tok, into=buf)
-            tok = hc.send(buf, peer=other, tag=2, comm=comm, token=tok)
-            return src, buf, tok
-
-        # the receive buffer is donated and fed back, so no repetition pays for a copy of it
-        prog = jax.jit(
-            lambda a, b: jax.lax.fori_loop(0, per, body_ping if rank == 0 else body_pong, (a, b, hc.new_token()))[1],
-            donate_argnums=1,
-        )
-        state = [x + 0]
-
-        def ffi_jit():
-            state[0] = prog(x, state[0])
-            state[0].block_until_ready()
-
-        paths = {"ffi_jit": ffi_jit}
-
-        if ucx_comm is not None:  # the same program on the ucx engine
-
-            def ucx_ping(i, carry):
+            def ping(i, carry):
                 src, buf, tok = carry
-                tok = hc.send(src, peer=other, tag=11, comm=ucx_comm, token=tok)
-                buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=12, comm=ucx_comm, token=tok, into=buf)
+                tok = hc.send(src, peer=other, tag=tag, comm=c, token=tok)
+                buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=tag + 1, comm=c, token=tok, into=buf)
                 return src, buf, tok
 
-            def ucx_pong(i, carry):
+            def pong(i, carry):
                 src, buf, tok = carry
-                buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=11, comm=ucx_comm, token=tok, into=buf)
-                tok = hc.send(buf, peer=other, tag=12, comm=ucx_comm, token=tok)
+                buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=tag, comm=c, token=tok, into=buf)
+                tok = hc.send(buf, peer=other, tag=tag + 1, comm=c, token=tok)
                 return src, buf, tok
 
-            ucx_prog = jax.jit(
-                lambda a, b: jax.lax.fori_loop(0, per, ucx_ping if rank == 0 else ucx_pong, (a, b, hc.new_token()))[1],
+            # the receive buffer is donated and fed back, so no repetition pays for a copy of it
+            prog = jax.jit(
+                lambda a, b: jax.lax.fori_loop(0, per, ping if rank == 0 else pong, (a, b, hc.new_token()))[1],
                 donate_argnums=1,
             )
-            ucx_state = [x + 0]
+            state = [x + 0]
 
-            def ucx_jit():
-                ucx_state[0] = ucx_prog(x, ucx_state[0])
-                ucx_state[0].block_until_ready()
+            def call():
+                state[0] = prog(x, state[0])
+                state[0].block_until_ready()
 
-            paths["ucx_jit"] = ucx_jit
+            return call
+
+        paths = {"ffi_jit": in_program(comm, 1)}
+        if ucx_comm is not None:  # the same program on the ucx engine
+            paths["ucx_jit"] = in_program(ucx_comm, 11)
         else:
             results["ucx_jit"][nbytes] = None
 
@@ -280,9 +261,7 @@ def measure_all(log: bool) -> None:
                     np.copyto(b, a)
                 ts.append((time.perf_counter() - t0) / per)
             results["memcpy"][nbytes] = min(ts)
-        del x, a, b, state
-        if ucx_comm is not None:
-            del ucx_state
+        del x, a, b, paths  # the programs' buffers with them
         if rank == 0:
             print(
                 f"  {fmt_size(nbytes):>8}: " + "  ".join(f"{p}={fmt_time(results[p][nbytes])}" for p in PATHS),

@@ -21,31 +21,15 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 from mpi4py import MPI  # noqa: E402
+from worker_common import DTYPES, make, same  # noqa: E402 -- this folder: the workers run as scripts
 
 from h2jax import comm as hc  # noqa: E402
 
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_]
 SHAPES = [(), (1,), (7,), (0,), (3, 5), (2, 3, 4), (4, 1, 3, 1), (128, 257)]
 RANK = MPI.COMM_WORLD.Get_rank()
 OTHER = 1 - RANK
 checks: dict[str, bool] = {}
 errors: dict[str, str] = {}
-
-
-def make(shape, dtype, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    dt = np.dtype(dtype)
-    if dt == np.bool_:
-        return rng.random(shape) < 0.5
-    if np.issubdtype(dt, np.integer):
-        info = np.iinfo(dt)
-        return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dt)
-    return (rng.standard_normal(shape) * 100).astype(dt)
-
-
-def same(got, want) -> bool:
-    got, want = np.asarray(got), np.asarray(want)
-    return got.shape == want.shape and got.dtype == want.dtype and got.tobytes() == want.tobytes()
 
 
 def local(a: np.ndarray, dst) -> np.ndarray:

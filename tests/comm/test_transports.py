@@ -6,15 +6,12 @@ JSON file and the test asserts on those. A hang is a failure (subprocess timeout
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from h2jax.launch import find_mpirun
+from tests.comm import worker_common
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -26,28 +23,7 @@ WORKER = Path(__file__).with_name("mp_worker.py")
 
 
 def run_worker(scenario: str, out: Path, timeout_s: float = 150) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    cmd = [
-        find_mpirun(),
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-np",
-        "2",
-        sys.executable,
-        str(WORKER),
-        scenario,
-        str(out),
-    ]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{scenario}: mpirun did not finish within {timeout_s} s (a hang)\n{e.stderr}")
-    results = []
-    for r in (0, 1):
-        f = out / f"rank{r}.json"
-        assert f.is_file(), f"rank {r} wrote no result (rc={proc.returncode})\n{proc.stdout}\n{proc.stderr[-4000:]}"
-        results.append(json.loads(f.read_text()))
-    return results
+    return worker_common.run_worker(WORKER, scenario, out, timeout_s)
 
 
 def assert_all_ok(results: list[dict], at_least: int) -> None:

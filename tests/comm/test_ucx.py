@@ -5,7 +5,6 @@ two), and deadlock freedom for 1F1B's send-first exchange of large tensors.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 from h2jax.comm import _ffi as hc
 from h2jax.comm import _ucx
 from h2jax.launch import find_mpirun
+from tests.comm import worker_common
 
 WORKER = Path(__file__).with_name("ucx_worker.py")
 needs_ucx = pytest.mark.skipif(not _ucx.is_available(), reason="the ucx engine is not built here (no UCX found)")
@@ -111,28 +111,7 @@ def test_arguments_are_checked_before_tracing():
 
 
 def _run_worker(scenarios: str, out: Path, timeout_s: float = 120, **extra_env: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")} | extra_env
-    cmd = [
-        find_mpirun(),
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-np",
-        "2",
-        sys.executable,
-        str(WORKER),
-        scenarios,
-        str(out),
-    ]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{scenarios}: mpirun did not finish within {timeout_s} s (a hang)\n{e.stderr}")
-    results = []
-    for r in (0, 1):
-        f = out / f"rank{r}.json"
-        assert f.is_file(), f"rank {r} wrote no result (rc={proc.returncode})\n{proc.stdout}\n{proc.stderr[-4000:]}"
-        results.append(json.loads(f.read_text()))
-    return results
+    return worker_common.run_worker(WORKER, scenarios, out, timeout_s, **extra_env)
 
 
 @pytest.mark.multiproc

@@ -22,31 +22,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+from worker_common import DTYPES, make, same  # noqa: E402 -- this folder: the workers run as scripts
 
 from h2jax.comm import _ffi as hc  # noqa: E402
 
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_]
 SHAPES = [(), (1,), (7,), (0,), (3, 5), (2, 3, 4), (128, 257)]
 RANK = MPI.COMM_WORLD.Get_rank()
 OTHER = 1 - RANK
 checks: dict[str, bool] = {}
 errors: dict[str, str] = {}
-
-
-def make(shape, dtype, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    dt = np.dtype(dtype)
-    if dt == np.bool_:
-        return rng.random(shape) < 0.5
-    if np.issubdtype(dt, np.integer):
-        info = np.iinfo(dt)
-        return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dt)
-    return (rng.standard_normal(shape) * 100).astype(dt)
-
-
-def same(got, want) -> bool:
-    got, want = np.asarray(got), np.asarray(want)
-    return got.shape == want.shape and got.dtype == want.dtype and got.tobytes() == want.tobytes()
 
 
 def check(name: str, fn) -> None:
