@@ -44,6 +44,10 @@ _registered = False
 _next_comm_id = 0  # this process's next free comm id (UcxComm agrees on one above every member's)
 
 
+class UcxVersionMismatch(RuntimeError):
+    """The ranks of one communicator run different UCX versions."""
+
+
 class UcxUnavailableError(FfiUnavailableError):
     """The ucx extension (``h2jax/comm/_ucx_ffi_cpu``) or the UCX libraries cannot load."""
 
@@ -131,7 +135,7 @@ def check_versions(versions: list[str]) -> None:
     parts = "; ".join(
         f"ranks {','.join(map(str, r))}: {v}" for v, r in sorted(by_version.items(), key=lambda kv: kv[1])
     )
-    raise RuntimeError(f"h2jax ucx: the ranks run different UCX versions ({parts}); install one libucx on all")
+    raise UcxVersionMismatch(f"h2jax ucx: the ranks run different UCX versions ({parts}); install one libucx on all")
 
 
 def stash_stats() -> dict[str, int]:

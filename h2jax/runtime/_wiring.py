@@ -223,7 +223,8 @@ def _check_compute_dtypes(cfg: ExperimentConfig) -> None:
 def _channel(
     cfg: ExperimentConfig, link: Any, comm: Any, hub: LocalHub | None, chip: str, *, shared: dict, engine: str
 ) -> Any:
-    from h2jax.comm import RoutingUnsupported
+    from h2jax.comm import FfiUnavailableError, RoutingUnsupported
+    from h2jax.comm._ucx import UcxVersionMismatch
 
     transport = cfg.train.transport
     try:
@@ -239,3 +240,7 @@ def _channel(
         )
     except RoutingUnsupported as e:
         raise ConfigError("train.transport", f"{transport!r} cannot carry this plan's boundaries: {e}") from e
+    except FfiUnavailableError as e:  # the engine's extension or library does not load: say which and how
+        raise ConfigError("comm.engine" if engine == "ucx" else "train.transport", str(e)) from e
+    except UcxVersionMismatch as e:
+        raise ConfigError("comm.engine", str(e)) from e

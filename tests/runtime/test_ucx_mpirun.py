@@ -86,3 +86,34 @@ def test_engine_auto_on_cpu_stages_is_mpi_and_a_bad_engine_is_one_line(tmp_path)
     assert resolve_engine(ucx, None) == "ucx"
     with pytest.raises(ConfigError, match=r"comm.engine: engine='nccl'; expected one of \['auto', 'mpi', 'ucx'\]"):
         load_config(None, [*BASE, *PLANS["2st"], "comm.engine=nccl"])
+
+
+@pytest.mark.parametrize(
+    "error,says",
+    [
+        ("unavailable", "comm.engine: h2jax ucx: the ucx engine is unavailable (no module); `python3 -m pip install"),
+        ("versions", "comm.engine: h2jax ucx: the ranks run different UCX versions (ranks 0: 1.22.0; ranks 1: 1.20.1)"),
+    ],
+)
+def test_a_ucx_engine_that_cannot_start_is_one_line_naming_the_key(error, says, monkeypatch):
+    """UCX that does not load on a rank, or ranks on different UCX versions: the channel's set-up
+    raises a ConfigError naming comm.engine (exit 2, one line), before any step."""
+    from mpi4py import MPI
+
+    from h2jax.comm import _ucx
+    from h2jax.config import ConfigError
+    from h2jax.runtime._wiring import _channel
+
+    def refuse(comm, **kw):
+        if error == "versions":
+            _ucx.check_versions(["1.22.0", "1.20.1"])
+        raise _ucx.UcxUnavailableError(
+            "h2jax ucx: the ucx engine is unavailable (no module); `python3 -m pip install libucx-cu12` and rebuild"
+        )
+
+    monkeypatch.setattr(_ucx, "UcxComm", refuse)
+    cfg = load_config(None, [*BASE, *PLANS["2st"]])
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, transport="ffi"))
+    with pytest.raises(ConfigError) as e:
+        _channel(cfg, None, MPI.COMM_SELF, None, "sim_a", shared={}, engine="ucx")
+    assert str(e.value).startswith(says), str(e.value)
