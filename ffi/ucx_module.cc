@@ -19,6 +19,12 @@ extern "C" XLA_FFI_Error* H2SendUcx(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2RecvUcx(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2RecvIntoUcx(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2SendRecvUcx(XLA_FFI_CallFrame*);
+#ifdef H2JAX_UCX_CUDA  // built with a CUDA toolkit: device-buffer handlers too (handlers_ucx_cuda.cc)
+extern "C" XLA_FFI_Error* H2SendUcxCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2RecvUcxCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2RecvIntoUcxCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2SendRecvUcxCuda(XLA_FFI_CallFrame*);
+#endif
 
 namespace {
 void Check(const std::string& err) {
@@ -35,6 +41,16 @@ NB_MODULE(_ucx_ffi_cpu, m) {
     d["h2jax_ucx_sendrecv"] = nb::capsule(reinterpret_cast<void*>(H2SendRecvUcx));
     return d;
   });
+#ifdef H2JAX_UCX_CUDA
+  m.def("cuda_registrations", []() {  // the same targets on the CUDA platform
+    nb::dict d;
+    d["h2jax_ucx_send"] = nb::capsule(reinterpret_cast<void*>(H2SendUcxCuda));
+    d["h2jax_ucx_recv"] = nb::capsule(reinterpret_cast<void*>(H2RecvUcxCuda));
+    d["h2jax_ucx_recv_into"] = nb::capsule(reinterpret_cast<void*>(H2RecvIntoUcxCuda));
+    d["h2jax_ucx_sendrecv"] = nb::capsule(reinterpret_cast<void*>(H2SendRecvUcxCuda));
+    return d;
+  });
+#endif
   m.def(
       "init",
       [](const std::vector<std::pair<std::string, std::string>>& defaults) {

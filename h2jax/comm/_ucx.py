@@ -36,7 +36,6 @@ from h2jax.comm._ffi import FfiUnavailableError
 #     MAX_RNDV_RAILS=1, PROTO_ENABLE=n, TLS=posix,self (no cma: 2.6x slower at 64 MiB) and
 #     TLS=sysv,cma,self were no better.
 DEFAULTS: tuple[tuple[str, str], ...] = (("TLS", "sm,self"), ("CMA_SEG_SIZE", "1G"))
-UCX_PLATFORMS: tuple[str, ...] = ("cpu",)  # the platforms whose buffers the ucx handlers take (host memory)
 
 _lock = threading.Lock()
 _ext: Any = None
@@ -121,7 +120,23 @@ def _register() -> None:
             return
         for target, capsule in ext.registrations().items():
             jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+        if hasattr(ext, "cuda_registrations"):  # built with a CUDA toolkit (under XLA's name for it)
+            from xla_plugins import VENDORS
+
+            for target, capsule in ext.cuda_registrations().items():
+                jax.ffi.register_ffi_target(target, capsule, platform=VENDORS["cuda"].xla_platform)
         _registered = True
+
+
+def platforms() -> tuple[str, ...]:
+    """The platforms whose buffers the ucx handlers take: cpu (host memory), and cuda where the
+    extension was built with a CUDA toolkit (device memory handed to UCX as such); () where the
+    ucx engine does not load."""
+    try:
+        ext = _load()
+    except FfiUnavailableError:
+        return ()
+    return ("cpu", "cuda") if hasattr(ext, "cuda_registrations") else ("cpu",)
 
 
 def check_versions(versions: list[str]) -> None:

@@ -53,34 +53,40 @@ def _device_platforms(cfg: Any) -> list[str]:
     )
 
 
+UCX_AUTO = ("cpu",)
+"""The platforms ``auto`` may give to the ucx engine: those its handlers have been run on (the CUDA
+handlers are built where a CUDA toolkit is, but not yet run on a GPU: ``comm.engine: ucx`` asks
+for them, and benchmarks/gpu_check.sh checks them)."""
+
+
 def resolve_engine(cfg: Any, world: Any) -> str:
     """What moves the bytes under ``train.transport`` (``comm.engine``, ``auto`` resolved): "mpi" or
     "ucx" for the ``ffi`` and ``ffi-call`` transports, "" for the others (they have none to choose).
     ``auto``: mpi where every device stage's memory goes direct through the MPI library (no
     device stages: CPU and emulated chip types), else ucx where every rank has the ucx engine for
-    those platforms, else mpi (its links then say ``staged``). Collective in that last case (every
+    those platforms and they are in :data:`UCX_AUTO`, else mpi (its links then say ``staged``). Collective in that last case (every
     rank decides alike). An engine asked for that cannot carry a stage's memory is refused."""
     if cfg.train.transport not in ("ffi", "ffi-call"):
         return ""
     want, platforms = cfg.comm.engine, _device_platforms(cfg)
-    from h2jax.comm._ucx import UCX_PLATFORMS
+    from h2jax.comm._ucx import platforms as ucx_platforms
 
-    if want == "ucx":
-        missing = [p for p in platforms if p not in UCX_PLATFORMS]
+    if want == "ucx" and platforms:
+        built = ucx_platforms()
+        missing = [p for p in platforms if p not in built]
         if missing:
             raise ConfigError(
                 "comm.engine",
-                f"engine='ucx' has no handlers for {'/'.join(missing)} stages (built for {', '.join(UCX_PLATFORMS)}); "
-                "use engine 'mpi' or 'auto'",
+                f"engine='ucx' has no handlers for {'/'.join(missing)} stages here (built for "
+                f"{', '.join(built) or 'nothing: UCX does not load'}); use engine 'mpi' or 'auto'",
             )
     if want != "auto":
         return want
     if not platforms:
         return "mpi"
     from h2jax.comm import mpi_device_aware
-    from h2jax.comm._ucx import is_available
 
-    mine = (all(mpi_device_aware(p) for p in platforms), is_available() and set(platforms) <= set(UCX_PLATFORMS))
+    mine = (all(mpi_device_aware(p) for p in platforms), set(platforms) <= set(ucx_platforms()) & set(UCX_AUTO))
     every = world.allgather(mine)
     if all(aware for aware, _ in every):
         return "mpi"

@@ -15,6 +15,11 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 
+if sys.argv[1:2] == ["cuda_ucx"]:  # the wheel's UCX (with CUDA transports) before MPI maps its own
+    from h2jax.comm import _ucx
+
+    _ucx.preload()
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -239,16 +244,20 @@ def mismatch(comm) -> None:
     t.flush()
 
 
-def cuda(comm) -> None:
-    """The CUDA handlers: device buffers on either side (run only where a GPU is present)."""
+def cuda(comm, barrier=None) -> None:
+    """The CUDA handlers: device buffers on either side (run only where a GPU is present), over
+    the MPI engine (`comm` an mpi4py communicator) or the ucx engine (a UcxComm; `barrier` the
+    MPI communicator's)."""
     import time
 
     from h2jax.comm import _ffi
 
     dev = jax.devices("cuda")[0]
-    ext = _ffi._extension("cuda")
-    checks["cuda_extension"] = True
-    errors["cuda_aware_mpi"] = str(ext.cuda_aware_mpi())  # informative: staged through host if False
+    if barrier is None:
+        barrier = comm.Barrier
+        ext = _ffi._extension("cuda")
+        checks["cuda_extension"] = True
+        errors["cuda_aware_mpi"] = str(ext.cuda_aware_mpi())  # informative: staged through host if False
     n = 0
     for dtype in (jnp.float32, jnp.bfloat16, jnp.int32):
         for shape in ((), (7,), (128, 257)):
@@ -287,7 +296,7 @@ def cuda(comm) -> None:
     prog = jax.jit(lambda b: jax.lax.fori_loop(0, 4, body, (b, hc.new_token()))[0], donate_argnums=0)
     buf = jax.device_put(jnp.zeros((nel,), jnp.float32), dev)
     buf = prog(buf).block_until_ready()
-    comm.Barrier()
+    barrier()
     t0 = time.perf_counter()
     buf = prog(buf).block_until_ready()
     one_way = (time.perf_counter() - t0) / 8
@@ -295,11 +304,26 @@ def cuda(comm) -> None:
     checks["cuda_pingpong"] = bool(np.isfinite(np.asarray(buf[:4])).all())
 
 
+def cuda_ucx(comm) -> None:
+    """The ucx engine's CUDA handlers (the same checks), and the path UCX took for 64 MiB of CUDA
+    memory (from its protocol table: direct over cuda_ipc expected between two processes)."""
+    from h2jax.comm._paths import classify_proto, parse_proto_info
+    from h2jax.comm._ucx import UcxComm, platforms
+
+    checks["ucx_cuda_handlers"] = "cuda" in platforms()
+    ucx = UcxComm(comm)
+    cuda(ucx, barrier=comm.Barrier)
+    text = ucx.protocols(OTHER)
+    errors["ucx_64MiB_path"] = str(classify_proto(parse_proto_info(text), "cuda", 64 << 20))
+    errors["ucx_protocols"] = text[-1500:]
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     comm = MPI.COMM_WORLD.Dup()
     try:
-        {"equivalence": equivalence, "deadlock": deadlock, "mismatch": mismatch, "cuda": cuda}[scenario](comm)
+        scenarios = {"equivalence": equivalence, "deadlock": deadlock, "mismatch": mismatch, "cuda": cuda}
+        {**scenarios, "cuda_ucx": cuda_ucx}[scenario](comm)
     except Exception as e:
         errors["<scenario>"] = traceback.format_exc()[-3000:]
         print(f"rank {RANK}: {e}", file=sys.stderr, flush=True)
