@@ -150,9 +150,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return fail("config error", f"{flag} belongs to --elastic (the supervisor); add --elastic", console=console)
     fail_fast = None
     if launch is not None and launch.size > 1:
-        from h2jax.comm._ucx import preload
+        from h2jax.comm import preload_ucx
 
-        preload()  # before MPI maps its own UCX: the ucx engine's (comm.engine)
+        preload_ucx()  # before MPI maps its own UCX: the ucx engine's (comm.engine)
         fail_fast = FailFast(launch)
         fail_fast.start()  # main() blocked the stop signals before any thread started; wait for them
     cfg = _load(args)

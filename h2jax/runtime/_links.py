@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 
 from h2jax._units import MIB
-from h2jax.comm import LinkEnd, MpiFacts, classify_link, library_name, not_direct
-from h2jax.comm._paths import UcxFacts, parse_proto_info
+from h2jax.comm import LinkEnd, MpiFacts, UcxFacts, classify_link, library_name, not_direct, parse_proto_info
 from h2jax.config import ConfigError
 
 SIZES = ((8, 50), (4 * MIB, 5))  # (bytes, round trips timed at once): the small and the large message
@@ -64,12 +63,13 @@ def resolve_engine(cfg: Any, world: Any) -> str:
     "ucx" for the ``ffi`` and ``ffi-call`` transports, "" for the others (they have none to choose).
     ``auto``: mpi where every device stage's memory goes direct through the MPI library (no
     device stages: CPU and emulated chip types), else ucx where every rank has the ucx engine for
-    those platforms and they are in :data:`UCX_AUTO`, else mpi (its links then say ``staged``). Collective in that last case (every
-    rank decides alike). An engine asked for that cannot carry a stage's memory is refused."""
+    those platforms and they are in :data:`UCX_AUTO`, else mpi (its links then say ``staged``).
+    Collective in that last case (every rank decides alike). An engine asked for that cannot carry
+    a stage's memory is refused."""
     if cfg.train.transport not in ("ffi", "ffi-call"):
         return ""
     want, platforms = cfg.comm.engine, _device_platforms(cfg)
-    from h2jax.comm._ucx import platforms as ucx_platforms
+    from h2jax.comm import ucx_platforms
 
     if want == "ucx" and platforms:
         built = ucx_platforms()
@@ -102,9 +102,9 @@ def _engine(
 
         return "jax.device_put", f"jax {jax.__version__}", None
     if engine == "ucx":
-        from h2jax.comm._ucx import settings
+        from h2jax.comm import ucx_settings
 
-        return "ucx", f"UCX {version or '(not probed)'}, {settings()}", None
+        return "ucx", f"UCX {version or '(not probed)'}, {ucx_settings()}", None
     from mpi4py import MPI
 
     lib = library_name(MPI.Get_library_version())
@@ -185,9 +185,9 @@ def _ffi_loop(comm: Any, *, peer: int, lead: bool, device: Any, nbytes: int, rep
 
 
 def _probe(cfg: Any, world: Any, pairs: list[tuple[int, int]], stages: list[Any], engine: str = "mpi") -> tuple:
-    """({(a, b): ((small s, large s), (rank a, rank b) or None)} (module docstring), and under the
-    ucx engine {(a, b): UCX's protocol tables text of the leading rank's endpoint} and the UCX
-    version). Collective."""
+    """({(a, b): ((small s, large s), (rank a, rank b) or None)} (module docstring); under the ucx
+    engine also {(a, b, leading side?): the protocol tables of that side's endpoint to the other}
+    and the UCX version (else {} and None). Collective."""
     device = {st.stage_idx: st.mesh.local_devices[0] for st in stages}  # a stage's chunks share one mesh
     w = world
     if not w.multiprocess:

@@ -223,8 +223,7 @@ def _check_compute_dtypes(cfg: ExperimentConfig) -> None:
 def _channel(
     cfg: ExperimentConfig, link: Any, comm: Any, hub: LocalHub | None, chip: str, *, shared: dict, engine: str
 ) -> Any:
-    from h2jax.comm import FfiUnavailableError, RoutingUnsupported
-    from h2jax.comm._ucx import UcxVersionMismatch
+    from h2jax.comm import FfiUnavailableError, RoutingUnsupported, UcxVersionMismatch
 
     transport = cfg.train.transport
     try:

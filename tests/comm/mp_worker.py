@@ -18,7 +18,7 @@ import traceback  # noqa: E402
 if sys.argv[1:2] == ["cuda_ucx"]:  # the wheel's UCX (with CUDA transports) before MPI maps its own
     from h2jax.comm import _ucx
 
-    _ucx.preload()
+    _ucx.preload_ucx()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -308,9 +308,9 @@ def cuda_ucx(comm) -> None:
     """The ucx engine's CUDA handlers (the same checks), and the path UCX took for 64 MiB of CUDA
     memory (from its protocol table: direct over cuda_ipc expected between two processes)."""
     from h2jax.comm._paths import classify_proto, parse_proto_info
-    from h2jax.comm._ucx import UcxComm, platforms
+    from h2jax.comm._ucx import UcxComm, ucx_platforms
 
-    checks["ucx_cuda_handlers"] = "cuda" in platforms()
+    checks["ucx_cuda_handlers"] = "cuda" in ucx_platforms()
     ucx = UcxComm(comm)
     cuda(ucx, barrier=comm.Barrier)
     text = ucx.protocols(OTHER)
