@@ -170,7 +170,9 @@ class CommConfig:
     ``ucx`` (UCX's tag API on the buffer's memory type: shared memory, cma, tcp, cuda_ipc, verbs;
     a system UCX where h2jax was built against one, else the libucx wheel), or ``auto``: ``mpi``
     where every device stage's memory goes direct through it (CPU and emulated stages included),
-    else ``ucx`` where it loads. Every link's path says which engine carried it."""
+    else ``ucx`` where its handlers for those stages have run on such hardware
+    (h2jax.runtime._links.UCX_AUTO; its CUDA handlers have not yet), else ``mpi``. Every link's
+    line says which engine carried it."""
     require_device_direct: bool = False
     """Refuse to train (exit 2, one line naming the link, why and the fix) when a link between
     two device stages copies through host memory (path "staged"). CPU stages and emulated chip
