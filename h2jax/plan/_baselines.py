@@ -28,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from h2jax.plan._search import SearchOptions, SearchResult, search
+from h2jax.plan._search import SearchCache, SearchOptions, SearchResult, search
 
 GRID = 8  # matched total: shares in multiples of global_batch / GRID (or the largest divisor below it)
 
@@ -90,6 +90,7 @@ class Searcher:
         self.opts = dataclasses.replace(base, group_size=None, max_options_per_chip=None, auto=True)
         self.mixed_opts = base  # several chip types together: the heterogeneous search's own options
         self._done: dict[tuple[tuple[str, ...], int], SearchResult] = {}
+        self.cache = SearchCache(model, table)  # memory caps and stage pricings, shared by its searches
 
     def __call__(
         self, chips: str | tuple[str, ...], global_batch: int, *, time_budget_s: float | None = None
@@ -104,7 +105,12 @@ class Searcher:
             if time_budget_s is not None and (opts.time_budget_s is None or time_budget_s < opts.time_budget_s):
                 opts = dataclasses.replace(opts, time_budget_s=time_budget_s)
             self._done[key] = search(
-                self.cluster.only(*group), self.model, global_batch=global_batch, table=self.table, opts=opts
+                self.cluster.only(*group),
+                self.model,
+                global_batch=global_batch,
+                table=self.table,
+                opts=opts,
+                cache=self.cache,
             )
         return self._done[key]
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from h2jax.plan import Cluster, ModelShape, Plan, Searcher, StageSpec, estimate_pipelines, search_pipelines
+from h2jax.plan import Cluster, ModelShape, Plan, Searcher, StageSpec, estimate_pipelines, search, search_pipelines
 from h2jax.plan._pipeline_search import best_shares, compositions, exact_space, rebatch, runs, set_partitions, space
 
 BELL = {1: 1, 2: 2, 3: 5, 4: 15, 5: 52}
@@ -39,7 +39,10 @@ def test_the_space_is_every_partition_up_to_four_chip_types_then_runs():
     names = ["a", "b", "c", "d"]
     parts, every = space(names, names)
     assert every and len(parts) == BELL[4] - 1 and all(len(p) > 1 for p in parts)
-    assert [len(p) for p in parts] == sorted(len(p) for p in parts)  # fewest pipelines first
+    # smallest largest group first (cheapest searches, shared most), then fewest pipelines
+    key = [(max(map(len, p)), len(p)) for p in parts]
+    assert key == sorted(key) and parts[0] == (("a",), ("b",), ("c",), ("d",))
+    assert max(map(len, parts[-1])) == 3 and len(parts[-1]) == 2
     names5 = ["a", "b", "c", "d", "e"]
     parts, every = space(names5, ["e", "d", "c", "b", "a"])
     assert not every and len(parts) == 2**4 - 1 and (("e", "d"), ("c", "b", "a")) in parts
@@ -226,3 +229,20 @@ def test_h2jax_plan_chooses_and_writes_the_faster_plan_of_the_search_over_pipeli
     assert "several pipelines:" not in one
     kept = Plan.from_yaml(tmp_path / "q" / "plan.yaml")
     assert {s.chip for s in kept.stages} == {"h100_sxm", "mi250x"}
+
+
+def test_searches_sharing_a_cache_find_the_plans_of_searches_without_one(searchers):
+    """A Searcher's searches share memory caps and stage pricings (SearchCache) across chip
+    groups and batches; each finds the plan a search of its own finds without the cache."""
+    searcher = searchers(8)
+    search_pipelines(searcher, 8)  # every group, at every share: the cache filled by all of them
+    cluster, model = searcher.cluster, searcher.model
+    assert searcher.cache._caps and searcher.cache._pricings
+    compared = 0
+    for (group, gb), got in searcher._done.items():
+        opts = searcher.opts if len(group) == 1 else searcher.mixed_opts
+        alone = search(cluster.only(*group), model, global_batch=gb, opts=opts)
+        assert alone.exhaustive and got.exhaustive, (group, gb)
+        assert (got.plan, got.iteration_s) == (alone.plan, alone.iteration_s), (group, gb)
+        compared += got.plan is not None
+    assert compared >= 7 * 4  # every group of the three types, at least four shares each with a plan

@@ -102,7 +102,14 @@ are in the tests.
 
 from h2jax.plan._search._bounds import root_bound
 from h2jax.plan._search._driver import search
-from h2jax.plan._search._options import DEFAULT_TIME_BUDGET_S, ChipChoice, SearchOptions, SearchResult, StageCaps
+from h2jax.plan._search._options import (
+    DEFAULT_TIME_BUDGET_S,
+    ChipChoice,
+    SearchCache,
+    SearchOptions,
+    SearchResult,
+    StageCaps,
+)
 from h2jax.plan._search._reference import exhaustive
 from h2jax.plan._search._space import (
     build_plan,
@@ -115,6 +122,7 @@ from h2jax.plan._search._space import (
 __all__ = [
     "DEFAULT_TIME_BUDGET_S",
     "ChipChoice",
+    "SearchCache",
     "SearchOptions",
     "SearchResult",
     "StageCaps",

@@ -12,7 +12,15 @@ from h2jax.plan._cost import (
 )
 from h2jax.plan._profiles import Cluster, ModelShape, ProfileTable
 from h2jax.plan._search._bounds import _OutOfTime
-from h2jax.plan._search._options import EXACT_AFTER_LOCAL, EXACT_DIRECT, INF, PATIENCE, SearchOptions, SearchResult
+from h2jax.plan._search._options import (
+    EXACT_AFTER_LOCAL,
+    EXACT_DIRECT,
+    INF,
+    PATIENCE,
+    SearchCache,
+    SearchOptions,
+    SearchResult,
+)
 from h2jax.plan._search._run import _Run
 from h2jax.plan._search._space import (
     _Held,
@@ -112,8 +120,14 @@ def search(
     global_batch: int,
     table: ProfileTable | None = None,
     opts: SearchOptions = SearchOptions(),
+    cache: SearchCache | None = None,
 ) -> SearchResult:
-    """The fastest plan of the space (see module docstring) that fits, with its lower bound and timing."""
+    """The fastest plan of the space (see module docstring) that fits, with its lower bound and
+    timing. `cache`: what this search may take from earlier searches of the same model and
+    table over chip types of the same cluster, and leave for later ones (the same plans as
+    without it, sooner)."""
+    if cache is not None:
+        cache.check(model, table)
     t0 = time.perf_counter()
     deadline = t0 + opts.time_budget_s if opts.time_budget_s is not None else INF
     done: list[str] = []
@@ -122,7 +136,7 @@ def search(
     run: _Run | None = None
     stop = "time budget spent"
     try:
-        run = _Run(cluster, model, global_batch, table, opts, deadline, t0)
+        run = _Run(cluster, model, global_batch, table, opts, deadline, t0, cache)
         rounds = _rounds(run, cluster, opts)
         if rounds[0][0] == "seeds":
             run.quick_bounds()  # the full bound after the seeds: a first plan comes first

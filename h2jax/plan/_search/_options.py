@@ -16,6 +16,7 @@ from h2jax.plan._plan import (
     INTERLEAVED_CHUNKS,
     Plan,
 )
+from h2jax.plan._profiles import ModelShape, ProfileTable
 from h2jax.plan.schedules import Schedule, schedule_names
 
 INF = math.inf
@@ -151,6 +152,34 @@ class ChipChoice:
         xn = np.floor(b / self.layer_s * (1 + 1e-9))
         xr = np.floor(b / self.layer_rc_s * (1 + 1e-9)) if math.isfinite(self.layer_rc_s) else np.zeros_like(b)
         return np.maximum(np.minimum(ln, xn), np.minimum(lr, xr)).sum(axis=0)
+
+
+class SearchCache:
+    """What several searches of one model and profile table over chip types of one cluster may
+    share (:class:`h2jax.plan.Searcher`'s: the baselines' searches and the groups of a plan of
+    several pipelines): the chip shapes' memory models and caps, and the stage pricings. Neither
+    depends on which other chip types a search holds, only on the options they are computed
+    under (and the caps on the chip type count, through the schedules' count floors), which key
+    them here. A search given one computes what it lacks and leaves it for the next."""
+
+    def __init__(self, model: ModelShape, table: ProfileTable | None):
+        self.model, self.table = model, table
+        self._caps: dict[tuple, dict] = {}
+        self._pricings: dict[tuple, tuple[dict, dict, dict]] = {}
+
+    def check(self, model: ModelShape, table: ProfileTable | None) -> None:
+        if model is not self.model or table is not self.table:
+            raise ValueError("a SearchCache serves the searches of one model and profile table")
+
+    def caps(self, opts: SearchOptions, n_types: int) -> dict:
+        """The memory models and caps of :func:`h2jax.plan._search._space.chip_choices`."""
+        key = (opts.cost, opts.allow_recompute, opts.schedule, tuple(opts.schedules), opts.interleaved_chunks, n_types)
+        return self._caps.setdefault(key, {})
+
+    def pricings(self, opts: SearchOptions) -> tuple[dict, dict, dict]:
+        """The stage pricings, boundary transfers and schedule counts of
+        :class:`h2jax.plan._search._solver._Solver`."""
+        return self._pricings.setdefault((opts.cost,), ({}, {}, {}))
 
 
 @dataclass

@@ -10,7 +10,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from h2jax.plan._search._bounds import _Bounds, _fixed_parts_s, _OutOfTime, root_bound
-from h2jax.plan._search._options import INF, LOCAL_STARTS, SEED_SLACK, ChipChoice, SearchOptions, _fields
+from h2jax.plan._search._options import (
+    INF,
+    LOCAL_STARTS,
+    SEED_SLACK,
+    ChipChoice,
+    SearchCache,
+    SearchOptions,
+    _fields,
+)
 from h2jax.plan._search._solver import _full_time, _Solver, has_shared_host, polish_split
 from h2jax.plan._search._space import (
     _Held,
@@ -28,13 +36,23 @@ class _Run:
     """One search: the best plan so far (kept across rounds, so every round prunes with it),
     the caches, and the clock."""
 
-    def __init__(self, cluster, model, global_batch, table, opts: SearchOptions, deadline: float, start: float):
+    def __init__(
+        self,
+        cluster,
+        model,
+        global_batch,
+        table,
+        opts: SearchOptions,
+        deadline: float,
+        start: float,
+        cache: SearchCache | None = None,
+    ):
         self.cluster, self.model, self.gb, self.table, self.opts = cluster, model, global_batch, table, opts
         self.deadline, self.start = deadline, start
         self.found_s = INF  # when the best plan so far was found, in seconds from `start`
         self.L = model.n_layers
         self.names = cluster.names
-        self.solver = _Solver(model, cluster, table, opts)
+        self.solver = _Solver(model, cluster, table, opts, cache)
         # split schedules first: the fastest of a configuration sets the bar the others must beat
         self.schedules = sorted(searched_labels(opts), key=lambda s: not s.split_backward)
         self.shared = opts.cost.host_contention and has_shared_host(cluster)
@@ -55,7 +73,7 @@ class _Run:
         self._memo: dict[tuple, tuple] = {}  # evaluate's results by (config, mb, orders, schedules, screen)
         space_opts = SearchOptions(**{**_fields(opts), "max_options_per_chip": None})
         self.space: dict[int, dict[str, list[ChipChoice]]] = {}
-        caps_cache: dict = {}
+        caps_cache: dict = cache.caps(space_opts, len(self.names)) if cache is not None else {}
         for mb in microbatch_sizes(global_batch, opts):
             choices = chip_choices(
                 cluster, model, mb, space_opts, table, caps_cache, num_microbatches=global_batch // mb

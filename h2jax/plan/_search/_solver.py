@@ -18,7 +18,7 @@ from h2jax.plan._plan import (
     Plan,
 )
 from h2jax.plan._profiles import Cluster, ModelShape, ProfileTable
-from h2jax.plan._search._options import INF, ChipChoice, SearchOptions
+from h2jax.plan._search._options import INF, ChipChoice, SearchCache, SearchOptions
 from h2jax.plan.schedules import Schedule, as_schedule
 
 # -- the exact inner problem: layers and recompute for a fixed sequence of stages --------------
@@ -37,15 +37,24 @@ class _StageArrays:
 class _Solver:
     """Caches per-stage pricings and solves the layer split of one stage sequence exactly."""
 
-    def __init__(self, model: ModelShape, cluster: Cluster, table: ProfileTable | None, opts: SearchOptions):
+    def __init__(
+        self,
+        model: ModelShape,
+        cluster: Cluster,
+        table: ProfileTable | None,
+        opts: SearchOptions,
+        cache: SearchCache | None = None,
+    ):
         self.model, self.cluster, self.table, self.opts = model, cluster, table, opts
         L = model.n_layers
         self.L = L
         self.layers = np.arange(L + 1, dtype=np.float64)
-        self._tables: dict[tuple, _planner.Pricing] = {}
+        # by chip shape, schedule and boundary: shared with other searches through `cache`
+        self._tables: dict[tuple, _planner.Pricing]
+        self._xfer: dict[tuple, float]
+        self._counts: dict[tuple, np.ndarray]
+        self._tables, self._xfer, self._counts = cache.pricings(opts) if cache is not None else ({}, {}, {})
         self._by_choice: dict[tuple, _planner.Pricing] = {}  # a search's choices live as long as it does
-        self._counts: dict[tuple, np.ndarray] = {}
-        self._xfer: dict[tuple, float] = {}
         self._pairs: dict[tuple[int, int], float] = {}
         self.dp_solves = 0
 
