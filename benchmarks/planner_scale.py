@@ -31,14 +31,19 @@ search times: runs on different machines compare through it.
 
 After the one-pipeline search, as `h2jax plan` does: the search over plans of several pipelines
 (h2jax.plan.search_pipelines, within the same time budget, its one-type pipelines the baselines'
-searches) and the faster of the two plans chosen; the ratios are the chosen plan's.
+searches) and the faster of the two plans chosen; the ratios are the chosen plan's. Where the
+matched-total ratio is below 100 %, what bounds it, as `h2jax plan --prove 30` prints it (not part
+of the search's time): the one-pipeline search run on to its exact round within 30 s (its optimum,
+or where it does not end, its lower bound), the plan of one pipeline per chip type, and with two
+chip types whether that proves no plan of the space reaches 100 %.
 
 Last line: ``RESULT {json}`` with search_s, found_s, cpu_s (medians of the one-pipeline search),
 search_s_runs (every run), pipelines_search_s (the search over several pipelines), iteration_s,
 lower_bound_s, gap (the one pipeline's), ratio_matched_total and ratio_same_batch (the chosen
 plan's), ratio_matched_total_one_pipeline, chosen (per cluster: "one pipeline" or the plan of
 several), chips_used (the chosen plan's), pipelines (the search over several pipelines: its best
-plan, one pipeline per chip type, partitions priced; per cluster, by chip count),
+plan, one pipeline per chip type, partitions priced; per cluster, by chip count), ratio_bound
+(per cluster below 100 %: one_pipeline_max_ratio, one_pipeline_exact, space_below),
 ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
 median, max), and reference_ms (the reference before and after the whole run, and timed in
 each search's process right before it: per cluster, the median).
@@ -55,6 +60,7 @@ import sys
 import time
 import timeit
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
@@ -62,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "plan"))
 
+from h2jax.cli_compare import bounds  # noqa: E402
 from h2jax.cli_plan import search_options  # noqa: E402
 from h2jax.plan import (  # noqa: E402
     Cluster,
@@ -69,12 +76,14 @@ from h2jax.plan import (  # noqa: E402
     Searcher,
     SearchOptions,
     matched_total,
+    prove,
     same_batch,
     search,
     search_pipelines,
 )
 
 CLUSTERS = ["mixed_gaudi2_h100", "hetero_1024", "hetero_2432", "hetero_10000"]
+PROVE_S = 30.0  # `h2jax plan --prove`'s seconds where the matched-total ratio is below 100 %
 
 
 def reference_ms() -> float:
@@ -145,6 +154,7 @@ def main() -> None:
     result["pipelines_search_s"] = {}
     result["ratio_matched_total_one_pipeline"] = {}
     result["chosen"] = {}
+    result["ratio_bound"] = {}
     ref_before = reference_ms()
     print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(f"reference before: {ref_before:.2f} ms (sum(i * i for i in range(100000)), best of 5 x 20)")
@@ -169,6 +179,7 @@ def main() -> None:
         mid = sorted(runs, key=lambda r: r["search_s"])[len(runs) // 2]  # the run with the median time
         ratio = matched = one_matched = float("nan")
         split = per_line = ""
+        bound_lines: list[str] = []
         chips_used, chosen = mid["chips_used"], "one pipeline"
         if mid["stages"]:  # each chip type alone, searched as `h2jax plan` does (h2jax.plan._baselines)
             opts = search_options(cluster)
@@ -184,6 +195,15 @@ def main() -> None:
                 tps, chosen = several.cost.tokens_per_s, several.describe()
                 chips_used = sum(several.cost.devices_by_chip.values()) / cluster.num_devices
             ratio, matched, one_matched = same.ratio(tps), base.ratio(tps), base.ratio(one_matched_tps)
+            if matched < 1.0:  # what bounds it: `h2jax plan --prove PROVE_S`, as a user asks for it
+                # the bound is the proof's (exact, or its lower bound where its budget ends first)
+                res = SimpleNamespace(
+                    exhaustive=False, iteration_s=mid["iteration_s"], lower_bound_s=mid["lower_bound_s"]
+                )
+                proof = prove(cluster, model, global_batch=gb, opts=opts, budget_s=PROVE_S)
+                bound = bounds(res, proof, several, base, cluster, gb, model, tps)
+                result["ratio_bound"][str(cluster.num_devices)] = {k: v for k, v in bound.items() if k != "lines"}
+                bound_lines = bound["lines"]
             per_line = (
                 f"  several pipelines ({several.priced} of {several.partitions} partitions priced in "
                 f"{several.search_s:.2f} s): best {several.describe()}"
@@ -228,6 +248,8 @@ def main() -> None:
             print(f"  matched total: homogeneous {split}")
         if per_line:
             print(per_line)
+        for line in bound_lines:
+            print(f"  bound: {line}")
         if len({round(r["iteration_s"], 9) for r in runs}) > 1:
             print(
                 f"  the runs' plans differ (the budget bought more or fewer rounds): {[r['iteration_s'] for r in runs]}"

@@ -76,7 +76,7 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     """The second half of ``h2jax plan`` (module docstring). The chosen plan: ``plan``,
     ``tokens_per_s``, ``devices_by_chip``, ``idle`` ({chip type: (chips, why)}) and ``report``
     (comparison.json's ``heterospeedup``; None with one chip type). `idle`: the one pipeline's."""
-    from h2jax.plan import Searcher, matched_total, same_batch, search, search_pipelines
+    from h2jax.plan import Searcher, matched_total, prove, same_batch, search, search_pipelines
 
     cost = res.cost
     chosen = SimpleNamespace(
@@ -149,7 +149,11 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     )
     if chosen.plan is not res.plan:
         console.print(f"  (the one pipeline: {ratio_line(matched, cost.tokens_per_s, 'at the matched total batch')})")
-    limits = _limits(res, several, matched, gb, model, tps)
+    proof = None
+    if args.prove and not res.exhaustive and matched.tokens_per_s > 0 and matched.ratio(tps) < 1.0:
+        proof = prove(cluster, model, global_batch=gb, table=table, opts=opts, budget_s=args.prove)
+    bound = bounds(res, proof, several, matched, cluster, gb, model, tps)
+    limits = bound["lines"] if bound else []
     for line in limits:
         console.print(f"  {line}")
     report = {
@@ -162,6 +166,7 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
         "several_pipelines": several.to_dict(matched) if several is not None else None,
         "chosen": "several pipelines" if chosen.plan is not res.plan else "one pipeline",
         "limits": limits,
+        "bound": {k: v for k, v in bound.items() if k != "lines"} if bound else None,
     }
     if args.other_global_batch:
         ogb = args.other_global_batch
@@ -183,26 +188,59 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     return chosen
 
 
-def _limits(res, several, matched, gb: int, model, tps: float) -> list[str]:
-    """What bounds the matched-total ratio where it is below 100 %: the one-pipeline search's
-    lower bound, and the plan of one pipeline per chip type, which cannot beat the chip types
-    alone on the same shares (each alone runs at its own pace; together all wait for the
-    slowest, then exchange)."""
+def bounds(res, proof, several, matched, cluster, gb: int, model, tps: float) -> dict[str, Any] | None:
+    """What bounds the matched-total ratio where it is below 100 % (None where it is not): the
+    one-pipeline space's optimum where a search of it was exhaustive (the default search's, or
+    `proof`'s: :func:`h2jax.plan.prove`, ``h2jax plan --prove``), else that search's lower bound;
+    and the plan of one pipeline per chip type, which cannot beat the chip types alone on the
+    same shares (each alone runs at its own pace; together all wait for the slowest, then
+    exchange). With two chip types the plans of several pipelines are only those, so an exact
+    one-pipeline optimum below 100 % proves no plan of the space reaches it (``space_below``).
+    ``lines``: the same in words."""
     if matched.tokens_per_s <= 0 or matched.ratio(tps) >= 1.0:
-        return []
-    out = []
-    if res.lower_bound_s > 0:
-        best = gb * model.seq_len / res.lower_bound_s
-        out.append(
-            f"no plan of one pipeline exceeds {100 * matched.ratio(best):.1f} % (the search's lower bound, "
-            f"{_fmt_s(res.lower_bound_s)})"
+        return None
+    one = proof if proof is not None and (proof.exhaustive or not res.exhaustive) else res
+    lines = []
+    exact = one.exhaustive and one.plan is not None
+    how = f"--prove's exact search, {proof.search_s:.1f} s" if one is proof else "the exact search"
+    if exact:
+        ratio = matched.ratio(one.cost.tokens_per_s)
+        lines.append(
+            f"no plan of one pipeline exceeds {100 * ratio:.1f} % (the optimum of its space, "
+            f"{_fmt_s(one.iteration_s)}: {how}; {100 * one.cost.bubble_fraction:.1f} % of its step is the bubble "
+            f"of its {one.plan.num_stages} stages)"
         )
+        if one.iteration_s < res.iteration_s * (1 - 1e-9):
+            lines.append(
+                f"  --prove's exact search found a faster one-pipeline plan than the default search's "
+                f"({_fmt_s(one.iteration_s)}); --time-budget 0 searches to it"
+            )
+    elif one.lower_bound_s > 0:
+        ratio = matched.ratio(gb * model.seq_len / one.lower_bound_s)
+        unproven = f"; --prove's exact search did not end within {proof.search_s:.1f} s" if proof is not None else ""
+        lines.append(
+            f"no plan of one pipeline exceeds {100 * ratio:.1f} % (the search's lower bound, "
+            f"{_fmt_s(one.lower_bound_s)}{unproven})"
+        )
+    else:
+        ratio = None
     if several is not None and several.per_chip is not None:
         pc = several.per_chip
-        out.append(
+        lines.append(
             f"one pipeline per chip type: {100 * matched.ratio(pc.tokens_per_s):.1f} % "
             f"({_fmt_s(pc.iteration_s)}, of it {_fmt_s(pc.exchange_s)} exchange over {several.per_chip_link}); "
             "on the baseline's share grid it cannot exceed 100 %: alone each chip type runs at its own pace, "
             "together every pipeline waits for the slowest, then exchanges"
         )
-    return out
+    below = exact and ratio < 1.0 and len(cluster.names) == 2
+    if below:
+        lines.append(
+            "so no plan of the space reaches 100 %: with two chip types its plans of several pipelines are one "
+            "pipeline per chip type"
+        )
+    return {
+        "one_pipeline_max_ratio": None if ratio is None else round(ratio, 4),
+        "one_pipeline_exact": exact,
+        "space_below": below,
+        "lines": lines,
+    }

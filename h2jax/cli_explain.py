@@ -77,12 +77,15 @@ def explanation(res, cluster, gb: int, *, measured: bool, several: bool, other: 
             "back (the exchange: each layer's gradient sent to the first pipeline's copy, sharded over the "
             "smaller stage's devices, over the slower chip type's inter-node link, after the backward; the new "
             "values and moments back). The search prices one pipeline per chip type first, then the other "
-            "partitions (every one up to four chip types, else runs of the one pipeline's stage order), fewest "
-            "pipelines first, within --time-budget; the faster of its best and the one pipeline is chosen and "
-            "written with --out. --max-pipelines 1 keeps one pipeline.",
-            "what limits the ratio (under 100 %): the one-pipeline search's lower bound, as a ratio; and one "
-            "pipeline per chip type, which on the baseline's shares cannot pass 100 %: apart, each chip type "
-            "runs at its own pace; together every pipeline waits for the slowest, then the exchange.",
+            "partitions (every one up to four chip types, else runs of the one pipeline's stage order), those "
+            "of the smallest groups first, within --time-budget; the faster of its best and the one pipeline is "
+            "chosen and written with --out. --max-pipelines 1 keeps one pipeline.",
+            "what limits the ratio (under 100 %): the one-pipeline space's optimum where a search of it was "
+            "exact (with --prove SECONDS the search runs on to its exact round to get it), else the search's "
+            "lower bound, as a ratio; and one pipeline per chip type, which on the baseline's shares cannot "
+            "pass 100 %: apart, each chip type runs at its own pace; together every pipeline waits for the "
+            "slowest, then the exchange. With two chip types those are the only plans of several pipelines, "
+            "so an exact one-pipeline optimum under 100 % proves no plan of the space reaches it.",
         ]
     if other:
         lines.append(

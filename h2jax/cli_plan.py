@@ -91,6 +91,15 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="plans of at most this many pipelines, each on its own chip types and share of the batch (default: "
         "any number; 1: one pipeline through every chip type, no search over several)",
     )
+    p.add_argument(
+        "--prove",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="where the ratio at the matched total batch is below 100 %%: run the one-pipeline search on to its "
+        "exact round within SECONDS, so its optimum bounds every plan of one pipeline (default 0: the search's "
+        "lower bound is the bound printed)",
+    )
     p.add_argument("--explain", action="store_true", help="after the plan, say what each word and number means")
     p.set_defaults(func=cmd_plan)
     s = subparsers.add_parser("simulate", help="discrete-event simulation of a plan's schedule")
@@ -326,6 +335,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise PlanError("--max-pipelines", f"expected 1 or more, got {args.max_pipelines}")
         if args.time_budget < 0:
             raise ProfileError(f"--time-budget: expected seconds >= 0 (0: no limit), got {args.time_budget}")
+        if not args.prove >= 0:
+            raise PlanError("--prove", f"expected seconds >= 0 (0: no proof), got {args.prove}")
         opts = search_options(
             cluster,
             schedule=_schedule_arg(args.schedule),

@@ -120,6 +120,7 @@ from h2jax.plan._search import (  # noqa: E402
     SearchResult,
     exhaustive,
     is_memory_descending,
+    prove,
     search,
 )
 from h2jax.plan._simulate import SimEvent, SimResult, simulate, simulate_pipelines, simulate_plan  # noqa: E402
@@ -166,6 +167,7 @@ __all__ += [
     "is_memory_descending",
     "load_chip",
     "roofline_costs",
+    "prove",
     "search",
     "stage_cost",
     "transfer_s",

@@ -225,6 +225,15 @@ def test_h2jax_plan_chooses_and_writes_the_faster_plan_of_the_search_over_pipeli
     written = Plan.from_yaml(tmp_path / "p" / "plan.yaml")
     assert {s.chip for s in written.stages} == {"h100_sxm"} and written.global_batch == 8
     assert report["tokens_per_s"] > hs["one_pipeline"]["tokens_per_s"]
+    # below 100 % at the matched total: the one-pipeline optimum (this search is exact) bounds the
+    # one pipeline, and with two chip types that proves no plan of the space reaches 100 %
+    assert hs["matched_total"]["ratio"] < 1.0
+    assert hs["bound"] == {
+        "one_pipeline_max_ratio": hs["one_pipeline"]["ratio_matched_total"],
+        "one_pipeline_exact": True,
+        "space_below": True,
+    }
+    assert "so no plan of the space reaches 100 %" in out
     one = plan("--max-pipelines", "1", "--out", str(tmp_path / "q"))
     assert "several pipelines:" not in one
     kept = Plan.from_yaml(tmp_path / "q" / "plan.yaml")

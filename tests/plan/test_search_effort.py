@@ -91,6 +91,26 @@ def test_a_budget_too_short_for_anything_is_reported_not_raised():
     assert got.plan is None and not got.exhaustive and "time budget" in got.note
 
 
+def test_prove_runs_the_search_on_to_its_exact_round_where_the_default_stops_converged():
+    """`h2jax plan --prove`: on the 512-chip cluster the default search stops after two beam
+    rounds without improvement; run on (no convergence stop) it ends exact (~2 s here), so its
+    plan is the one-pipeline optimum (never slower than the default's); a budget too short for
+    the exact round leaves it not exhaustive, with the search's lower bound."""
+    from h2jax.cli_plan import search_options
+    from h2jax.plan import prove
+
+    cluster, model, gb = _big("mixed_gaudi2_h100")
+    opts = search_options(cluster)
+    default = search(cluster, model, global_batch=gb, opts=opts)
+    assert not default.exhaustive and default.note.startswith("converged"), default.note
+    proof = prove(cluster, model, global_batch=gb, opts=opts, budget_s=60)
+    assert proof.exhaustive and proof.note.startswith("exact"), proof.note
+    assert proof.iteration_s <= default.iteration_s * (1 + 1e-12)
+    assert proof.lower_bound_s == pytest.approx(default.lower_bound_s, rel=1e-9)
+    short = prove(cluster, model, global_batch=gb, opts=opts, budget_s=0.3)
+    assert not short.exhaustive and short.lower_bound_s == pytest.approx(default.lower_bound_s, rel=1e-9)
+
+
 def test_small_spaces_are_searched_exactly_by_default():
     # one chip type: a few thousand (microbatch, configuration) pairs, straight to the exact round
     cluster, model, gb = _big("mixed_gaudi2_h100")

@@ -101,7 +101,7 @@ are in the tests.
 """
 
 from h2jax.plan._search._bounds import root_bound
-from h2jax.plan._search._driver import search
+from h2jax.plan._search._driver import prove, search
 from h2jax.plan._search._options import (
     DEFAULT_TIME_BUDGET_S,
     ChipChoice,
@@ -132,6 +132,7 @@ __all__ = [
     "exhaustive",
     "is_memory_descending",
     "root_bound",
+    "prove",
     "search",
     "searched_labels",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import math
@@ -170,7 +171,13 @@ def search(
             if kind == "beam":
                 stale = stale + 1 if run.best >= before * (1 - 1e-6) else 0
                 patience = PATIENCE * (opts.time_budget_s if opts.time_budget_s is not None else INF)
-                if not patient and stale >= 2 and math.isfinite(run.best) and time.perf_counter() - t0 >= patience:
+                if (
+                    opts.converge
+                    and not patient
+                    and stale >= 2
+                    and math.isfinite(run.best)
+                    and time.perf_counter() - t0 >= patience
+                ):
                     stop = "converged: two beam rounds without improvement"
                     break
     except _OutOfTime:
@@ -216,4 +223,26 @@ def search(
         exhaustive=exhaustive_,
         rounds=tuple(done),
         found_s=run.found_s,
+    )
+
+
+def prove(
+    cluster: Cluster,
+    model: ModelShape,
+    *,
+    global_batch: int,
+    table: ProfileTable | None = None,
+    opts: SearchOptions = SearchOptions(),
+    budget_s: float,
+) -> SearchResult:
+    """The search of `opts` run on to its exact round (no convergence stop) within `budget_s`:
+    where it ends exhaustive, its plan is the optimum of the one-pipeline space, so its time
+    bounds every plan of one pipeline (``h2jax plan --prove``); where the budget ends it first,
+    its lower bound is the bound (``exhaustive`` says which)."""
+    return search(
+        cluster,
+        model,
+        global_batch=global_batch,
+        table=table,
+        opts=dataclasses.replace(opts, time_budget_s=budget_s, converge=False),
     )

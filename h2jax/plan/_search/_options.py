@@ -73,6 +73,10 @@ class SearchOptions:
         the budget ran out before it: a fraction of a second at 10,000 chips). None: no
         limit, and no convergence stop either: the search runs until the exact round ends
         (hours on 10,000 chips).
+    converge: with a time budget, end an auto search when two beam rounds in a row find
+        nothing better (past a share of the budget, ``PATIENCE``). False: run on to the
+        exact round unless the budget ends it first (:func:`h2jax.plan.prove`: the exact
+        round's optimum bounds every plan of the space).
     """
 
     schedule: Schedule | str | None = None
@@ -90,6 +94,7 @@ class SearchOptions:
     measured_only: bool = True
     auto: bool = True
     time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
+    converge: bool = True
     cost: CostOptions = field(default_factory=CostOptions)
 
 
