@@ -255,25 +255,3 @@ def test_searches_sharing_a_cache_find_the_plans_of_searches_without_one(searche
         assert (got.plan, got.iteration_s) == (alone.plan, alone.iteration_s), (group, gb)
         compared += got.plan is not None
     assert compared >= 7 * 4  # every group of the three types, at least four shares each with a plan
-
-
-@pytest.mark.parametrize(
-    "flag,value,expected",
-    [("--prove", "-1", "expected seconds >= 0"), ("--max-pipelines", "0", "expected 1 or more")],
-)
-def test_bad_plan_flags_are_one_line_naming_the_flag(flag, value, expected):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run(
-        [sys.executable, "-m", "h2jax.cli", "plan", "configs/clusters/sim_mix.yaml", flag, value],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-    )
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
-    assert flag in lines[0] and value in lines[0] and expected in lines[0]
