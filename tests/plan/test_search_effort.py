@@ -96,8 +96,9 @@ def test_prove_runs_the_search_on_to_its_exact_round_where_the_default_stops_con
     rounds without improvement; run on (no convergence stop) it ends exact (~2 s here), so its
     plan is the one-pipeline optimum (never slower than the default's); a budget too short for
     the exact round leaves it not exhaustive, with the search's lower bound. That budget is
-    midway between the default's time and the proof's, measured here: a fixed 0.3 s ran out
-    before the first round on a loaded host (no bound yet), which says nothing of the exact round."""
+    midway between the default's time and the proof's, measured here: a fixed one can run out
+    before the search's first round on a loaded host (no bound yet), which says nothing of the
+    exact round."""
     from h2jax.cli_plan import search_options
     from h2jax.plan import prove
 
