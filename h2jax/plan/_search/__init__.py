@@ -61,8 +61,10 @@ slot-time bound, and every chip type with the same stage count K for K = 1, 2, 3
 (memory-descending, its adjacent swaps, reversed, by speed); coordinate descent from the
 best configuration and the two best other seeds (a chip type's stage count and tensor
 degree together, or the microbatch size, while that helps; then the order, by the
-neighbourhood and adjacent swaps); beams of the best 2, 3, 4, 8, ... choices per chip type
-by the same ranking, each followed by coordinate descent; last the exact round, which the
+neighbourhood and adjacent swaps); beams of the best 2, 3, 4, 6, 9, 13, ... choices per chip
+type by the same ranking (half as wide again after 4: a beam of width w prices up to w^k
+configurations of k chip types, so the round that confirms convergence costs 1.5^k, not 2^k,
+times the one before), each followed by coordinate descent; last the exact round, which the
 incumbent lets prune hard. Before the exact round a configuration's chunked schedules are
 solved only in the stage order its one-chunk schedules found best (a heuristic, like those
 rounds; the exact round tries every order under every schedule).

@@ -90,7 +90,7 @@ def _rounds(run: _Run, cluster: Cluster, opts: SearchOptions) -> list[tuple[str,
     width = 2
     while width < widest and run.size(width, len(neigh)) < run.size(None, len(orders)):
         out += [("beam", width, neigh), ("local", None, neigh)]
-        width = width + 1 if width < 4 else width * 2
+        width = width + 1 if width < 4 else width * 3 // 2  # 2, 3, 4, 6, 9, 13, ...: why, in the package docstring
     return [*out, ("exact", None, orders)]
 
 
