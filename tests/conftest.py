@@ -79,3 +79,17 @@ def pytest_collection_modifyitems(config, items):
         else:
             group = item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist passes a test's group to its scheduler as a suffix of the test's id (``@group``).
+    Where a pytest release ignores that (pytest 9.2 with pytest-xdist 3.8: pytest-dev/pytest-xdist
+    issue 1386) every test is scheduled alone and two mpirun jobs share the two cores, which
+    times tests out instead of failing them: end the run here, in one line."""
+    lost = next((i for i in ids if "@" not in i), None)
+    if node.config.getoption("dist") == "loadgroup" and lost is not None:
+        pytest.exit(
+            f"pytest {pytest.__version__} drops pytest-xdist's test groups (--dist loadgroup; "
+            f"{lost} has none): install the pytest that pyproject's test extra names",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
