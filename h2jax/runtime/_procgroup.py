@@ -36,6 +36,7 @@ every process of a stage holds the same (replicated) value, so only the stage's 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import socket
 from collections.abc import Mapping
@@ -115,6 +116,28 @@ class ProcessLayout:
         return [self.ranks_of_stage[stage][i // k] for i in range(self.devices_of_stage[stage])]
 
 
+# jax releases whose CPU collectives (gloo) hang a stage that spans processes (docs/LOG.md,
+# session 35: both processes of the stage wait in one all-reduce of its first programs)
+GLOO_HANGS = ("0.12.1",)
+
+
+def refuse_hanging_jax(plan: Any, chips: Mapping[str, Any], layout: ProcessLayout, version: str) -> None:
+    """A :class:`~h2jax.config.ConfigError` where a stage on CPU devices spans several processes
+    and jaxlib `version` is one of :data:`GLOO_HANGS`: such a job would wait for its first
+    activations until the transport's timeout, and say nothing of why."""
+    if version not in GLOO_HANGS:
+        return
+    for s, st in enumerate(plan.stages):
+        chip = chips[st.chip]
+        if layout.processes(s) > 1 and (chip.emulated or chip.platform == "cpu"):
+            raise ConfigError(
+                "plan.stages",
+                f"stage {s} ({st.chip}, CPU devices) spans {layout.processes(s)} processes, and jaxlib {version}'s "
+                f"CPU collectives hang such a stage: install another release (pip install 'jaxlib!={version}' "
+                f"'jax!={version}'), or run one process per stage (-np {plan.num_stages})",
+            )
+
+
 # -- this process's stage ------------------------------------------------------------------------
 def _node_index(comm: Any, chip: str) -> int:
     """This rank's index among the ranks of ``chip`` on its host (collective over ``comm``)."""
@@ -148,6 +171,7 @@ class StageGroup:
         self.comm = comm = MPI.COMM_WORLD if comm is None else comm
         self.plan = plan
         self.layout = layout = ProcessLayout.from_plan(plan, comm.Get_size())
+        refuse_hanging_jax(plan, chips, layout, importlib.metadata.version("jaxlib"))
         self.rank = comm.Get_rank()
         self.stage_idx = s = layout.stage_of(self.rank)
         self.group = comm.Split(color=s, key=self.rank)  # collective over comm

@@ -7,7 +7,7 @@ import pytest
 
 from h2jax.config import ConfigError
 from h2jax.plan import Plan, StageSpec
-from h2jax.runtime._procgroup import ProcessLayout
+from h2jax.runtime._procgroup import ProcessLayout, refuse_hanging_jax
 
 
 def _plan(*meshes: tuple[int, int]) -> Plan:
@@ -49,6 +49,26 @@ def test_wrong_process_count_names_both_valid_counts():
 def test_stages_of_one_device_are_both_layouts():
     lay = ProcessLayout.from_plan(_plan((1, 1), (1, 1)), 2)
     assert lay.ranks_of_stage == ((0,), (1,)) and not lay.any_group
+
+
+def test_a_jax_whose_cpu_collectives_hang_is_refused_for_cpu_stages_over_processes():
+    """jaxlib 0.12.1 hangs a CPU stage that spans processes: refused in one line naming the stage,
+    the release and the ways out; other releases, one process per stage, and a GPU stage pass."""
+    from types import SimpleNamespace
+
+    plan = _plan((1, 2), (1, 1))
+    cpu, gpu = SimpleNamespace(emulated=True, platform="cpu"), SimpleNamespace(emulated=False, platform="cuda")
+    chips = {"sim_a": cpu, "sim_b": cpu}
+    per_device, per_stage = ProcessLayout.from_plan(plan, 3), ProcessLayout.from_plan(plan, 2)
+    with pytest.raises(ConfigError) as e:
+        refuse_hanging_jax(plan, chips, per_device, "0.12.1")
+    assert e.value.key == "plan.stages"
+    msg = str(e.value)
+    assert "stage 0 (sim_a, CPU devices) spans 2 processes" in msg and "jaxlib 0.12.1" in msg, msg
+    assert "jaxlib!=0.12.1" in msg and "-np 2" in msg, msg
+    refuse_hanging_jax(plan, chips, per_device, "0.12.0.1")
+    refuse_hanging_jax(plan, chips, per_stage, "0.12.1")
+    refuse_hanging_jax(plan, {"sim_a": gpu, "sim_b": cpu}, per_device, "0.12.1")
 
 
 def test_peer_table_per_device():
