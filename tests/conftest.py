@@ -81,6 +81,7 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: a run without xdist has no such hook
 def pytest_xdist_node_collection_finished(node, ids):
     """xdist passes a test's group to its scheduler as a suffix of the test's id (``@group``).
     Where a pytest release ignores that (pytest 9.2 with pytest-xdist 3.8: pytest-dev/pytest-xdist
