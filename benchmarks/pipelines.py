@@ -19,7 +19,7 @@ Both run on this host's cores (emulated chips are CPU clients): the one pipeline
 stage alone while it fills and drains, and a program alone keeps fewer than the host's cores
 busy (the profile's probe: 1.2-1.9 of 2); the two pipelines keep both stages running all step
 and then pay the exchange across pipelines (each layer's gradient summed into pipeline 0's
-copy, values and optimizer moments copied back: h2jax.runtime._tied). So the replay makes the
+copy, the values copied back: h2jax.runtime._tied). So the replay makes the
 two pipelines faster before the exchange; whether they are with it depends on the exchange's
 price, which the output gives beside the measured one.
 

@@ -76,7 +76,7 @@ def explanation(res, cluster, gb: int, *, measured: bool, several: bool, other: 
             "shown; 0: the group does not train); after each step every layer's copies are summed and copied "
             "back (the exchange: each layer's gradient sent to the first pipeline's copy, sharded over the "
             "smaller stage's devices, over the slower chip type's inter-node link, after the backward; the new "
-            "values and moments back). The search prices one pipeline per chip type first, then the other "
+            "values back). The search prices one pipeline per chip type first, then the other "
             "partitions (every one up to four chip types, else runs of the one pipeline's stage order), those "
             "of the smallest groups first, within --time-budget; the faster of its best and the one pipeline is "
             "chosen and written with --out. --max-pipelines 1 keeps one pipeline.",

@@ -9,8 +9,8 @@ update has run and every layer's copies have been summed and copied back. So its
 
 where the exchange prices what the runtime does (h2jax.runtime._tied): every layer is owned by the
 first pipeline's stage that holds it; each other pipeline's stage holding it sends its gradient
-there, where it is added, and takes back the new values and both moments (three times the
-gradient's bytes, fp32). Each of these transfers runs sharded: the tensor is cut into as many
+there, where it is added, and takes back the new values (the gradient's bytes, fp32; a mirror's
+optimizer moments do not travel: h2jax.runtime._tied). Each of these transfers runs sharded: the tensor is cut into as many
 pieces as the smaller of the two stages has devices, each piece on its own link (the pattern of
 the boundary transfers, h2jax.plan._stage_cost.transfer_s), and the receiving stage all-gathers
 the pieces over its data axis on its intra-node link. A link between two chip types, or between
@@ -144,7 +144,7 @@ def exchange_parts(plan: Plan, model: Any, profiles: dict[str, Any], *, table: A
                         continue
                 grads = 4 * params  # fp32
                 links[0] += grads * _rate_s_per_byte(prof_m, spec_m, prof_o, spec_o, model, table)
-                links[1] += 3 * grads * _rate_s_per_byte(prof_o, spec_o, prof_m, spec_m, model, table)
+                links[1] += grads * _rate_s_per_byte(prof_o, spec_o, prof_m, spec_m, model, table)
                 links[0] += eff.collective_latency_s
                 links[1] += eff.collective_latency_s
         if sum(links) > sum(busiest):

@@ -453,7 +453,7 @@ class LayerCost:
     ``"exchange"`` (per block, `param_bytes` the block's) and ``"exchange_call"`` (fixed, per
     list of parameters) hold the exchange across pipelines between two clients of one host, as
     h2jax.runtime._tied runs it: ``fwd_s`` the gradient sum (a mirror's share moved to the owner
-    and added), ``bwd_s`` the copy back (value and both moments).
+    and added), ``bwd_s`` the copy back (the values).
     """
 
     fwd_s: float

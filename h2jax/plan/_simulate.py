@@ -34,7 +34,7 @@ stages of one pipeline do. The step then ends as the runtime ends it
 (:mod:`h2jax.runtime._pipelines`, ``Trainer.train_step``): the pipelines' threads are joined
 after the last backward of every pipeline; the gradients are summed across the pipelines; every
 stage -- the mirrors too -- runs its tail (gradient norm, optimizer update) from that moment on;
-then every copy takes its owner's value and moments. So the tails wait for the last backward of
+then every copy takes its owner's value. So the tails wait for the last backward of
 the job, not of their own stage. The runtime dispatches the updates from one thread in stage
 order: stages on a shared host (emulated chips: a CPU client runs a single-device update on the
 thread that dispatches it, so the call returns when it is done) take their tails one after
@@ -459,15 +459,15 @@ def simulate_pipelines(
     a host named by stages of any pipelines is shared by all of them (`host_cores`: the cores
     of each shared host, given once for the job). `exchange_s`: seconds of the exchange across
     the pipelines (:func:`h2jax.plan._pipelines.exchange_s`), of them `exchange_summed_s` the
-    gradient sum's (None: a quarter, as its bytes are: one gradient to the owner, the value and
-    two moments back); the step ends as the runtime
+    gradient sum's (None: half, as its bytes are: one gradient to the owner, the value back);
+    the step ends as the runtime
     ends it: the last backward of every pipeline, the gradient sum, every stage's tail at
     once, the copy back. One pipeline: exactly :func:`simulate` (no exchange)."""
     if not pipelines:
         raise ValueError("pipelines: expected one or more pipelines' arguments, got none")
     if not (exchange_s >= 0 and math.isfinite(exchange_s)):
         raise ValueError(f"exchange_s={exchange_s!r}; expected seconds >= 0")
-    summed = exchange_s / 4 if exchange_summed_s is None else exchange_summed_s
+    summed = exchange_s / 2 if exchange_summed_s is None else exchange_summed_s
     if not 0 <= summed <= exchange_s:
         raise ValueError(f"exchange_summed_s={exchange_summed_s!r}; expected seconds within exchange_s={exchange_s!r}")
     for p, kw in enumerate(pipelines):

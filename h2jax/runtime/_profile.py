@@ -44,7 +44,7 @@ too, as the pseudo-part ``"transfer"`` (with the host cores it keeps busy: proce
 wall seconds): between emulated chips a boundary crosses this machine's memory, not the
 link the chip profile names. So is the exchange across pipelines of the 1-, 2- and 4-block
 programs' parameters with a mirror on that client (h2jax.runtime._tied's own calls: the gradient
-sum, the copy back of values and moments), fitted per block and per call like the blocks, as the
+sum, the copy back of the values), fitted per block and per call like the blocks, as the
 pseudo-parts ``"exchange"`` and ``"exchange_call"``. Bytes come from the arrays'
 shardings and XLA's compiled memory analysis. The rows are
 ``LayerCost``s with ``estimated=False``, keyed like the planner's roofline estimates.

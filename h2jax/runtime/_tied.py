@@ -14,17 +14,19 @@ stage order, *owns* it; the others hold *mirrors*):
   gradient (a non-finite share makes the sum non-finite, and stays so on its own stage, so
   an abort names both stages).
 - **Update.** The owner alone computes the parameter's update (its AdamW moments included);
-  after every update each mirror takes the owner's new value and moments. Megatron instead
-  all-reduces the gradient and lets every holder apply the same update. That keeps the
-  copies equal only where every holder computes the update with the same arithmetic; here
-  the holders sit on different chip types, whose compilers may round the update (square
-  root, division, fused multiply-adds) differently in the last bit, and such differences
-  would compound step after step into two different tables. Taking the owner's bits makes
-  the copies identical (``==``) after every update on any mix of chips, and the optimizer
-  state of the copies with them. The cost per step: each mirror's share of the gradient
-  travels once to the owner, and the value and its two moments once back (one process:
-  ``jax.device_put`` between the stage meshes, sharded over the data axes and all-gathered
-  on arrival, which also reshards when the stages' tensor degrees differ; multi-process: through the host, with :meth:`World.from_stage_to`).
+  after every update each mirror takes the owner's new value. Megatron instead all-reduces the
+  gradient and lets every holder apply the same update. That keeps the copies equal only where
+  every holder computes the update with the same arithmetic; here the holders sit on different
+  chip types, whose compilers may round the update (square root, division, fused
+  multiply-adds) differently in the last bit, and such differences would compound step after
+  step into two different tables. Taking the owner's bits makes the copies identical (``==``)
+  after every update on any mix of chips. A mirror's own optimizer moments of the parameter
+  are never read: its update is replaced by the owner's value, and a checkpoint keeps the
+  owner's moments (below), so they do not travel (they decay under the zeroed gradient, inert).
+  The cost per step: each mirror's share of the gradient travels once to the owner, the new
+  value once back (one process: ``jax.device_put`` between the stage meshes, sharded over the
+  data axes and all-gathered on arrival, which also reshards when the stages' tensor degrees
+  differ; multi-process: through the host, with :meth:`World.from_stage_to`).
 - **Checkpoints.** A tied parameter and its optimizer state are saved once, by the owner,
   under the parameter's path in the whole model (``embed/embedding``); a restore gives every
   holder the same values (``h2jax.runtime._state``), under any plan -- also one whose single
@@ -52,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from h2jax.config import ConfigError
 from h2jax.models import SharedParam
-from h2jax.runtime._layout import flatten, opt_state_names, to_model_key
+from h2jax.runtime._layout import flatten, to_model_key
 from h2jax.runtime._procgroup import fetch, global_array
 from h2jax.runtime._world import World
 
@@ -137,8 +139,8 @@ def exchange_calls(params: Callable[[], list[jax.Array]], mesh: Any) -> tuple[An
     """The exchange across pipelines of one stage's parameters (``params()``: its current ones;
     an update donates them) with a mirror of them on ``mesh`` (another client), as
     :class:`TiedParams` runs it, for the profiler to time: (the gradient sum: the mirror's share
-    zeroed and moved into the owner's layout, added there; the copy back: the values, then both
-    optimizer moments, moved into the mirror's layout). Each returns what it made (to wait on)."""
+    zeroed and moved into the owner's layout, added there; the copy back: the values moved into
+    the mirror's layout). Each returns what it made (to wait on)."""
     mirror = [jax.device_put(x, NamedSharding(mesh, x.sharding.spec)) for x in params()]
     cache: dict = {}
 
@@ -148,8 +150,7 @@ def exchange_calls(params: Callable[[], list[jax.Array]], mesh: Any) -> tuple[An
         return zeroed, list_program("add", mine, cache)(mine, _place_all(mirror, mine))
 
     def copied() -> Any:
-        mine = params()
-        return _place_all(mine, mirror), _place_all(mine + mine, mirror + mirror)
+        return _place_all(params(), mirror)
 
     return summed, copied
 
@@ -203,19 +204,6 @@ class TiedParams:
             self._index[key] = list(flatten(self.local[stage].params)).index(self._path(sp, stage))
         return self._index[key]
 
-    def _moment_indices(self, sp: SharedParam, stage: int) -> dict[str, int]:
-        """Optimizer-state leaves of the parameter on ``stage``: {prefix (e.g. ``0/mu/``): leaf index}."""
-        key = ("moments", sp.name, stage)
-        if key not in self._index:
-            st = self.local[stage]
-            model_key = to_model_key(self._path(sp, stage), self._specs[stage])
-            self._index[key] = {
-                name[: len(name) - len(param)]: i
-                for i, (name, param) in enumerate(opt_state_names(st.opt_state, st.params, self._specs[stage]))
-                if param == model_key
-            }
-        return self._index[key]
-
     def _program(self, kind: str, like: list[jax.Array]) -> Any:
         """:func:`list_program`, kept per (kind, layouts) for this job."""
         return list_program(kind, like, self._programs)
@@ -262,43 +250,22 @@ class TiedParams:
                 st.acc = _replace(st.acc, dict(zip(idx, summed)))
 
     def sync(self) -> None:
-        """Every mirror takes its owner's value and optimizer moments of each tied parameter
-        (call after every update)."""
+        """Every mirror takes its owner's value of each tied parameter (call after every update;
+        the mirror's optimizer moments of it are never read: module docstring)."""
         for (owner, mirrors), sps in self._groups(by_owner=True).items():
             local_mirrors = [m for m in mirrors if m in self.local]
             if owner not in self.local and not local_mirrors:
                 continue
             sent = None
             if owner in self.local:
-                st = self.local[owner]
-                params, opt = jax.tree.leaves(st.params), jax.tree.leaves(st.opt_state)
-                sent = self._host(
-                    [
-                        {
-                            "param": params[self._param_index(sp, owner)],
-                            "moments": {prefix: opt[i] for prefix, i in self._moment_indices(sp, owner).items()},
-                        }
-                        for sp in sps
-                    ]
-                )
+                params = jax.tree.leaves(self.local[owner].params)
+                sent = self._host([params[self._param_index(sp, owner)] for sp in sps])
             got = self.world.from_stage_to(self._stage_of[owner], [self._stage_of[m] for m in mirrors], sent)
             for m in local_mirrors:
                 st = self.local[m]
-                params, opt = jax.tree.leaves(st.params), jax.tree.leaves(st.opt_state)
-                p_idx, values, o_idx, moments = [], [], [], []
-                for sp, g in zip(sps, got):
-                    p_idx.append(self._param_index(sp, m))
-                    values.append(g["param"])
-                    mine = self._moment_indices(sp, m)
-                    if sorted(mine) != sorted(g["moments"]):
-                        raise RuntimeError(
-                            f"stage {m}: optimizer state of {sp.name} has {sorted(mine)}, its owner {sorted(g['moments'])}"
-                        )
-                    for prefix, j in mine.items():
-                        o_idx.append(j)
-                        moments.append(g["moments"][prefix])
-                st.params = _replace(st.params, dict(zip(p_idx, _place_all(values, [params[i] for i in p_idx]))))
-                st.opt_state = _replace(st.opt_state, dict(zip(o_idx, _place_all(moments, [opt[j] for j in o_idx]))))
+                params = jax.tree.leaves(st.params)
+                p_idx = [self._param_index(sp, m) for sp in sps]
+                st.params = _replace(st.params, dict(zip(p_idx, _place_all(list(got), [params[i] for i in p_idx]))))
 
     def copies(self) -> dict[str, dict[int, Any]]:
         """Each tied parameter's copies on this process's stages: {model path: {stage: array}}

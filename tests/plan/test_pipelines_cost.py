@@ -37,8 +37,8 @@ def test_two_pipelines_cost_the_slowest_plus_the_exchange_and_one_costs_as_befor
     assert both.exchange_s > 0 and both.iteration_s >= slowest + both.exchange_s - 1e-12
     # what the exchange moves: stage 0 of the first pipeline (sim_a, data 2) holds the embedding and
     # 4 blocks, stage 1 (sim_b, data 2) 2 blocks and the head; each receives the gradient of what
-    # it shares with the second pipeline's one stage (sim_a, data 2) and sends values and two
-    # moments back, in 2 pieces (the smaller mesh's devices) over the slower chip's inter-node
+    # it shares with the second pipeline's one stage (sim_a, data 2) and sends the values back,
+    # in 2 pieces (the smaller mesh's devices) over the slower chip's inter-node
     # link, the receiver all-gathering its half over its data axis on its intra-node link
     eff, prof = Efficiency(), cluster.profiles
 
@@ -48,8 +48,8 @@ def test_two_pipelines_cost_the_slowest_plus_the_exchange_and_one_costs_as_befor
 
     g0 = 4 * (4 * model.block_params + model.embed_params)
     g1 = 4 * (2 * model.block_params + model.head_params)
-    x0 = g0 * (rate("sim_a", "sim_a") + 3 * rate("sim_a", "sim_a")) + 2 * eff.collective_latency_s
-    x1 = g1 * (rate("sim_a", "sim_b") + 3 * rate("sim_b", "sim_a")) + 2 * eff.collective_latency_s
+    x0 = g0 * (rate("sim_a", "sim_a") + rate("sim_a", "sim_a")) + 2 * eff.collective_latency_s
+    x1 = g1 * (rate("sim_a", "sim_b") + rate("sim_b", "sim_a")) + 2 * eff.collective_latency_s
     assert both.exchange_s == pytest.approx(max(x0, x1))
     assert both.devices_by_chip == {"sim_a": 4, "sim_b": 2} and both.fits
     assert both.tokens_per_step == 32 * model.seq_len

@@ -127,13 +127,13 @@ def test_pipelines_on_their_own_hosts_take_the_slowest_plus_the_exchange():
         ]
         assert sorted(_key(mine), key=repr) == sorted(_key(shifted), key=repr)
     assert both.pipelines == (0, 0, 1) and both.num_stages == 3
-    # the exchange on every stage: a quarter (the gradients) after the last backward, three quarters
-    # (values and moments) after the tails
+    # the exchange on every stage: half (the gradients) after the last backward, half (the values)
+    # after the tails
     other = sorted({(e.start, e.end, e.extra["name"]) for e in both.events if e.kind == "other"})
     end = max(alone)
     assert other == [
-        (end, pytest.approx(end + 0.2), "across pipelines: gradients summed"),
-        (pytest.approx(end + 0.2), pytest.approx(end + 0.8), "across pipelines: parameters copied"),
+        (end, pytest.approx(end + 0.4), "across pipelines: gradients summed"),
+        (pytest.approx(end + 0.4), pytest.approx(end + 0.8), "across pipelines: parameters copied"),
     ]
     assert len([e for e in both.events if e.kind == "other"]) == 2 * 3
     # the sum's seconds given (the cost model prices the two parts apart): the same step, split there
@@ -156,9 +156,9 @@ def test_every_tail_waits_for_the_last_backward_of_the_job():
     ends = [_compute_end(simulate(**kw)) for kw in TWO]
     assert ends[1] == 14.0 and ends[0] < 14.0
     both = simulate_pipelines(tails, exchange_s=0.8)
-    assert math.isclose(both.iteration_s, 14.0 + 0.2 + 3.0 + 0.6)
+    assert math.isclose(both.iteration_s, 14.0 + 0.4 + 3.0 + 0.4)
     updates = sorted((e.stage, e.start, e.end) for e in both.events if e.kind == "update")
-    assert updates == [(0, 14.2, 17.2), (1, 14.2, 17.2), (2, 14.2, 15.2)]
+    assert updates == [(0, 14.4, 17.4), (1, 14.4, 17.4), (2, 14.4, 15.4)]
     # alone, pipeline 0's tails follow its stages' own last ops: the sum of the alone steps is less
     alone = max(simulate(**kw).iteration_s for kw in tails)
     assert math.isclose(alone, ends[0] + 3.0) and alone + 0.8 < both.iteration_s
@@ -201,17 +201,17 @@ def test_pipelines_on_one_host_share_its_cores():
 def test_tails_on_a_shared_host_run_one_after_another_in_stage_order():
     # the runtime dispatches the updates from one thread; a CPU client runs each on that thread.
     # 4 cores, 1 each wanted: no sharing; pipeline 0's compute ends at 6, pipeline 1's at 3; the
-    # gradient sum 0.25 s; then stage 0's tail (1 s), stage 1's (2 s), the copy back 0.75 s
+    # gradient sum 0.5 s; then stage 0's tail (1 s), stage 1's (2 s), the copy back 0.5 s
     pipes = [
         dict(ONE_STAGE, tail=[1.0]),
         dict(ONE_STAGE, fwd=[0.5], bwd=[1.0], tail=[2.0]),
     ]
     sim = simulate_pipelines(pipes, exchange_s=1.0, host_cores={"h": 4})
     updates = sorted((e.stage, e.start, e.end) for e in sim.events if e.kind == "update")
-    assert updates == [(0, 6.25, 7.25), (1, 7.25, 9.25)] and math.isclose(sim.iteration_s, 10.0)
+    assert updates == [(0, 6.5, 7.5), (1, 7.5, 9.5)] and math.isclose(sim.iteration_s, 10.0)
     # hosts of their own: at once
     apart = [dict(pipes[0], hosts=None), dict(pipes[1], hosts=None)]
-    assert math.isclose(simulate_pipelines(apart, exchange_s=1.0).iteration_s, 6.25 + 2.0 + 0.75)
+    assert math.isclose(simulate_pipelines(apart, exchange_s=1.0).iteration_s, 6.5 + 2.0 + 0.5)
 
 
 def test_shared_host_is_never_faster_than_its_cores_nor_than_either_pipeline_alone():

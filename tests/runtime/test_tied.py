@@ -6,7 +6,7 @@ pipeline == sequential as in test_pipeline_equivalence.py (its experiment, toler
 optimizer, which tests/_harness.py explains): the loss and every gradient of each step within
 1e-5 of ``jax.value_and_grad`` of the whole model (the table's gradient is the sum of both
 uses), the parameters after 3 steps within 1e-5 of a sequential optax loop, and after every
-update both copies of the table, and their optimizer moments, identical (``==``). Then the
+update both copies of the table identical (``==``). Then the
 same through MpiWorld's logic with ranks as threads, and checkpoints that hold the table once
 and restore under other plans (one where a single stage holds both uses). The mpirun runs are
 in test_tied_mpirun.py.
@@ -29,23 +29,15 @@ from tests._harness import tied_cfg as make_cfg
 
 
 def assert_copies_identical(trainers):
-    """Every copy of the table, and of its optimizer moments, on every stage of ``trainers``: equal bits."""
-    copies, moments = {}, {}
+    """Every copy of the table on every stage of ``trainers``: equal bits. (A mirror's optimizer
+    moments of it are never read, so they are not compared: h2jax.runtime._tied.)"""
+    copies = {}
     for tr in trainers:
         copies.update(tr.tied.copies()[TABLE])
-        (sp,) = tr.tied.shared
-        for st in tr.stages:
-            if st.stage_idx in sp.stages:
-                for prefix, i in tr.tied._moment_indices(sp, st.stage_idx).items():
-                    moments.setdefault(prefix, {})[st.stage_idx] = jax.tree.leaves(st.opt_state)[i]
     assert len(copies) >= 2, copies.keys()
     arrays = [np.asarray(c) for c in copies.values()]
     for a in arrays[1:]:
         assert np.array_equal(a, arrays[0]), "the copies of the tied table differ"
-    assert sorted(moments) == ["0/mu/", "0/nu/"], sorted(moments)
-    for by_stage in moments.values():
-        got = [np.asarray(m) for m in by_stage.values()]
-        assert len(got) == len(copies) and all(np.array_equal(g, got[0]) for g in got[1:])
 
 
 def test_the_tied_table_is_found_on_the_first_and_last_stage():
@@ -57,7 +49,7 @@ def test_the_tied_table_is_found_on_the_first_and_last_stage():
 
 def check_three_steps(cfg, trainer):
     """Each of 3 steps against the sequential model: loss, every gradient, the global norm;
-    after each update both copies (and moments) identical; then the parameters."""
+    after each update both copies identical; then the parameters."""
 
     def both_uses_summed(step, want):  # the table's gradient is the sum of both uses: neither alone is within TOL
         assert float(np.max(np.abs(np.asarray(want[TABLE])))) > 100 * TOL
@@ -111,7 +103,7 @@ def test_tied_table_on_a_gpu_stage_and_an_emulated_stage(tmp_path):
 def test_copies_stay_identical_when_a_holder_rounds_its_update_differently(tmp_path):
     """Chips of two vendors may round the same AdamW update differently in the last bit. The
     mirror's update is made to do so here (its table nudged by one part in 2^23 after every
-    update): the copies, and the moments, still end equal, since each update's result is the
+    update): the copies still end equal, since each update's result is the
     owner's."""
     import jax.numpy as jnp
 

@@ -4,8 +4,8 @@ device) exchange the table's gradient shares and new values through the host
 
 Against the sequential model, in this process: each step's loss and every gradient within
 1e-5 of ``jax.value_and_grad`` of the whole model (test_tied.py's reasons), the parameters
-after 3 steps within 1e-5 of a sequential optax loop, both copies of the table and of its
-moments identical (``==``) across the processes; and the run's checkpoint restores, in one
+after 3 steps within 1e-5 of a sequential optax loop, both copies of the table identical
+(``==``) across the processes; and the run's checkpoint restores, in one
 process, under a plan whose single stage holds the embedding and the head.
 """
 
@@ -46,15 +46,12 @@ def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
     # the gradients and parameters of all processes together hold the model once (the table once)
     cfg, ranks, got = run_and_compare(plan, transport, nproc, tmp_path)
 
-    # both copies of the table, and of its moments, equal bit for bit across the processes
+    # both copies of the table equal bit for bit across the processes
     copies = {k: v for rk in ranks for k, v in rk.items() if k.startswith("copy/")}
-    moments = {k: v for rk in ranks for k, v in rk.items() if k.startswith("moment/")}
     last = str(cfg.plan.num_stages - 1)
     assert sorted(copies) == ["copy/0", f"copy/{last}"]
     assert np.array_equal(copies["copy/0"], copies[f"copy/{last}"])
     assert np.array_equal(copies["copy/0"], got[TABLE])
-    for name in ("0/mu", "0/nu"):
-        assert np.array_equal(moments[f"moment/0/{name}"], moments[f"moment/{last}/{name}"]), name
 
     # the multi-process checkpoint, restored in one process onto one stage holding both uses
     restored_on_one_stage(cfg, got, tmp_path)

@@ -3,8 +3,8 @@
 experiment ``PLAN`` (tests/_harness.py TIED_PLANS), or of the plan of several pipelines ``PLAN``
 (PIPELINE_PLANS: every layer held by every pipeline), with checkpoints on; every process writes ``OUT/rank<r>.npz``: the loss and global norm
 of each step, the gradients of its stages before each update (``grads/<step>/<path>``), its
-parameters after the run (``params/<path>``), and its copies of the tied table and of their
-optimizer moments (``copy/<stage>``, ``moment/<stage>/<name>``)."""
+parameters after the run (``params/<path>``), and its copies of the tied table
+(``copy/<stage>``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from h2jax.runtime._procgroup import fetch
@@ -47,10 +46,6 @@ def main() -> None:
             continue
         for stage, x in copies.items():
             arrays[f"copy/{stage}"] = fetch(x)
-            sp = next(sp for sp in tied.shared if sp.name == name)
-            st = tied.local[stage]
-            for prefix, i in tied._moment_indices(sp, stage).items():
-                arrays[f"moment/{stage}/{prefix.strip('/')}"] = fetch(jax.tree.leaves(st.opt_state)[i])
     trainer.close()
     group = getattr(trainer.world, "group", None)
     if group is not None:
