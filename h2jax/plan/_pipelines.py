@@ -10,20 +10,20 @@ update has run and every layer's copies have been summed and copied back. So its
 where the exchange prices what the runtime does (h2jax.runtime._tied): every layer is owned by the
 first pipeline's stage that holds it; each other pipeline's stage holding it sends its gradient
 there, where it is added, and takes back the new values (the gradient's bytes, fp32; a mirror's
-optimizer moments do not travel: h2jax.runtime._tied). Each of these transfers runs sharded: the tensor is cut into as many
-pieces as the smaller of the two stages has devices, each piece on its own link (the pattern of
-the boundary transfers, h2jax.plan._stage_cost.transfer_s), and the receiving stage all-gathers
-the pieces over its data axis on its intra-node link. A link between two chip types, or between
-nodes of one, runs at the slower side's inter-node bandwidth. An owner stage takes its mirrors'
-transfers one after the other, the owner stages run in parallel, so the exchange is the busiest
-owner stage's sum. Between chips that share a host (emulated) the bytes cross its memory and the
-one process's driver runs every (owner, mirror) pair in turn: each pair costs what the profiler
-measured of that exchange between two clients of the host (``"exchange_call"`` per list plus
-``"exchange"`` per block's worth of parameters, h2jax.runtime._profile: the runtime's own calls
+optimizer moments do not travel: h2jax.runtime._tied). Each of these transfers runs sharded: the
+tensor is cut into as many pieces as the smaller of the two stages has devices, each piece on its
+own link (the pattern of the boundary transfers, h2jax.plan._stage_cost.transfer_s), and the
+receiving stage all-gathers the pieces over its data axis on its intra-node link. A link between two
+chip types, or between nodes of one, runs at the slower side's inter-node bandwidth. An owner stage
+takes its mirrors' transfers one after the other, the owner stages run in parallel, so the exchange
+is the busiest owner stage's sum. Between chips that share a host (emulated) the bytes cross its
+memory and the one process's driver runs every (owner, mirror) pair in turn: each pair costs what
+the profiler measured of that exchange between two clients of the host (``"exchange_call"`` per list
+plus ``"exchange"`` per block's worth of parameters, h2jax.runtime._profile: the runtime's own calls
 timed), added up over the pairs; without such rows, the link model above at the profiler's
-boundary-transfer rate. The gradient sum and the copy back are priced apart
-(:func:`exchange_parts`; the simulator replays them apart). Neither overlaps the backward: the
-runtime sums after the step's last backward.
+boundary-transfer rate. The gradient sum and the copy back are priced apart (:func:`exchange_parts`;
+the simulator replays them apart). Neither overlaps the backward: the runtime sums after the step's
+last backward.
 
 With shared hosts (emulated chips) the pipelines' stages also share the host's cores: the step
 is at least every pipeline's host work over the cores, as for one pipeline (h2jax.plan._cost).
