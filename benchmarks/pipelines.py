@@ -43,9 +43,11 @@ training round (both ranks at once, then a barrier), so the profile and the step
 machine's slow and fast phases alike; ``DriverProfiler``: the runtime driver's own costs, in a
 process bound to one core before the training -- each program's median round kept. The
 replay's host has the two cores, each stage's programs keeping one busy. On one core the
-profiler has no second client to time a boundary move or the exchange on, so both are priced
-by the chip profiles' links (configs/chips: assumed numbers, emulated chips). No number is
-fitted to the step times. The plans' stages have one device each, so the gradient sync within
+profiler has no second client to time the exchange across pipelines on; the ranks time it
+between them instead, with the runtime's own calls (:class:`ExchangeProbe`, beside each profile
+round), as the profile's ``"exchange"`` rows. A boundary tensor's move is priced by the chip
+profiles' links (configs/chips: assumed numbers, emulated chips). No number is fitted to the
+step times. The plans' stages have one device each, so the gradient sync within
 a stage (``grad_sync``) costs nothing.
 
 Beside the step, each step's phases from the trainer's timeline (median over rounds) against
@@ -217,6 +219,79 @@ def driver_worker(args: argparse.Namespace) -> None:
     Path(args.driver_worker).write_text(json.dumps(table.to_json()))
 
 
+class ExchangeProbe:
+    """The exchange across pipelines between the two ranks, timed as the profile's rows of it
+    (``h2jax.runtime._profile``'s ``"exchange"`` per block and ``"exchange_call"`` per list),
+    but across the processes, where the profiler on one core has no second client to time it
+    between: the runtime's own calls as :class:`h2jax.runtime._tied.TiedParams` runs them
+    under mpirun (the mirror's share zeroed and copied to the host, ``World.from_stage_to``,
+    placed and added on the owner; the owner's values copied to the host, moved and placed on
+    the mirror) for the parameters of the first 1, 2 and 4 blocks of this rank's stage of the
+    two-pipeline plan (it holds the whole model). Rank 0 (owner) times the sum from a barrier to
+    its add's end, rank 1 (mirror) the copy back to its placed values'; nothing is written to
+    the trainer's state."""
+
+    def __init__(self, trainer, world, rank: int):
+        self.trainer, self.world, self.rank, self.cache = trainer, world, rank, {}
+        self.block_bytes = sum(x.nbytes for x in self.lists()[1])
+        self.times: dict[str, list[float]] = {}
+        self.round()  # warm-up: compiles the add and the times-zero of each list
+        self.times.clear()
+
+    def lists(self) -> dict[int, list]:
+        """Per block count, the parameters of the first blocks now (an update donates the old)."""
+        from h2jax.runtime._layout import flatten
+        from h2jax.runtime._profile import BLOCK_COUNTS
+
+        flat = flatten(self.trainer.stages[0].params)
+        blocks = {p: int(p.split("/")[1]) for p in flat if p.startswith("blocks/")}
+        return {k: [flat[p] for p, b in blocks.items() if b < k] for k in BLOCK_COUNTS}
+
+    def round(self) -> None:
+        import jax
+
+        from h2jax.runtime._procgroup import fetch
+        from h2jax.runtime._tied import _place_all, list_program
+
+        for k, mine in self.lists().items():
+            self.world.barrier()
+            t0 = time.perf_counter()
+            shares = None
+            if self.rank == 1:
+                shares = fetch(mine)
+                jax.block_until_ready(list_program("times_zero", mine, self.cache)(mine))
+            got = self.world.from_stage_to(1, [0], shares)
+            if self.rank == 0:
+                jax.block_until_ready(list_program("add", mine, self.cache)(mine, _place_all(got, mine)))
+                self.times.setdefault(f"b{k}/xs", []).append(time.perf_counter() - t0)
+            self.world.barrier()
+            t0 = time.perf_counter()
+            got = self.world.from_stage_to(0, [1], fetch(mine) if self.rank == 0 else None)
+            if self.rank == 1:
+                jax.block_until_ready(_place_all(got, mine))
+                self.times.setdefault(f"b{k}/xc", []).append(time.perf_counter() - t0)
+
+    def rows(self, gathered: list[dict[str, list[float]]]) -> dict:
+        """The ``"exchange"`` and ``"exchange_call"`` parts from both ranks' times (medians)."""
+        from h2jax.plan._profiles import EXCHANGE, EXCHANGE_CALL, LayerCost
+        from h2jax.runtime._profile import fit_line
+
+        med = {k: statistics.median(v) for part in gathered for k, v in part.items()}
+        (xs_blk, xs_fixed), (xc_blk, xc_fixed) = fit_line(med, "xs"), fit_line(med, "xc")
+        return {
+            part: LayerCost(
+                fwd_s=max(fwd, 0.0),
+                bwd_s=max(bwd, 0.0),
+                param_bytes=self.block_bytes if part == EXCHANGE else 0.0,
+                act_bytes=0.0,
+                input_bytes=0.0,
+                temp_bytes=0.0,
+                estimated=False,
+            )
+            for part, fwd, bwd in ((EXCHANGE, xs_blk, xc_blk), (EXCHANGE_CALL, xs_fixed, xc_fixed))
+        }
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank of the measurement (under mpirun, bound to its core): both plans' trainers --
     the ``Trainer`` ``h2jax train`` runs, with its defaults, sharing this job's processes --
@@ -248,6 +323,7 @@ def worker(args: argparse.Namespace) -> None:
     # this process's client of the chip type has the stage's one device (the world registered it)
     spec = dataclasses.replace(cfgs["one"].cluster.chips[chip], devices_per_node=1)
     prof = ChipProfiler(chip, spec, cfgs["one"].model, tensor_degrees=[1], microbatches=[MICROBATCH])
+    xprobe = ExchangeProbe(trainers["two"], world, launch.rank)
     import gc
 
     per_round = spread(args.repeats, args.rounds)
@@ -258,6 +334,7 @@ def worker(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for _ in range(per_round[r]):
             prof.round()
+            xprobe.round()
         if per_round[r]:
             world.barrier()  # the ranks' profile rounds differ in length: both start the round's steps together
         for name in PLANS if r % 2 == 0 else PLANS[::-1]:
@@ -277,10 +354,11 @@ def worker(args: argparse.Namespace) -> None:
             ops[name] = op_medians([e for s in timed for e in by_step[s]])
     table = ProfileTable()
     shape = ModelShape.from_config(setting(args.tiny)[0])
+    exchange = xprobe.rows(MPI.COMM_WORLD.allgather(xprobe.times))
     for (t, b), parts in prof.rows("median").items():
-        table.add(chip, shape.key(), t, b, parts, host_cores=1)
+        table.add(chip, shape.key(), t, b, {**parts, **exchange}, host_cores=1)
     profiles = MPI.COMM_WORLD.gather({"table": table.to_json(), "unsure": prof.unsure("median")}, root=0)
-    del prof
+    del prof, xprobe
     for tr in trainers.values():
         tr.close()
     world.barrier()
