@@ -273,23 +273,9 @@ class ExchangeProbe:
 
     def rows(self, gathered: list[dict[str, list[float]]]) -> dict:
         """The ``"exchange"`` and ``"exchange_call"`` parts from both ranks' times (medians)."""
-        from h2jax.plan._profiles import EXCHANGE, EXCHANGE_CALL, LayerCost
-        from h2jax.runtime._profile import fit_line
+        from h2jax.runtime._profile import exchange_rows
 
-        med = {k: statistics.median(v) for part in gathered for k, v in part.items()}
-        (xs_blk, xs_fixed), (xc_blk, xc_fixed) = fit_line(med, "xs"), fit_line(med, "xc")
-        return {
-            part: LayerCost(
-                fwd_s=max(fwd, 0.0),
-                bwd_s=max(bwd, 0.0),
-                param_bytes=self.block_bytes if part == EXCHANGE else 0.0,
-                act_bytes=0.0,
-                input_bytes=0.0,
-                temp_bytes=0.0,
-                estimated=False,
-            )
-            for part, fwd, bwd in ((EXCHANGE, xs_blk, xc_blk), (EXCHANGE_CALL, xs_fixed, xc_fixed))
-        }
+        return exchange_rows({k: statistics.median(v) for part in gathered for k, v in part.items()}, self.block_bytes)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -88,6 +88,25 @@ def fit_line(times: dict[str, float], kind: str) -> tuple[float, float]:
     return blk, max(0.0, float(ts.mean() - blk * ks.mean()))
 
 
+def exchange_rows(times: dict[str, float], block_bytes: float) -> dict[str, LayerCost]:
+    """The ``"exchange"`` (per block) and ``"exchange_call"`` (per list) parts from the timed
+    exchange of the 1-, 2- and 4-block programs' parameters (``times["b<k>/xs"]``: the gradient
+    sum's seconds, ``"b<k>/xc"``: the copy back's): fwd is the sum, bwd the copy back."""
+    (xs_blk, xs_fixed), (xc_blk, xc_fixed) = fit_line(times, "xs"), fit_line(times, "xc")
+    return {
+        part: LayerCost(
+            fwd_s=max(fwd, 0.0),
+            bwd_s=max(bwd, 0.0),
+            param_bytes=block_bytes if part == EXCHANGE else 0.0,
+            act_bytes=0.0,
+            input_bytes=0.0,
+            temp_bytes=0.0,
+            estimated=False,
+        )
+        for part, fwd, bwd in ((EXCHANGE, xs_blk, xc_blk), (EXCHANGE_CALL, xs_fixed, xc_fixed))
+    }
+
+
 def _backend_devices(chip_name: str, chip: ChipSpec, nodes: int) -> list[tuple[str, list]]:
     """(backend, devices) of up to `nodes` nodes of the chip type (emulated: one CPU client
     each, registered here when JAX has not started yet; fewer when it has)."""
@@ -392,17 +411,7 @@ class ChipProfiler:
                 update_s=upd[part],
             )
         if "b1/xs" in wall:  # the exchange across pipelines: per block and per call, sum and copy back
-            (xs_blk, xs_fixed), (xc_blk, xc_fixed) = fit_line(wall, "xs"), fit_line(wall, "xc")
-            for part, fwd, bwd in ((EXCHANGE, xs_blk, xc_blk), (EXCHANGE_CALL, xs_fixed, xc_fixed)):
-                out[part] = LayerCost(
-                    fwd_s=max(fwd, 0.0),
-                    bwd_s=max(bwd, 0.0),
-                    param_bytes=nbytes["block"][0] if part == EXCHANGE else 0.0,
-                    act_bytes=0.0,
-                    input_bytes=0.0,
-                    temp_bytes=0.0,
-                    estimated=False,
-                )
+            out |= exchange_rows(wall, nbytes["block"][0])
         if "xfer" in wall:  # the host cores the copy keeps busy: its process CPU over its wall seconds
             xc = _cores(work["xfer"], wall["xfer"], cap)
             out[TRANSFER] = LayerCost(
