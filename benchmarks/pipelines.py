@@ -282,8 +282,9 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of the measurement (under mpirun, bound to its core): both plans' trainers --
     the ``Trainer`` ``h2jax train`` runs, with its defaults, sharing this job's processes --
     2 steps each to compile and warm up, then the rounds, this rank's chip type profiled
-    (``ChipProfiler``, on this rank's core) a few rounds before each; the writer saves the step
-    times, each step's phases, the stages' ops and both ranks' profile rows (``steps.json`` in
+    (``ChipProfiler``, on this rank's core) and the exchange between the ranks timed
+    (:class:`ExchangeProbe`) a few rounds before each; the writer saves the step times, each
+    step's phases, the stages' ops and both ranks' profile rows (``steps.json`` in
     ``args.worker``)."""
     from mpi4py import MPI
 
