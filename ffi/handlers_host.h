@@ -76,8 +76,9 @@ struct HostHandlers {
 
 // The four exported handler symbols H2Send<Suffix>, H2Recv<Suffix>, H2RecvInto<Suffix> and
 // H2SendRecv<Suffix> over `Engine` (one binding per op, shared by every engine).
-#define H2_DEFINE_HOST_HANDLERS(Engine, Suffix)                                                                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(H2Send##Suffix, h2::HostHandlers<Engine>::Send,                                  \
+// One send handler symbol `Name` over `Engine` (also used alone: the MPI engine's buffered send).
+#define H2_DEFINE_HOST_SEND(Engine, Name)                                                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Name, h2::HostHandlers<Engine>::Send,                                            \
                                 xla::ffi::Ffi::Bind()                                                            \
                                     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()                                      \
                                     .Arg<xla::ffi::AnyBuffer>()                                                  \
@@ -85,7 +86,10 @@ struct HostHandlers {
                                     .Ret<xla::ffi::AnyBuffer>()                                                  \
                                     .Attr<int64_t>("comm")                                                       \
                                     .Attr<double>("timeout_s")                                                   \
-                                    .Attr<std::string_view>("desc"));                                            \
+                                    .Attr<std::string_view>("desc"))
+
+#define H2_DEFINE_HOST_HANDLERS(Engine, Suffix)                                                                  \
+  H2_DEFINE_HOST_SEND(Engine, H2Send##Suffix);                                                                   \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(H2Recv##Suffix, h2::HostHandlers<Engine>::Recv,                                  \
                                 xla::ffi::Ffi::Bind()                                                            \
                                     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()                                      \

@@ -24,6 +24,13 @@ extern "C" XLA_FFI_Error* H2_SUFFIX(H2Send)(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2_SUFFIX(H2Recv)(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2_SUFFIX(H2RecvInto)(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2_SUFFIX(H2SendRecv)(XLA_FFI_CallFrame*);
+#ifdef H2JAX_CUDA
+// device buffers: the buffered send is the plain one (its bytes leave from device memory)
+#define H2_BSEND H2SendCuda
+#else
+extern "C" XLA_FFI_Error* H2BSendCpu(XLA_FFI_CallFrame*);
+#define H2_BSEND H2BSendCpu
+#endif
 
 NB_MODULE(H2_MODULE, m) {
   m.def("registrations", []() {
@@ -32,6 +39,7 @@ NB_MODULE(H2_MODULE, m) {
     d["h2jax_recv"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2Recv)));
     d["h2jax_recv_into"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2RecvInto)));
     d["h2jax_sendrecv"] = nb::capsule(reinterpret_cast<void*>(H2_SUFFIX(H2SendRecv)));
+    d["h2jax_bsend"] = nb::capsule(reinterpret_cast<void*>(H2_BSEND));
     return d;
   });
   m.def("stash_stats", []() {
@@ -42,7 +50,15 @@ NB_MODULE(H2_MODULE, m) {
     nb::dict d;
     d["messages"] = eng.stashed_messages;
     d["bytes"] = eng.stashed_bytes;
+    d["buffered_sends"] = eng.buffered_sends;
+    d["buffered_bytes"] = eng.buffered_bytes;
+    d["sends_in_flight"] = eng.pending.size();
     return d;
+  });
+  // every buffered send of this process completed: "" or the first failure (a timeout names the send)
+  m.def("flush_sends", []() {
+    nb::gil_scoped_release release;
+    return h2::FlushSends();
   });
   m.def("mpi_library_version", []() {
     char buf[MPI_MAX_LIBRARY_VERSION_STRING];

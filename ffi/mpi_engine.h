@@ -12,6 +12,18 @@
 // Consequence: the communicator must belong to these handlers alone (Python duplicates
 // one), because any message on it may be stashed.
 //
+// Sends are buffered (BufferedSend): the bytes are copied into an engine-owned buffer, an
+// MPI_Isend of that copy is posted, and the call returns at once, so a stage's program goes
+// on while its neighbour is still busy elsewhere (with MPI's rendezvous an unbuffered send
+// waits until the receiver posts). Every later engine call on this process tests the sends
+// in flight and recycles their buffers; a send nobody receives within its own timeout fails
+// the next call (the error names the send), `Flush` waits for all of them, and MPI_Finalize
+// flushes first (a delete callback on MPI_COMM_SELF, the standard hook), so no message is
+// left half-sent when a process exits. The data of a large message is pulled by the
+// receiver (rendezvous by get: CMA on one host, RDMA across hosts), so a buffered send
+// needs no progress from its sender to arrive; where a transport does need it, the
+// sender's next call gives it.
+//
 // Thread safety: every MPI call and the stash sit behind one mutex; the per-device
 // computations of one process (shard_map) may call in from several threads. MPI must be
 // initialised with MPI_THREAD_MULTIPLE (mpi4py's default) when Python threads also use MPI.
@@ -22,6 +34,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -32,6 +45,7 @@
 #include <string_view>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace h2 {
@@ -46,6 +60,22 @@ struct Engine {
   std::set<MPI_Comm> errors_return;
   // messages (and bytes) that went through the stash: each costs an allocation and a copy
   uint64_t stashed_messages = 0, stashed_bytes = 0;
+  // buffered sends not yet complete, in posting order
+  struct Pending {
+    MPI_Request req;
+    std::vector<char> buf;
+    MPI_Comm comm;
+    int dest, tag;
+    double timeout_s;
+    Clock::time_point deadline;
+    std::string desc;
+  };
+  std::deque<Pending> pending;
+  std::vector<std::vector<char>> spare;      // buffers of completed sends, reused
+  std::vector<std::vector<char>> abandoned;  // buffers of sends given up on: MPI may still read them
+  std::string send_error;                     // a buffered send that failed, told by the next call
+  bool finalize_hook = false;
+  uint64_t buffered_sends = 0, buffered_bytes = 0;
 
   static Engine& get() {
     static Engine engine;
@@ -87,6 +117,135 @@ inline void ReturnErrors(Engine& eng, MPI_Comm comm) {
   if (eng.errors_return.insert(comm).second) MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
 }
 
+inline std::string RankPrefix(MPI_Comm comm, std::string_view op) {
+  int rank = -1;
+  MPI_Comm_rank(comm, &rank);
+  std::ostringstream s;
+  s << "h2jax ffi " << op << " on rank " << rank << ": ";
+  return s.str();
+}
+
+// Under eng.mu: test the buffered sends in flight and keep the buffers of those done for
+// reuse. One past its deadline is given up on; its error waits for the next call.
+inline void ProgressSends(Engine& eng) {
+  if (eng.pending.empty()) return;
+  const auto now = Clock::now();
+  for (auto it = eng.pending.begin(); it != eng.pending.end();) {
+    int flag = 0;
+    const int rc = MPI_Test(&it->req, &flag, MPI_STATUS_IGNORE);
+    if (rc == MPI_SUCCESS && !flag && now <= it->deadline) {
+      ++it;
+      continue;
+    }
+    if (eng.send_error.empty() && (rc != MPI_SUCCESS || !flag)) {
+      std::ostringstream s;
+      s << RankPrefix(it->comm, "send");
+      if (rc != MPI_SUCCESS)
+        s << "send failed: " << MpiError(rc);
+      else
+        s << "timed out after " << it->timeout_s << " s: send of " << it->desc << " (" << it->buf.size()
+          << " bytes) to peer " << it->dest << " tag " << it->tag << " was not received";
+      eng.send_error = s.str();
+    }
+    if (rc == MPI_SUCCESS && flag) {
+      if (eng.spare.size() < 16) eng.spare.push_back(std::move(it->buf));
+    } else {  // withdraw what MPI still can; the buffer stays alive, MPI may still read it
+      if (it->req != MPI_REQUEST_NULL) {
+        MPI_Cancel(&it->req);
+        MPI_Request_free(&it->req);
+      }
+      eng.abandoned.push_back(std::move(it->buf));
+    }
+    it = eng.pending.erase(it);
+  }
+}
+
+// Wait until every buffered send of this process has completed (or failed); returns the
+// first failure not yet told, else "". Each send waits at most its own timeout, and all of
+// them together at most `max_wait_s` (then the sends still in flight are the error).
+inline std::string FlushSends(double max_wait_s = 1e300) {
+  Engine& eng = Engine::get();
+  const auto t_start = Clock::now();
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(eng.mu);
+      ProgressSends(eng);
+      if (eng.pending.empty()) return std::exchange(eng.send_error, {});
+      if (std::chrono::duration<double>(Clock::now() - t_start).count() > max_wait_s) {
+        if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
+        const Engine::Pending& p = eng.pending.front();
+        std::ostringstream s;
+        s << RankPrefix(p.comm, "send") << eng.pending.size() << " buffered send(s) not received after "
+          << max_wait_s << " s, the first: " << p.desc << " (" << p.buf.size() << " bytes) to peer " << p.dest
+          << " tag " << p.tag;
+        return s.str();
+      }
+    }
+    if (Clock::now() - t_start < std::chrono::milliseconds(5))
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+// MPI_Finalize deletes MPI_COMM_SELF's attributes first, while MPI still works: flush there.
+// A run that ends normally has flushed every step already (the ffi channel); what is still in
+// flight here belongs to a job that is failing, whose peer may be gone: wait briefly, then say so.
+inline int FlushAtFinalize(MPI_Comm, int, void*, void*) {
+  const std::string err = FlushSends(2.0);
+  if (!err.empty()) std::fprintf(stderr, "%s (at exit)\n", err.c_str());
+  Engine& eng = Engine::get();
+  std::lock_guard<std::mutex> lock(eng.mu);
+  for (Engine::Pending& p : eng.pending) {  // withdrawn, so that MPI_Finalize does not wait on them
+    MPI_Cancel(&p.req);
+    MPI_Request_free(&p.req);
+    eng.abandoned.push_back(std::move(p.buf));
+  }
+  eng.pending.clear();
+  return MPI_SUCCESS;
+}
+
+// Send `sbytes` from `sbuf` to `dest` with `stag` without waiting for the receiver: copy the
+// bytes into an engine buffer, post the MPI_Isend of the copy, return. Returns "" or a
+// one-line error, which may be an earlier buffered send's.
+inline std::string BufferedSend(MPI_Comm comm, const void* sbuf, size_t sbytes, int dest, int stag, double timeout_s,
+                                std::string_view desc) {
+  Engine& eng = Engine::get();
+  if (std::string e = CheckRoute(comm, dest, stag, "destination"); !e.empty()) return e;
+  if (sbytes > size_t(INT_MAX)) return "send: " + std::string(desc) + " is over 2 GiB; split it into several transfers";
+  std::vector<char> buf;
+  {
+    std::lock_guard<std::mutex> lock(eng.mu);
+    ReturnErrors(eng, comm);
+    if (!eng.finalize_hook) {
+      int key = MPI_KEYVAL_INVALID;
+      MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, FlushAtFinalize, &key, nullptr);
+      MPI_Comm_set_attr(MPI_COMM_SELF, key, nullptr);
+      eng.finalize_hook = true;
+    }
+    ProgressSends(eng);
+    if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
+    for (auto it = eng.spare.begin(); it != eng.spare.end(); ++it)
+      if (it->capacity() >= sbytes) {
+        buf = std::move(*it);
+        eng.spare.erase(it);
+        break;
+      }
+  }
+  buf.resize(sbytes);  // within a reused buffer's capacity: no allocation
+  if (sbytes) std::memcpy(buf.data(), sbuf, sbytes);  // outside the lock: other devices' calls go on
+  std::lock_guard<std::mutex> lock(eng.mu);
+  Engine::Pending p{MPI_REQUEST_NULL, std::move(buf), comm, dest, stag, timeout_s, {}, std::string(desc)};
+  p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const int rc = MPI_Isend(p.buf.data(), int(sbytes), MPI_BYTE, dest, stag, comm, &p.req);
+  if (rc != MPI_SUCCESS) return RankPrefix(comm, "send") + "MPI_Isend failed: " + MpiError(rc);
+  eng.buffered_sends += 1;
+  eng.buffered_bytes += sbytes;
+  eng.pending.push_back(std::move(p));
+  ProgressSends(eng);  // a small (eager) message is done already: its buffer is free again
+  return {};
+}
+
 // One transfer: an optional send of `sbytes` from `sbuf` to `dest` with `stag`, and an
 // optional receive of exactly `rbytes` into `rbuf` from `src` with `rtag`. Returns "" on
 // success, else a one-line error. `desc` names the tensor (dtype[shape]) for errors.
@@ -115,13 +274,7 @@ inline std::string Transfer(MPI_Comm comm, const void* sbuf, size_t sbytes, int 
   MPI_Request sreq = MPI_REQUEST_NULL, rreq = MPI_REQUEST_NULL;
   bool send_done = !want_send, recv_done = !want_recv;
   std::string error;
-  auto fail_prefix = [&]() {
-    int rank = -1;
-    MPI_Comm_rank(comm, &rank);
-    std::ostringstream s;
-    s << "h2jax ffi " << op << " on rank " << rank << ": ";
-    return s.str();
-  };
+  auto fail_prefix = [&]() { return RankPrefix(comm, op); };
   auto wrong_size = [&](size_t got) {
     std::ostringstream s;
     s << fail_prefix() << "message from peer " << src << " tag " << rtag << " has " << got << " bytes, expected "
@@ -131,6 +284,8 @@ inline std::string Transfer(MPI_Comm comm, const void* sbuf, size_t sbytes, int 
   {
     std::lock_guard<std::mutex> lock(eng.mu);
     ReturnErrors(eng, comm);
+    ProgressSends(eng);  // an earlier buffered send that failed fails this call
+    if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
     if (want_recv) {  // an older message of (src, rtag) may sit in the stash: MPI order
       auto it = eng.stash.find({comm, src, rtag});
       if (it != eng.stash.end() && !it->second.empty()) {
@@ -190,6 +345,7 @@ inline std::string Transfer(MPI_Comm comm, const void* sbuf, size_t sbytes, int 
         MPI_Test(&sreq, &flag, MPI_STATUS_IGNORE);
         send_done = flag != 0;
       }
+      ProgressSends(eng);
       // past the spin: take every other message that has arrived into the stash (our own
       // receive is posted, so MPI never hands it to this probe)
       if (!spinning) {

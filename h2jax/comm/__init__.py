@@ -29,7 +29,10 @@ is :func:`classify_link` (``_paths.py``, pure); the runtime's link table
 (h2jax.runtime._links) names and times every link of a run.
 
 A receive whose message never comes fails after ``timeout_s`` naming rank, peer, tag and
-tensor. ``stash_stats()`` counts the messages that took the deadlock-free detour.
+tensor. A buffered send (``send(..., buffered=True)``, the MPI engine: what the stage programs'
+boundaries use) returns once its bytes are copied; ``flush_sends()`` waits until all are
+received. ``stash_stats()`` counts the messages that
+took the deadlock-free detour, and the buffered sends.
 
 The transport registry (:data:`TRANSPORTS`, :class:`Transport`) is pure data and loads at
 once, so that ``h2jax.config`` checks ``train.transport`` without importing JAX; every other
@@ -57,6 +60,7 @@ _LAZY = {
     "FfiUnavailableError": "h2jax.comm._ffi",
     "is_available": "h2jax.comm._ffi",
     "mpi_device_aware": "h2jax.comm._ffi",
+    "flush_sends": "h2jax.comm._ffi",
     "new_token": "h2jax.comm._ffi",
     "recv": "h2jax.comm._ffi",
     "register": "h2jax.comm._ffi",
@@ -102,6 +106,7 @@ if TYPE_CHECKING:
     from h2jax.comm._ffi import (
         DEFAULT_TIMEOUT_S,
         FfiUnavailableError,
+        flush_sends,
         is_available,
         mpi_device_aware,
         new_token,

@@ -19,7 +19,9 @@ The stage runner talks to its stage's channel and to nothing else that moves byt
   program per transfer. :class:`PeerChannel` over FfiTransport.
 - ``ffi`` (processes): the FFI send/recv traced *into* the stage programs (``in_program``):
   the runner's recv returns None and the programs call :meth:`FfiChannel.recv_in_program` /
-  :meth:`FfiChannel.send_in_program` at trace time. If a boundary cannot be routed
+  :meth:`FfiChannel.send_in_program` at trace time; the sends are buffered (the program goes
+  on once its piece is copied: h2jax.comm._ffi), and ``flush`` waits until the receivers have
+  taken them. If a boundary cannot be routed
   in-program (uneven pieces), building the channel fails naming the reason; there is no
   silent fallback.
 
@@ -459,11 +461,15 @@ class FfiChannel:
         return None  # the program receives it
 
     def send(self, direction: int, microbatch: int, x: jax.Array, *, ready: threading.Event | None = None) -> None:
-        self._pending.append(x)  # the program's send token: ready once the piece has left
+        self._pending.append(x)  # the program's send token: ready once the piece is copied (buffered)
 
     def flush(self) -> None:
+        from h2jax.comm import _ffi
+
         pending, self._pending = self._pending, []
         jax.block_until_ready(pending)
+        if getattr(self.comm, "engine", None) != "ucx":  # the MPI engine's buffered sends received
+            _ffi.flush_sends()
 
     def close(self) -> None:
         self.flush()

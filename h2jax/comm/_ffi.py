@@ -24,9 +24,20 @@ traced int32 scalars (e.g. ``table[jax.lax.axis_index("tensor")]``), so each dev
 program can address its own peer and tag; they travel as a small operand. Concurrent
 transfers between the same two processes need distinct tags.
 
-Failures: a receive waits at most ``timeout_s`` (also a send that nobody receives); the
-error names the rank, peer, tag, the tensor and what did arrive instead. A message of the
-right (peer, tag) with the wrong size fails at once.
+Buffered sends (``send(..., buffered=True)``; the MPI engine, host buffers): the bytes are
+copied into a buffer of the engine, the MPI send of the copy is posted and the call returns,
+so the program that sends goes on while the receiver is still busy (an MPI rendezvous holds a
+plain send until the receiver posts). Later calls on the process complete the sends in
+flight; ``flush_sends()`` waits for all of them, as MPI_Finalize does before it ends the
+process. The pipeline's in-program boundaries send this way; the copy costs a ping-pong (a
+receiver always waiting) its time, so the plain send stays the default. The ucx engine and
+device buffers send plainly either way.
+
+Failures: a receive waits at most ``timeout_s``; the error names the rank, peer, tag, the
+tensor and what did arrive instead. A plain send fails the same way after ``timeout_s``; a
+buffered one that nobody receives in time fails the next call on that process (or
+``flush_sends``), naming the send. A message of the right (peer, tag) with the wrong size
+fails at once.
 
 Engines: ``comm`` is an mpi4py communicator (the MPI engine, targets ``h2jax_*``) or a
 ``h2jax.comm._ucx.UcxComm`` built over one (the UCX engine, targets ``h2jax_ucx_*``): one
@@ -98,12 +109,22 @@ def is_available(platform: str = "cpu") -> bool:
 
 
 def stash_stats(platform: str = "cpu") -> dict[str, int]:
-    """``{"messages": n, "bytes": b}``: how many messages this process's handlers took in
+    """``{"messages": n, "bytes": b, ...}``: how many messages this process's handlers took in
     before their receive was posted (while waiting on something else, so that a peer blocked
     in a large send to us completes: the deadlock freedom of this module). Each costs an
     allocation and one more copy; a pipeline that pairs its sends and receives (``sendrecv``)
-    should see few."""
+    should see few. Also ``buffered_sends`` / ``buffered_bytes`` (sends posted from the
+    engine's buffers) and ``sends_in_flight`` (not yet completed)."""
     return {k: int(v) for k, v in _extension(platform).stash_stats().items()}
+
+
+def flush_sends(platform: str = "cpu") -> None:
+    """Wait until every buffered send of this process's MPI engine has been received (each at
+    most its own timeout); raises ``TimeoutError`` naming the first send that was not, or
+    ``RuntimeError`` for another failure of one."""
+    err = _extension(platform).flush_sends()
+    if err:
+        raise (TimeoutError if "timed out" in err else RuntimeError)(err)
 
 
 def mpi_device_aware(platform: str) -> bool:
@@ -201,15 +222,19 @@ def send(
     comm: Any,
     token: jax.Array | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    buffered: bool = False,
 ) -> jax.Array:
     """Send ``x`` to rank ``peer`` of ``comm``; returns the next token.
 
-    Returns once ``x`` has been delivered to the peer (received, or stashed by the peer
-    while it waits on anything of its own); fails after ``timeout_s`` otherwise.
+    Returns once ``x`` has been delivered to the peer (received, or stashed by the peer while
+    it waits on anything of its own); ``buffered`` (the MPI engine on host buffers): once ``x``
+    is copied into the engine's send buffer (module docstring). Not received within
+    ``timeout_s``: an error naming the send.
     """
     x = jnp.asarray(x)
     _check(comm, "peer", peer, tag, timeout_s)
-    call = jax.ffi.ffi_call(_target(comm, "send"), _TOKEN, has_side_effect=True)
+    op = "bsend" if buffered and not _is_ucx(comm) else "send"
+    call = jax.ffi.ffi_call(_target(comm, op), _TOKEN, has_side_effect=True)
     return call(
         _route(peer, tag),
         x,

@@ -72,6 +72,7 @@ def send_boundary(
                     comm=comm,
                     token=tok,
                     timeout_s=timeout_s,
+                    buffered=True,  # the stage's program goes on while the next stage is busy
                 ),
                 lambda x_, tok: tok,
                 x,

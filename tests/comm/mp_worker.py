@@ -153,22 +153,35 @@ def deadlock(comm) -> None:
     n = 16 * 1024 * 1024  # float32: 64 MiB, far above any eager limit
     mine = [jnp.full((n,), 10 * RANK + k, jnp.float32) for k in range(2)]
 
-    @jax.jit
-    def send_then_recv(a, b):  # both ranks send first: blocking sends would deadlock here
-        tok = hc.send(a, peer=OTHER, tag=10 + RANK, comm=comm)
-        tok = hc.send(b, peer=OTHER, tag=20 + RANK, comm=comm, token=tok)
-        # receive in the opposite order from the peer's sends: the first one waits in the stash
-        y2, tok = hc.recv((n,), jnp.float32, peer=OTHER, tag=20 + OTHER, comm=comm, token=tok)
-        y1, tok = hc.recv((n,), jnp.float32, peer=OTHER, tag=10 + OTHER, comm=comm, token=tok)
-        return y1, y2
+    def send_then_recv(buffered):
+        @jax.jit
+        def fn(a, b):  # both ranks send first: blocking sends would deadlock here
+            tok = hc.send(a, peer=OTHER, tag=10 + RANK, comm=comm, buffered=buffered)
+            tok = hc.send(b, peer=OTHER, tag=20 + RANK, comm=comm, token=tok, buffered=buffered)
+            # receive in the opposite order from the peer's sends: the first one waits in the stash
+            y2, tok = hc.recv((n,), jnp.float32, peer=OTHER, tag=20 + OTHER, comm=comm, token=tok)
+            y1, tok = hc.recv((n,), jnp.float32, peer=OTHER, tag=10 + OTHER, comm=comm, token=tok)
+            return y1, y2
 
-    before = hc.stash_stats()["messages"]
-    for it in range(3):
-        y1, y2 = send_then_recv(*mine)
-        check(f"ffi_jit/iter{it}", lambda: float(y1[0]) == 10 * OTHER and float(y2[-1]) == 10 * OTHER + 1)
-    # each rank's first send completes only because the peer, blocked in its own send, took the
-    # message into its stash: the mechanism did the work, not luck or an eager limit
-    check("ffi_jit/stashed", lambda: hc.stash_stats()["messages"] >= before + 3)
+        return fn
+
+    before = hc.stash_stats()
+    for buffered in (False, True):
+        fn = send_then_recv(buffered)
+        for it in range(3):
+            y1, y2 = fn(*mine)
+            check(
+                f"ffi_jit/buffered={buffered}/iter{it}",
+                lambda: float(y1[0]) == 10 * OTHER and float(y2[-1]) == 10 * OTHER + 1,
+            )
+        if not buffered:
+            # each rank's first send completes only because the peer, blocked in its own send, took
+            # the message into its stash: the mechanism did the work, not luck or an eager limit
+            check("ffi_jit/stashed", lambda: hc.stash_stats()["messages"] >= before["messages"] + 3)
+    # the buffered sends returned before the peer received: posted from the engine's own buffers
+    check("ffi_jit/buffered", lambda: hc.stash_stats()["buffered_sends"] == before["buffered_sends"] + 6)
+    hc.flush_sends()
+    check("ffi_jit/flushed", lambda: hc.stash_stats()["sends_in_flight"] == 0)
 
     for t in (hc.FfiTransport(comm), hc.HostTransport(comm)):
         like = jax.ShapeDtypeStruct((n,), jnp.float32)
@@ -230,6 +243,29 @@ def mismatch(comm) -> None:
         checks["ffi_size_larger"] = "larger than the expected 32 bytes" in str(e) and "float32[2,4]" in str(e)
         errors["ffi_size_larger"] = str(e)[-600:]
     tok.block_until_ready()
+
+    # a buffered send nobody receives (4 MiB: above any eager limit, it waits for a receive)
+    # returns at once; after its timeout the sender's next call fails, naming the send
+    if RANK == 0:
+        import time
+
+        big = jnp.zeros((1 << 20,), jnp.float32)
+        send = jax.jit(lambda x: hc.send(x, peer=OTHER, tag=13, comm=comm, timeout_s=0.5, buffered=True))
+        send(big).block_until_ready()
+        time.sleep(1.0)
+        try:
+            hc.flush_sends()
+            errors["ffi_send_timeout"] = "no error"
+        except TimeoutError as e:
+            checks["ffi_send_timeout"] = (
+                f"timed out after 0.5 s: send of float32[1048576] (4194304 bytes) to peer {OTHER} tag 13 "
+                "was not received" in str(e)
+            )
+            errors["ffi_send_timeout"] = str(e)
+        hc.flush_sends()  # told once: nothing left in flight
+    else:
+        checks["ffi_send_timeout"] = True  # the receiving side has nothing to check
+    comm.Barrier()
 
     t = hc.HostTransport(comm, timeout_s=1.5)
     t.send(x, peer=OTHER, tag=5)

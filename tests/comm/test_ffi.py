@@ -26,7 +26,13 @@ def test_extension_is_built_and_registers_idempotently():
     assert hc.is_available("cpu")
     from h2jax.comm import _mpi_ffi_cpu
 
-    assert set(_mpi_ffi_cpu.registrations()) == {"h2jax_send", "h2jax_recv", "h2jax_recv_into", "h2jax_sendrecv"}
+    assert set(_mpi_ffi_cpu.registrations()) == {
+        "h2jax_send",
+        "h2jax_bsend",
+        "h2jax_recv",
+        "h2jax_recv_into",
+        "h2jax_sendrecv",
+    }
 
 
 @pytest.mark.ffi

@@ -41,14 +41,15 @@ def test_equal_to_local_on_dtypes_and_shapes(tmp_path):
 
 
 def test_1f1b_large_tensors_never_deadlock(tmp_path):
-    # both ranks send 64 MiB to each other at once, send-first on both sides, repeatedly
+    # both ranks send 64 MiB to each other at once, send-first on both sides, repeatedly, with
+    # plain sends (the stash) and buffered ones
     assert_all_ok(run_worker("deadlock", tmp_path), at_least=20)
 
 
 def test_mismatched_tag_times_out_with_message(tmp_path):
     results = run_worker("mismatch", tmp_path)
     for r, res in enumerate(results):
-        for name in ("ffi_tag", "ffi_size", "ffi_size_larger", "host_tag"):
+        for name in ("ffi_tag", "ffi_size", "ffi_size_larger", "ffi_send_timeout", "host_tag"):
             assert res["checks"].get(name), f"rank {r} {name}: {res['errors'].get(name)}"
     assert "timed out after 1.5 s: no message from peer 1 with tag 6" in results[0]["errors"]["ffi_tag"]
 
