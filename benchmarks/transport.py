@@ -7,6 +7,9 @@
 Paths (one-way time = half a ping-pong round trip, best of several repetitions; each
 repetition runs every path once in turn, so the paths are compared paired in time):
   ffi_jit    h2jax FFI send/recv, many transfers inside ONE jitted program per side (fori_loop)
+  ffi_bsend  the same with buffered sends (copied into the engine's buffer, then posted: what the
+             stage programs' boundaries use, so a stage goes on while its neighbour is busy; here,
+             with the receiver always waiting, the copy is pure cost)
   ucx_jit    the same ops and program on the ucx engine (a UcxComm; h2jax/comm/_ucx.py)
   ffi_call   h2jax FfiTransport: one standalone jitted program per transfer (dispatch included)
   host       h2jax HostTransport: jax -> numpy -> mpi4py -> numpy -> device_put
@@ -19,6 +22,7 @@ Latency sizes 8 B - 64 KiB, bandwidth sizes 1 - 256 MiB. The last line is `RESUL
   latency_ratio_tcp_over_ffi  min over sizes <= 64 KiB of tcp / ffi_jit time
   bw_ratio_ffi_over_memcpy    min over sizes >= 16 MiB of ffi_jit / memcpy bandwidth
   max_ratio_ffi_over_mpi      max over sizes of ffi_jit / mpi4py time
+  max_ratio_ffi_bsend_over_mpi  the same of ffi_bsend (the buffered send's price in a ping-pong)
   max_ratio_ffi_over_mpi4jax  max over sizes of ffi_jit / mpi4jax time (null if mpi4jax is missing)
   max_ratio_ucx_over_mpi4py   max over sizes >= 64 KiB of ucx_jit / mpi4py time (null without UCX)
   latency_ratio_tcp_over_ucx  min over sizes <= 64 KiB of tcp / ucx_jit time (null without UCX)
@@ -44,7 +48,7 @@ from h2jax._hostmem import host_memory_line, hugepage_env, thp_mode  # noqa: E40
 
 LAT_SIZES = [8, 64, 512, 4096, 65536]
 BW_SIZES = [s << 20 for s in (1, 4, 16, 64, 256)]
-PATHS = ["ffi_jit", "ucx_jit", "ffi_call", "host", "tcp", "mpi4py", "mpi4jax", "memcpy"]
+PATHS = ["ffi_jit", "ffi_bsend", "ucx_jit", "ffi_call", "host", "tcp", "mpi4py", "mpi4jax", "memcpy"]
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -140,19 +144,19 @@ def measure_all(log: bool) -> None:
         # rank 0 sends from one buffer and receives into another, rank 1 receives into a buffer
         # and sends it back (sending and receiving through one buffer is slower: mpi4py itself
         # takes 17-21 vs 14-16 µs at 64 KiB that way on this host)
-        def in_program(c, tag):
+        def in_program(c, tag, buffered=False):
             """The timed call of `per` round trips inside one program per side over comm `c`."""
 
             def ping(i, carry):
                 src, buf, tok = carry
-                tok = hc.send(src, peer=other, tag=tag, comm=c, token=tok)
+                tok = hc.send(src, peer=other, tag=tag, comm=c, token=tok, buffered=buffered)
                 buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=tag + 1, comm=c, token=tok, into=buf)
                 return src, buf, tok
 
             def pong(i, carry):
                 src, buf, tok = carry
                 buf, tok = hc.recv((n,), jnp.float32, peer=other, tag=tag, comm=c, token=tok, into=buf)
-                tok = hc.send(buf, peer=other, tag=tag + 1, comm=c, token=tok)
+                tok = hc.send(buf, peer=other, tag=tag + 1, comm=c, token=tok, buffered=buffered)
                 return src, buf, tok
 
             # the receive buffer is donated and fed back, so no repetition pays for a copy of it
@@ -168,7 +172,7 @@ def measure_all(log: bool) -> None:
 
             return call
 
-        paths = {"ffi_jit": in_program(comm, 1)}
+        paths = {"ffi_jit": in_program(comm, 1), "ffi_bsend": in_program(comm, 21, buffered=True)}
         if ucx_comm is not None:  # the same program on the ucx engine
             paths["ucx_jit"] = in_program(ucx_comm, 11)
         else:
@@ -301,6 +305,7 @@ def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
         "latency_ratio_tcp_over_ffi": min(results["tcp"][s] / ffi[s] for s in LAT_SIZES),
         "bw_ratio_ffi_over_memcpy": min(results["memcpy"][s] / ffi[s] for s in BW_SIZES if s >= 16 << 20),
         "max_ratio_ffi_over_mpi": max(ffi[s] / results["mpi4py"][s] for s in sizes),
+        "max_ratio_ffi_bsend_over_mpi": max(results["ffi_bsend"][s] / results["mpi4py"][s] for s in sizes),
         "max_ratio_ffi_over_mpi4jax": (max(ffi[s] / results["mpi4jax"][s] for s in sizes) if have_mpi4jax else None),
         "max_ratio_ucx_over_mpi4py": (
             max(ucx[s] / results["mpi4py"][s] for s in sizes if s >= 65536) if have_ucx else None
