@@ -207,17 +207,13 @@ def main() -> None:
             per_line = (
                 f"  several pipelines ({several.priced} of {several.partitions} partitions priced in "
                 f"{several.search_s:.2f} s): best {several.describe()}"
-                + (
-                    f", {several.cost.iteration_s:.3f} s (exchange {several.cost.exchange_s:.3f} s)"
-                    if several.cost
-                    else ""
-                )
+                + (f", {several.cost.iteration_s:.3f} s ({several.cost.exchange_words()})" if several.cost else "")
                 + f"; chosen: {chosen}"
             )
             if several.per_chip is not None:
                 pc = several.per_chip
                 per_line += (
-                    f"\n  one pipeline per chip type: {pc.iteration_s:.3f} s, of it {pc.exchange_s:.3f} s exchange; "
+                    f"\n  one pipeline per chip type: {pc.iteration_s:.3f} s, {pc.exchange_words()}; "
                     f"matched-total ratio {100 * base.ratio(pc.tokens_per_s):.1f} %"
                 )
         n = str(cluster.num_devices)

@@ -109,8 +109,8 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
             c = several.cost
             faster = c.iteration_s < cost.iteration_s
             console.print(
-                f"  best: {several.describe()}: estimated iteration {_fmt_s(c.iteration_s)}, of it "
-                f"{_fmt_s(c.exchange_s)} exchange across pipelines, {c.tokens_per_s:,.0f} tokens/s: "
+                f"  best: {several.describe()}: estimated iteration {_fmt_s(c.iteration_s)}, "
+                f"{c.exchange_words(_fmt_s)}, {c.tokens_per_s:,.0f} tokens/s: "
                 + (
                     f"[bold]{cost.iteration_s / c.iteration_s:.3f}x the one pipeline's: chosen[/]"
                     if faster
@@ -228,7 +228,7 @@ def bounds(res, proof, several, matched, cluster, gb: int, model, tps: float) ->
         pc = several.per_chip
         lines.append(
             f"one pipeline per chip type: {100 * matched.ratio(pc.tokens_per_s):.1f} % "
-            f"({_fmt_s(pc.iteration_s)}, of it {_fmt_s(pc.exchange_s)} exchange over {several.per_chip_link}); "
+            f"({_fmt_s(pc.iteration_s)}, {pc.exchange_words(_fmt_s)} over {several.per_chip_link}); "
             "on the baseline's share grid it cannot exceed 100 %: alone each chip type runs at its own pace, "
             "together every pipeline waits for the slowest, then exchanges"
         )

@@ -99,6 +99,7 @@ class PipelinesResult:
                 "pipelines": [{"chips": list(g), "global_batch": b} for g, b in zip(self.groups, self.shares)],
                 "iteration_s": round(self.cost.iteration_s, 4),
                 "exchange_s": round(self.cost.exchange_s, 4),
+                "exchange_overlap_s": round(self.cost.exchange_overlap_s, 4),
                 "tokens_per_s": round(self.cost.tokens_per_s, 1),
                 "ratio_matched_total": round(matched.ratio(self.cost.tokens_per_s), 4),
             }
@@ -107,6 +108,7 @@ class PipelinesResult:
                 "shares": {p.stages[0].chip: p.global_batch for p in self.per_chip.plan.pipeline_plans()},
                 "iteration_s": round(self.per_chip.iteration_s, 4),
                 "exchange_s": round(self.per_chip.exchange_s, 4),
+                "exchange_overlap_s": round(self.per_chip.exchange_overlap_s, 4),
                 "ratio_matched_total": round(matched.ratio(self.per_chip.tokens_per_s), 4),
             }
         return out

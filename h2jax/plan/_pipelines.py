@@ -22,8 +22,19 @@ the profiler measured of that exchange between two clients of the host (``"excha
 plus ``"exchange"`` per block's worth of parameters, h2jax.runtime._profile: the runtime's own calls
 timed), added up over the pairs; without such rows, the link model above at the profiler's
 boundary-transfer rate. The gradient sum and the copy back are priced apart (:func:`exchange_parts`;
-the simulator replays them apart). Neither overlaps the backward: the runtime sums after the step's
-last backward.
+the simulator replays them apart).
+
+The gradient sum overlaps the backward where the stages have processes of their own (real chips,
+one process per stage under mpirun): each process goes on to the exchange as soon as its own
+stage's last op is done, and runs its (owner, mirror) pairs in the runtime's order (by mirror
+stage, then owner from the last down: h2jax.runtime._tied.TiedParams.sum_grads), each pair once
+both of its stages are there, both busy until it is done (:class:`Exchange`). So a pair of late
+stages (the last stages of a pipeline finish their backwards first) is summed while the stages
+below them still drain. When a stage is done comes from a replay of its pipeline's schedule (its
+last op's distance from the pipeline's, the transfers left out: the done time errs late). Where
+stages share a host (emulated chips: one process drives them all) every pair runs after the
+job's last op, one after the other. The global gradient norm then waits for every sum, every stage
+runs its update (the tails), and the copy back follows the updates: neither overlaps anything.
 
 With shared hosts (emulated chips) the pipelines' stages also share the host's cores: the step
 is at least every pipeline's host work over the cores, as for one pipeline (h2jax.plan._cost).
@@ -33,7 +44,9 @@ Which plans of several pipelines to run is searched by h2jax.plan._pipeline_sear
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from h2jax.plan._plan import Plan
@@ -53,10 +66,18 @@ class PipelinesCost:
     reasons: list[str] = field(default_factory=list)
     host_bound_s: float = 0.0
     exchange_summed_s: float = 0.0  # of exchange_s, the gradient sum's (the rest: the copy back)
+    exchange_overlap_s: float = 0.0  # of the gradient sum, the seconds that ran while a stage still computed
+    exchange: Exchange | None = None  # the exchange itself (its pairs: h2jax.plan._simulate replays them)
 
     @property
     def fits(self) -> bool:
         return not self.reasons
+
+    def exchange_words(self, fmt: Any = "{:.3f} s".format) -> str:
+        """The exchange in words: "0.128 s exchange across pipelines (0.041 s of it beside the
+        backward)"; `fmt` formats seconds."""
+        beside = f" ({fmt(self.exchange_overlap_s)} of it beside the backward)" if self.exchange_overlap_s > 0 else ""
+        return f"{fmt(self.exchange_s)} exchange across pipelines{beside}"
 
     @property
     def tokens_per_s(self) -> float:
@@ -107,54 +128,142 @@ def measured_exchange(table: Any, model: Any, chip: Any, tensor: int) -> tuple[A
     return None
 
 
-def exchange_parts(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = None) -> tuple[float, float]:
-    """(the gradient sum's seconds, the copy back's) of the exchange across ``plan``'s pipelines
-    (module docstring); (0, 0) for one pipeline."""
+@dataclass(frozen=True)
+class Exchange:
+    """The exchange across a plan's pipelines as the runtime runs it (module docstring)."""
+
+    pairs: tuple[tuple[int, int, float], ...] = ()  # (owner, mirror, seconds): the gradient sum of each
+    # pair of the job's stages with processes of their own, in the runtime's order
+    after_s: float = 0.0  # the gradient sum's seconds after the job's last op (stages sharing a host)
+    copied_s: float = 0.0  # the copy back's, after the updates
+
+    def timed(self, ready: Sequence[float]) -> list[tuple[int, int, float, float]]:
+        """(owner, mirror, start, end) of each pair, the job's stage g done with its own ops at
+        ready[g] (0 where not given): a pair starts once both of its stages are free, and keeps
+        both busy."""
+        free = dict(enumerate(ready))
+        out = []
+        for o, m, s in self.pairs:
+            t0 = max(free.get(o, 0.0), free.get(m, 0.0))
+            free[o] = free[m] = t0 + s
+            out.append((o, m, t0, t0 + s))
+        return out
+
+    def sums_end(self, ready: Sequence[float]) -> float:
+        """When the gradient sum is done, stage g done with its own ops at ready[g]."""
+        return max([*ready, *(e for *_, e in self.timed(ready))], default=0.0) + self.after_s
+
+    @property
+    def summed_s(self) -> float:
+        """The gradient sum's seconds where every stage is done at once."""
+        return self.sums_end(())
+
+
+def exchange(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = None) -> Exchange:
+    """The exchange across ``plan``'s pipelines (module docstring); empty for one pipeline."""
     from h2jax.plan._cost import _DEFAULT_TABLE
 
     pipes = plan.pipeline_plans()
     if len(pipes) < 2:
-        return 0.0, 0.0
+        return Exchange()
     table = table if table is not None else _DEFAULT_TABLE
     eff = table.eff
+    offsets = plan.stage_offsets()
     owners = _holdings(pipes[0], model)
-    busiest, hosts = (0.0, 0.0), [0.0, 0.0]
+    mirrors = [
+        (offsets[p] + m, pipes[p].stages[m], held)
+        for p in range(1, len(pipes))
+        for m, held in enumerate(_holdings(pipes[p], model))
+    ]
+    pairs: list[tuple[int, int, float]] = []
+    copies, hosts = [0.0] * len(owners), [0.0, 0.0]
     for o, (blocks, emb, head) in enumerate(owners):
         spec_o = pipes[0].stages[o]
         prof_o = profiles[spec_o.chip]
-        links = [0.0, 0.0]
-        for pipe in pipes[1:]:
-            for m, (m_blocks, m_emb, m_head) in enumerate(_holdings(pipe, model)):
-                params = len(blocks & m_blocks) * model.block_params
-                params += model.embed_params * (emb and m_emb) + model.head_params * (head and m_head)
-                if not params:
+        for g, spec_m, (m_blocks, m_emb, m_head) in mirrors:
+            params = len(blocks & m_blocks) * model.block_params
+            params += model.embed_params * (emb and m_emb) + model.head_params * (head and m_head)
+            if not params:
+                continue
+            prof_m = profiles[spec_m.chip]
+            if prof_o.host is not None and prof_o.host == prof_m.host:
+                rows = [
+                    measured_exchange(table, model, prof, spec.tensor)
+                    for prof, spec in ((prof_o, spec_o), (prof_m, spec_m))
+                ]
+                got = [r or rows[1 - i] for i, r in enumerate(rows)]  # the receiver's, else the sender's
+                if got[0] is not None:  # measured: the host's one driver runs every pair in turn
+                    per_block = params / model.block_params
+                    hosts[0] += got[0][1].fwd_s + per_block * got[0][0].fwd_s
+                    hosts[1] += got[1][1].bwd_s + per_block * got[1][0].bwd_s
                     continue
-                spec_m = pipe.stages[m]
-                prof_m = profiles[spec_m.chip]
-                if prof_o.host is not None and prof_o.host == prof_m.host:
-                    rows = [
-                        measured_exchange(table, model, prof, spec.tensor)
-                        for prof, spec in ((prof_o, spec_o), (prof_m, spec_m))
-                    ]
-                    got = [r or rows[1 - i] for i, r in enumerate(rows)]  # the receiver's, else the sender's
-                    if got[0] is not None:  # measured: the host's one driver runs every pair in turn
-                        per_block = params / model.block_params
-                        hosts[0] += got[0][1].fwd_s + per_block * got[0][0].fwd_s
-                        hosts[1] += got[1][1].bwd_s + per_block * got[1][0].bwd_s
-                        continue
-                grads = 4 * params  # fp32
-                links[0] += grads * _rate_s_per_byte(prof_m, spec_m, prof_o, spec_o, model, table)
-                links[1] += grads * _rate_s_per_byte(prof_o, spec_o, prof_m, spec_m, model, table)
-                links[0] += eff.collective_latency_s
-                links[1] += eff.collective_latency_s
-        if sum(links) > sum(busiest):
-            busiest = (links[0], links[1])
-    return busiest[0] + hosts[0], busiest[1] + hosts[1]
+            grads = 4 * params  # fp32
+            pairs.append(
+                (
+                    o,
+                    g,
+                    grads * _rate_s_per_byte(prof_m, spec_m, prof_o, spec_o, model, table) + eff.collective_latency_s,
+                )
+            )
+            copies[o] += (
+                grads * _rate_s_per_byte(prof_o, spec_o, prof_m, spec_m, model, table) + eff.collective_latency_s
+            )
+    pairs.sort(key=lambda x: (x[1], -x[0]))  # the runtime's order: by mirror, then owner from the last down
+    ex = Exchange(tuple(pairs), hosts[0], max(copies, default=0.0) + hosts[1])
+    if any(profiles[s.chip].host is not None for s in plan.stages):  # one process drives them all: in turn, after
+        ex = Exchange((), ex.summed_s, ex.copied_s)
+    return ex
+
+
+def exchange_parts(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = None) -> tuple[float, float]:
+    """(the gradient sum's seconds, the copy back's) of the exchange across ``plan``'s pipelines,
+    every stage done at once (:func:`exchange`); (0, 0) for one pipeline."""
+    ex = exchange(plan, model, profiles, table=table)
+    return ex.summed_s, ex.copied_s
 
 
 def exchange_s(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = None) -> float:
     """Seconds of the exchange across ``plan``'s pipelines (:func:`exchange_parts` added up)."""
     return sum(exchange_parts(plan, model, profiles, table=table))
+
+
+@lru_cache(maxsize=4096)
+def _slacks(
+    schedule: Any, m: int, fwd: tuple[float, ...], b: tuple[float, ...], w: tuple[float, ...]
+) -> tuple[float, ...]:
+    """Per stage of one pipeline: how long before the pipeline's last op its own last op ends,
+    in a replay of the schedule with these seconds per chunk (transfers left out)."""
+    events = schedule.bind(len(fwd), m).events(forward=list(fwd), backward=list(b), weight=list(w))
+    ends = [0.0] * len(fwd)
+    for e in events:
+        ends[e[0]] = max(ends[e[0]], e[4])
+    last = max(ends, default=0.0)
+    return tuple(last - e for e in ends)
+
+
+def stage_ready_s(pipe: Plan, cost: Any) -> tuple[list[float], float]:
+    """(when each stage of one pipeline is done with its own ops, the seconds after that to the
+    end of its step: the tails, the driver's step) (module docstring)."""
+    from h2jax.plan._cost import pipeline_time
+
+    st = cost.stages
+    transfers = sum(cost.transfers_fwd) + sum(cost.transfers_bwd)
+    tails = pipeline_time(st, pipe.schedule, pipe.num_microbatches, transfers=transfers, period=cost.period_s)
+    bare = pipeline_time(
+        st, pipe.schedule, pipe.num_microbatches, transfers=transfers, period=cost.period_s, tails=False
+    )
+    last = cost.iteration_s - (tails - bare) - cost.driver_step_s
+    v = pipe.schedule.chunks
+    top = max(s.t for s in st)
+    scale = cost.period_s / top if top > 0 and cost.period_s > 0 else 1.0
+    slack = _slacks(
+        pipe.schedule,
+        pipe.num_microbatches,
+        tuple(round(scale * s.fwd_s / v, 12) for s in st),
+        tuple(round(scale * s.b_s / v, 12) for s in st),
+        tuple(round(scale * s.w_s / v, 12) for s in st),
+    )
+    return [last - x for x in slack], cost.iteration_s - last
 
 
 def estimate_pipelines(plan: Plan, model: Any, cluster: Any, *, table: Any = None, opts: Any = None) -> PipelinesCost:
@@ -164,9 +273,20 @@ def estimate_pipelines(plan: Plan, model: Any, cluster: Any, *, table: Any = Non
     opts = opts if opts is not None else CostOptions()
     costs = tuple(estimate(p, model, cluster, table=table, opts=opts) for p in plan.pipeline_plans())
     profiles = cluster.profiles
-    summed, copied = exchange_parts(plan, model, profiles, table=table)
-    x = summed + copied
-    step = max(c.iteration_s for c in costs) + x
+    ex = exchange(plan, model, profiles, table=table)
+    summed, copied = ex.summed_s, ex.copied_s
+    step = max(c.iteration_s for c in costs) + summed + copied
+    overlap = 0.0
+    if ex.pairs:  # the gradient sum overlaps the backward (module docstring)
+        ready: list[float] = []
+        after = 0.0
+        for pipe, c in zip(plan.pipeline_plans(), costs):
+            r, a = stage_ready_s(pipe, c)
+            ready += r
+            after = max(after, a)
+        done = ex.sums_end(ready)
+        step = max(max(c.iteration_s for c in costs), done + after) + copied
+        overlap = max(0.0, max(ready) + summed - done)
     work: dict[str, float] = {}
     cores: dict[str, int] = {}
     for c in costs:
@@ -184,7 +304,9 @@ def estimate_pipelines(plan: Plan, model: Any, cluster: Any, *, table: Any = Non
     return PipelinesCost(
         plan=plan,
         pipelines=costs,
-        exchange_s=x,
+        exchange_s=summed + copied,
+        exchange_overlap_s=overlap,
+        exchange=ex,
         exchange_summed_s=summed,
         iteration_s=max(step, bound),
         tokens_per_step=plan.global_batch * model.seq_len,

@@ -40,8 +40,12 @@ order: stages on a shared host (emulated chips: a CPU client runs a single-devic
 thread that dispatches it, so the call returns when it is done) take their tails one after
 another in stage order, stages with hosts of their own (asynchronous dispatch) all at once. The
 exchange's seconds
-(:func:`h2jax.plan._pipelines.exchange_parts`) come as the sum's and the copy back's. A plan of
-one pipeline has no exchange and keeps each stage's tail right after its own last op.
+(:func:`h2jax.plan._pipelines.exchange_parts`) come as the sum's and the copy back's; where the
+stages have processes of their own, the sum comes as (owner, mirror) pairs
+(:class:`h2jax.plan._pipelines.Exchange`), each started once both of its stages are done with
+their own ops and keeping both busy, in the runtime's order: the sum overlaps the backward of
+stages still draining, and the tails wait for the last pair. A plan of one pipeline has no
+exchange and keeps each stage's tail right after its own last op.
 
 Durations come from the cost model
 (:func:`simulate_plan`) or from a real run's trace (per stage, per microbatch), so the
@@ -63,7 +67,7 @@ from typing import Any
 
 from h2jax._trace import TraceEvent, chrome_trace, idle_share, plot_gantt, sort_events, write_trace
 from h2jax.plan._cost import CostOptions, PlanCost, estimate
-from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines
+from h2jax.plan._pipelines import Exchange, PipelinesCost, estimate_pipelines
 from h2jax.plan._plan import Plan, PlanError
 from h2jax.plan._profiles import ChipProfile, Cluster, ModelShape, ProfileTable
 from h2jax.plan.schedules import BACKWARD, FORWARD, Schedule, ScheduleError, Task, get_schedule
@@ -450,6 +454,7 @@ def simulate_pipelines(
     *,
     exchange_s: float = 0.0,
     exchange_summed_s: float | None = None,
+    exchange_pairs: Sequence[tuple[int, int, float]] = (),
     host_cores: Mapping[str, float] | None = None,
 ) -> SimResult:
     """Replay one step of a job of several pipelines in one replay (module docstring).
@@ -462,7 +467,10 @@ def simulate_pipelines(
     gradient sum's (None: half, as its bytes are: one gradient to the owner, the value back);
     the step ends as the runtime
     ends it: the last backward of every pipeline, the gradient sum, every stage's tail at
-    once, the copy back. One pipeline: exactly :func:`simulate` (no exchange)."""
+    once, the copy back. `exchange_pairs`: (owner stage, mirror stage, seconds) of a gradient sum
+    between stages with processes of their own, in the runtime's order (module docstring); each
+    starts once both stages are done, before the `exchange_summed_s` that follows the last of
+    them. One pipeline: exactly :func:`simulate` (no exchange)."""
     if not pipelines:
         raise ValueError("pipelines: expected one or more pipelines' arguments, got none")
     if not (exchange_s >= 0 and math.isfinite(exchange_s)):
@@ -479,8 +487,11 @@ def simulate_pipelines(
                 else "expected " + ", ".join(_LANE_KEYS)
             )
             raise ValueError(f"pipelines[{p}]: unknown key(s) {', '.join(unknown)}; {why}")
+    for o, m, x in exchange_pairs:
+        if not (x >= 0 and math.isfinite(x)) or o == m:
+            raise ValueError(f"exchange_pairs: ({o}, {m}, {x!r}); expected two stages and seconds >= 0")
     if len(pipelines) == 1:
-        if exchange_s:
+        if exchange_s or exchange_pairs:
             raise ValueError(f"exchange_s={exchange_s!r} with one pipeline: one pipeline exchanges nothing")
         return simulate(**pipelines[0], host_cores=host_cores)
     events: list[SimEvent] = []
@@ -499,6 +510,7 @@ def simulate_pipelines(
         lanes,
         host_cores,
         barrier=(summed, exchange_s - summed),
+        pairs=Exchange(tuple(exchange_pairs)),
         pipelines=tuple(p for p, lane in enumerate(lanes) for _ in range(lane.walk.n)),
     )
 
@@ -509,12 +521,14 @@ def _replay(
     host_cores: Mapping[str, float] | None,
     *,
     barrier: tuple[float, float] | None = None,
+    pairs: Exchange = Exchange(),
     pipelines: tuple[int, ...] = (),
 ) -> SimResult:
     """The replay of `walk` (one pipeline's, or a job's): with processor sharing where a host is
     named by two or more stages, else the plain one. `barrier`: None, each stage's tail right
     after its own last op; (a, b), every tail a seconds after the last op of every stage,
-    and b more seconds after the last tail (the exchange across pipelines, module docstring)."""
+    and b more seconds after the last tail (the exchange across pipelines, module docstring), after
+    the `pairs` of stages with processes of their own (on shared hosts: after the last op)."""
     n = walk.n
     tails = [t for lane in lanes for t in lane.tails]
     hosts = [h for lane in lanes for h in lane.hosts]
@@ -524,6 +538,8 @@ def _replay(
         missing = sorted(h for h in shared if h not in (host_cores or {}))
         if missing:
             raise ValueError(f"host_cores has no entry for shared host(s) {missing}")
+        if pairs.pairs and barrier is not None:  # one process drives them: in turn, after the last op
+            barrier = (barrier[0] + pairs.summed_s, barrier[1])
         return _replay_shared(
             walk,
             tails,
@@ -561,7 +577,13 @@ def _replay(
         remaining -= 1
     events = walk.events
     if barrier is not None:  # every tail after the last op of the job and the gradient sum
-        last = max(free)
+        for o, m, t0, t1 in pairs.timed(free):
+            if t1 > t0:
+                events.extend(
+                    SimEvent("other", s, None, t0, t1, {"name": "across pipelines: gradients summed", "with": peer})
+                    for s, peer in ((o, m), (m, o))
+                )
+        last = pairs.sums_end(free)
         gate = last + barrier[0]
         _exchange(events, n, last, gate, "gradients summed")
         free = [gate] * n
@@ -736,8 +758,13 @@ def simulate_plan(
             for h, k in c.host_cores.items():
                 cores[h] = min(cores.get(h, k), k)
         args = [_stage_args(pipe, c) for pipe, c in zip(plan.pipeline_plans(), job.pipelines)]
+        ex = job.exchange or Exchange()
         sim = simulate_pipelines(
-            args, exchange_s=job.exchange_s, exchange_summed_s=job.exchange_summed_s, host_cores=cores
+            args,
+            exchange_s=ex.after_s + ex.copied_s,
+            exchange_summed_s=ex.after_s,
+            exchange_pairs=ex.pairs,
+            host_cores=cores,
         )
         step_s = max(c.driver_step_s for c in job.pipelines)  # one driver loop per step, its threads at once
         if step_s > 0:

@@ -39,7 +39,9 @@ def test_two_pipelines_cost_the_slowest_plus_the_exchange_and_one_costs_as_befor
     # 4 blocks, stage 1 (sim_b, data 2) 2 blocks and the head; each receives the gradient of what
     # it shares with the second pipeline's one stage (sim_a, data 2) and sends the values back,
     # in 2 pieces (the smaller mesh's devices) over the slower chip's inter-node
-    # link, the receiver all-gathering its half over its data axis on its intra-node link
+    # link, the receiver all-gathering its half over its data axis on its intra-node link. The
+    # mirror's one stage takes part in both sums, one after the other; the two owners send their
+    # values back at once (the busier one counts)
     eff, prof = Efficiency(), cluster.profiles
 
     def rate(src, dst):  # seconds per byte
@@ -48,11 +50,41 @@ def test_two_pipelines_cost_the_slowest_plus_the_exchange_and_one_costs_as_befor
 
     g0 = 4 * (4 * model.block_params + model.embed_params)
     g1 = 4 * (2 * model.block_params + model.head_params)
-    x0 = g0 * (rate("sim_a", "sim_a") + rate("sim_a", "sim_a")) + 2 * eff.collective_latency_s
-    x1 = g1 * (rate("sim_a", "sim_b") + rate("sim_b", "sim_a")) + 2 * eff.collective_latency_s
-    assert both.exchange_s == pytest.approx(max(x0, x1))
+    lat = eff.collective_latency_s
+    summed = g0 * rate("sim_a", "sim_a") + lat + g1 * rate("sim_a", "sim_b") + lat
+    copied = max(g0 * rate("sim_a", "sim_a"), g1 * rate("sim_b", "sim_a")) + lat
+    assert both.exchange_summed_s == pytest.approx(summed)
+    assert both.exchange_s == pytest.approx(summed + copied)
+    # emulated chips share the host (one process drives them): nothing of the sum overlaps a backward
+    assert both.exchange_overlap_s == 0 and both.exchange.pairs == ()
     assert both.devices_by_chip == {"sim_a": 4, "sim_b": 2} and both.fits
     assert both.tokens_per_step == 32 * model.seq_len
+
+
+def test_on_chips_with_processes_of_their_own_the_last_stages_sum_while_the_first_drain():
+    """Real chips (each stage its own processes): each (owner, mirror) pair's gradient sum starts
+    once both stages are done with their own ops, in the runtime's order (by mirror, the owners
+    from the last down), so the last stages' sum overlaps the first stages' drain; the simulator
+    replays the same pairs."""
+    import dataclasses
+
+    from h2jax.plan import simulate_plan
+    from h2jax.plan._pipelines import stage_ready_s
+
+    cluster, model = _sim_mix()
+    cluster = Cluster(tuple((dataclasses.replace(p, host=None, emulated=False), n) for p, n in cluster.chips))
+    a = Plan((StageSpec("sim_a", (0, 3), 1, 1), StageSpec("sim_b", (3, 6), 1, 1)), global_batch=16, num_microbatches=4)
+    b = Plan((StageSpec("sim_a", (0, 2), 1, 1), StageSpec("sim_b", (2, 6), 1, 1)), global_batch=8, num_microbatches=4)
+    plan = Plan(pipelines=(a, b))
+    job = estimate_pipelines(plan, model, cluster)
+    assert [(o, m) for o, m, _ in job.exchange.pairs] == [(0, 2), (1, 3), (0, 3)]
+    ready, _ = stage_ready_s(a, job.pipelines[0])
+    assert ready[1] < ready[0]  # 1f1b: the last stage's last backward ends first
+    slowest = max(c.iteration_s for c in job.pipelines)
+    assert job.exchange_overlap_s > 0 and slowest <= job.iteration_s < slowest + job.exchange_s
+    sim, _ = simulate_plan(plan, model, cluster)
+    (start,) = [e.start for e in sim.events if e.extra.get("with") == 3 and e.stage == 1]
+    assert start < max(e.end for e in sim.events if e.stage == 0 and e.kind == "bwd")
 
 
 def test_the_exchange_between_chips_of_one_host_is_priced_from_the_profiled_exchange():

@@ -164,6 +164,32 @@ def test_every_tail_waits_for_the_last_backward_of_the_job():
     assert math.isclose(alone, ends[0] + 3.0) and alone + 0.8 < both.iteration_s
 
 
+def test_a_pair_of_stages_with_processes_of_their_own_sums_once_both_are_done():
+    # two pipelines of 2 stages, 1 microbatch, every op 1 s: each pipeline's stage 1 is done at 3,
+    # its stage 0 at 4. The last stages' pair (owner 1, mirror 3: 2 s) runs 3 -> 5, beside the
+    # first stages' last backward; the first stages' (owner 0, mirror 2: 0.5 s) 4 -> 4.5; every
+    # tail (1 s) from 5, the copy back (0.3 s) after it: 6.3 (after the last op: 4 + 2 + 1 + 0.3)
+    kw = dict(schedule="1f1b", num_microbatches=1, fwd=[1.0, 1.0], bwd=[1.0, 1.0], tail=[1.0, 1.0])
+    both = simulate_pipelines(
+        [kw, kw], exchange_s=0.3, exchange_summed_s=0.0, exchange_pairs=[(0, 2, 0.5), (1, 3, 2.0)]
+    )
+    assert math.isclose(both.iteration_s, 6.3)
+    summed = sorted((e.stage, e.start, e.end, e.extra["with"]) for e in both.events if "with" in e.extra)
+    assert summed == [(0, 4.0, 4.5, 2), (1, 3.0, 5.0, 3), (2, 4.0, 4.5, 0), (3, 3.0, 5.0, 1)]
+    after = simulate_pipelines([kw, kw], exchange_s=2.3, exchange_summed_s=2.0)
+    assert math.isclose(after.iteration_s, 7.3)
+    # a stage in two pairs takes them one after the other, in the order given: mirror 2 (done at
+    # 4) with owner 1 (done at 3) 4 -> 5, then with owner 0 5 -> 5.5; tails 5.5 -> 6.5
+    chained = simulate_pipelines([kw, kw], exchange_pairs=[(1, 2, 1.0), (0, 2, 0.5)])
+    assert math.isclose(chained.iteration_s, 6.5)
+    # on a shared host one process drives every stage: the pairs run after the last op, in turn,
+    # then the four tails one after another (the shared host's rule)
+    shared = [dict(kw, hosts=["h", "h"]), dict(kw, hosts=["h", "h"])]
+    on_host = simulate_pipelines(shared, exchange_pairs=[(1, 3, 2.0)], host_cores={"h": 8})
+    last = max(e.end for e in on_host.events if e.kind in ("fwd", "bwd"))
+    assert math.isclose(on_host.iteration_s, last + 2.0 + 4 * 1.0)
+
+
 def test_a_plan_of_two_pipelines_on_hosts_of_their_own():
     cluster, model = _sim_mix(host=None)
     plan = Plan(pipelines=(ALONE_A, ALONE_B))
@@ -270,5 +296,9 @@ def test_bad_input_names_the_pipeline_and_the_key():
         simulate_pipelines(TWO, exchange_s=-1)
     with pytest.raises(ValueError, match="one pipeline exchanges nothing"):
         simulate_pipelines(TWO[:1], exchange_s=1.0)
+    with pytest.raises(ValueError, match="one pipeline exchanges nothing"):
+        simulate_pipelines(TWO[:1], exchange_pairs=[(0, 1, 1.0)])
+    with pytest.raises(ValueError, match=r"exchange_pairs: \(0, 2, -1.0\)"):
+        simulate_pipelines(TWO, exchange_pairs=[(0, 2, -1.0)])
     with pytest.raises(ValueError, match=r"host_cores has no entry for shared host\(s\) \['h'\]"):
         simulate_pipelines([ONE_STAGE, ONE_STAGE])
