@@ -14,27 +14,27 @@ optimizer moments do not travel: h2jax.runtime._tied). Each of these transfers r
 tensor is cut into as many pieces as the smaller of the two stages has devices, each piece on its
 own link (the pattern of the boundary transfers, h2jax.plan._stage_cost.transfer_s), and the
 receiving stage all-gathers the pieces over its data axis on its intra-node link. A link between two
-chip types, or between nodes of one, runs at the slower side's inter-node bandwidth. An owner stage
-takes its mirrors' transfers one after the other, the owner stages run in parallel, so the exchange
-is the busiest owner stage's sum. Between chips that share a host (emulated) the bytes cross its
-memory and the one process's driver runs every (owner, mirror) pair in turn: each pair costs what
-the profiler measured of that exchange between two clients of the host (``"exchange_call"`` per list
-plus ``"exchange"`` per block's worth of parameters, h2jax.runtime._profile: the runtime's own calls
-timed), added up over the pairs; without such rows, the link model above at the profiler's
-boundary-transfer rate. The gradient sum and the copy back are priced apart (:func:`exchange_parts`;
-the simulator replays them apart).
+chip types, or between nodes of one, runs at the slower side's inter-node bandwidth. The runtime
+posts its sends and goes on (h2jax.runtime._world.World.from_stage_to), so a stage that sends to
+several is held by none of them, and a stage receives its transfers one after the other, in the
+runtime's order (:class:`Exchange`): an owner its mirrors' gradients, a mirror its owners' values.
+Between chips that share a host (emulated) the bytes cross its memory and the one process's driver
+runs every (owner, mirror) pair in turn: each pair costs what the profiler measured of that exchange
+between two clients of the host (``"exchange_call"`` per list plus ``"exchange"`` per block's worth
+of parameters, h2jax.runtime._profile: the runtime's own calls timed), added up over the pairs;
+without such rows, the link model above at the profiler's boundary-transfer rate. The gradient sum
+and the copy back are priced apart (:func:`exchange_parts`; the simulator replays them apart).
 
-The gradient sum overlaps the backward where the stages have processes of their own (real chips,
-one process per stage under mpirun): each process goes on to the exchange as soon as its own
-stage's last op is done, and runs its (owner, mirror) pairs in the runtime's order (by mirror
-stage, then owner from the last down: h2jax.runtime._tied.TiedParams.sum_grads), each pair once
-both of its stages are there, both busy until it is done (:class:`Exchange`). So a pair of late
-stages (the last stages of a pipeline finish their backwards first) is summed while the stages
-below them still drain. When a stage is done comes from a replay of its pipeline's schedule (its
-last op's distance from the pipeline's, the transfers left out: the done time errs late). Where
-stages share a host (emulated chips: one process drives them all) every pair runs after the
-job's last op, one after the other. The global gradient norm then waits for every sum, every stage
-runs its update (the tails), and the copy back follows the updates: neither overlaps anything.
+The gradient sum overlaps the backward where the stages have processes of their own (real chips, one
+process per stage under mpirun): each process goes on to the exchange as soon as its own stage's
+last op is done: a mirror posts its gradients to its owners, an owner adds its mirrors' in order
+(h2jax.runtime._tied.TiedParams.sum_grads), each once its mirror has posted it (:class:`Exchange`).
+So a pair of late stages (the last stages of a pipeline finish their backwards first) is summed
+while the stages below them still drain. When a stage is done comes from a replay of its pipeline's
+schedule (its last op's distance from the pipeline's, the transfers left out: the done time errs
+late). Where stages share a host (emulated chips: one process drives them all) every pair runs after
+the job's last op, one after the other. The global gradient norm then waits for every sum, every
+stage runs its update (the tails), and the copy back follows the updates: neither overlaps anything.
 
 With shared hosts (emulated chips) the pipelines' stages also share the host's cores: the step
 is at least every pipeline's host work over the cores, as for one pipeline (h2jax.plan._cost).
@@ -138,15 +138,16 @@ class Exchange:
     copied_s: float = 0.0  # the copy back's, after the updates
 
     def timed(self, ready: Sequence[float]) -> list[tuple[int, int, float, float]]:
-        """(owner, mirror, start, end) of each pair, the job's stage g done with its own ops at
-        ready[g] (0 where not given): a pair starts once both of its stages are free, and keeps
-        both busy."""
+        """(receiver, sender, start, end) of each (receiver, sender, seconds) pair, the job's
+        stage g done with its own ops at ready[g] (0 where not given): the sender posts its send
+        when it is free and goes on; the receiver takes its pairs one after the other, each once
+        the sender has posted it."""
         free = dict(enumerate(ready))
         out = []
-        for o, m, s in self.pairs:
-            t0 = max(free.get(o, 0.0), free.get(m, 0.0))
-            free[o] = free[m] = t0 + s
-            out.append((o, m, t0, t0 + s))
+        for r, src, s in self.pairs:
+            t0 = max(free.get(r, 0.0), free.get(src, 0.0))
+            free[r] = t0 + s
+            out.append((r, src, t0, t0 + s))
         return out
 
     def sums_end(self, ready: Sequence[float]) -> float:
@@ -176,7 +177,8 @@ def exchange(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = N
         for m, held in enumerate(_holdings(pipes[p], model))
     ]
     pairs: list[tuple[int, int, float]] = []
-    copies, hosts = [0.0] * len(owners), [0.0, 0.0]
+    copies: list[tuple[int, int, float]] = []
+    hosts = [0.0, 0.0]
     for o, (blocks, emb, head) in enumerate(owners):
         spec_o = pipes[0].stages[o]
         prof_o = profiles[spec_o.chip]
@@ -205,14 +207,18 @@ def exchange(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = N
                     grads * _rate_s_per_byte(prof_m, spec_m, prof_o, spec_o, model, table) + eff.collective_latency_s,
                 )
             )
-            copies[o] += (
-                grads * _rate_s_per_byte(prof_o, spec_o, prof_m, spec_m, model, table) + eff.collective_latency_s
+            copies.append(
+                (
+                    g,
+                    o,
+                    grads * _rate_s_per_byte(prof_o, spec_o, prof_m, spec_m, model, table) + eff.collective_latency_s,
+                )
             )
     pairs.sort(key=lambda x: (x[1], -x[0]))  # the runtime's order: by mirror, then owner from the last down
-    ex = Exchange(tuple(pairs), hosts[0], max(copies, default=0.0) + hosts[1])
+    copies.sort(key=lambda x: (x[1], x[0]))  # each mirror takes its owners' values owner by owner
     if any(profiles[s.chip].host is not None for s in plan.stages):  # one process drives them all: in turn, after
-        ex = Exchange((), ex.summed_s, ex.copied_s)
-    return ex
+        return Exchange((), hosts[0] + sum(x for *_, x in pairs), hosts[1] + sum(x for *_, x in copies))
+    return Exchange(tuple(pairs), hosts[0], Exchange(tuple(copies)).summed_s + hosts[1])
 
 
 def exchange_parts(plan: Plan, model: Any, profiles: dict[str, Any], *, table: Any = None) -> tuple[float, float]:
@@ -256,6 +262,8 @@ def stage_ready_s(pipe: Plan, cost: Any) -> tuple[list[float], float]:
     v = pipe.schedule.chunks
     top = max(s.t for s in st)
     scale = cost.period_s / top if top > 0 and cost.period_s > 0 else 1.0
+    if len(st) == 1:  # nothing below it to drain
+        return [last], cost.iteration_s - last
     slack = _slacks(
         pipe.schedule,
         pipe.num_microbatches,

@@ -42,9 +42,9 @@ another in stage order, stages with hosts of their own (asynchronous dispatch) a
 exchange's seconds
 (:func:`h2jax.plan._pipelines.exchange_parts`) come as the sum's and the copy back's; where the
 stages have processes of their own, the sum comes as (owner, mirror) pairs
-(:class:`h2jax.plan._pipelines.Exchange`), each started once both of its stages are done with
-their own ops and keeping both busy, in the runtime's order: the sum overlaps the backward of
-stages still draining, and the tails wait for the last pair. A plan of one pipeline has no
+(:class:`h2jax.plan._pipelines.Exchange`): the mirror posts its gradient once it is done with its
+own ops, the owner takes its pairs one after the other, each once both are done: the sum overlaps
+the backward of stages still draining, and the tails wait for the last pair. A plan of one pipeline has no
 exchange and keeps each stage's tail right after its own last op.
 
 Durations come from the cost model
@@ -469,8 +469,8 @@ def simulate_pipelines(
     ends it: the last backward of every pipeline, the gradient sum, every stage's tail at
     once, the copy back. `exchange_pairs`: (owner stage, mirror stage, seconds) of a gradient sum
     between stages with processes of their own, in the runtime's order (module docstring); each
-    starts once both stages are done, before the `exchange_summed_s` that follows the last of
-    them. One pipeline: exactly :func:`simulate` (no exchange)."""
+    starts once both stages are done and keeps the owner busy, before the `exchange_summed_s`
+    that follows the last of them. One pipeline: exactly :func:`simulate` (no exchange)."""
     if not pipelines:
         raise ValueError("pipelines: expected one or more pipelines' arguments, got none")
     if not (exchange_s >= 0 and math.isfinite(exchange_s)):
@@ -579,9 +579,8 @@ def _replay(
     if barrier is not None:  # every tail after the last op of the job and the gradient sum
         for o, m, t0, t1 in pairs.timed(free):
             if t1 > t0:
-                events.extend(
-                    SimEvent("other", s, None, t0, t1, {"name": "across pipelines: gradients summed", "with": peer})
-                    for s, peer in ((o, m), (m, o))
+                events.append(
+                    SimEvent("other", o, None, t0, t1, {"name": "across pipelines: gradients summed", "with": m})
                 )
         last = pairs.sums_end(free)
         gate = last + barrier[0]

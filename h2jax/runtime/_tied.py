@@ -250,6 +250,7 @@ class TiedParams:
                 mine = [leaves[i] for i in idx]
                 summed = self._program("add", mine)(mine, _place_all(got, mine))
                 st.acc = _replace(st.acc, dict(zip(idx, summed)))
+        self.world.settle()
 
     def sync(self) -> None:
         """Every mirror takes its owner's value of each tied parameter (call after every update;
@@ -268,6 +269,7 @@ class TiedParams:
                 params = jax.tree.leaves(st.params)
                 p_idx = [self._param_index(sp, m) for sp in sps]
                 st.params = _replace(st.params, dict(zip(p_idx, _place_all(list(got), [params[i] for i in p_idx]))))
+        self.world.settle()
 
     def copies(self) -> dict[str, dict[int, Any]]:
         """Each tied parameter's copies on this process's stages: {model path: {stage: array}}

@@ -79,8 +79,13 @@ class World:
         ``stages``: returned there and on ``stage``'s own processes, None elsewhere. Only
         those processes take part (point to point, no collective); every one of them calls it
         in the same order. Across processes ``value`` must pickle (host arrays); in one
-        process it is handed over as it is."""
+        process it is handed over as it is. The sender does not wait for its receivers: its
+        sends are posted (the value pickled at once) and :meth:`settle` waits for them, so a
+        stage that sends to several others is not held by the first of them."""
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """Wait until every send :meth:`from_stage_to` posted on this process was received."""
 
     def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
         raise NotImplementedError
@@ -116,6 +121,9 @@ class LocalWorld(World):
 
     def from_stage_to(self, stage: int, stages: Sequence[int], value: Any) -> Any:
         return value
+
+    def settle(self) -> None:
+        pass
 
     def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
         return stop, -1 if committed is None else committed
@@ -159,6 +167,7 @@ class MpiWorld(World):
         self.is_leader = self.leaders[self.stage_idx] == self.rank
         self.is_writer = self.rank == 0
         self.launcher = launcher
+        self._posted: list[Any] = []  # from_stage_to's sends not yet known received (settle)
 
     def stage_values(self, values: Mapping[int, float]) -> list[float]:
         mine = float(values[self.stage_idx]) if self.is_leader else None
@@ -174,11 +183,16 @@ class MpiWorld(World):
             if self.is_leader:
                 for r, s in enumerate(self.stage_of_rank):
                     if s in to:
-                        self.comm.send(value, dest=r, tag=STAGE_TO_TAG)
+                        self._posted.append(self.comm.isend(value, dest=r, tag=STAGE_TO_TAG))
             return value
         if self.stage_idx in to:
             return self.comm.recv(source=self.leaders[stage], tag=STAGE_TO_TAG)
         return None
+
+    def settle(self) -> None:
+        posted, self._posted = self._posted, []
+        for req in posted:
+            req.wait()
 
     def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
         got = self.comm.allgather((stop, -1 if committed is None else committed))
@@ -256,6 +270,11 @@ class ThreadComm:
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         self._g.mailbox(self._rank, dest, tag).put(obj)
 
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> Any:
+        """A posted send (mailboxes never block: it is done at once), with mpi4py's ``wait``."""
+        self.send(obj, dest, tag)
+        return _Done()
+
     def recv(self, source: int, tag: int = 0) -> Any:
         try:
             return self._g.mailbox(source, self._rank, tag).get(timeout=self._g.timeout_s)
@@ -263,6 +282,11 @@ class ThreadComm:
             raise TimeoutError(
                 f"rank {self._rank}: no message from rank {source} tag {tag} in {self._g.timeout_s:g} s"
             ) from None
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
 
 
 class ThreadGroup:

@@ -39,9 +39,8 @@ def test_two_pipelines_cost_the_slowest_plus_the_exchange_and_one_costs_as_befor
     # 4 blocks, stage 1 (sim_b, data 2) 2 blocks and the head; each receives the gradient of what
     # it shares with the second pipeline's one stage (sim_a, data 2) and sends the values back,
     # in 2 pieces (the smaller mesh's devices) over the slower chip's inter-node
-    # link, the receiver all-gathering its half over its data axis on its intra-node link. The
-    # mirror's one stage takes part in both sums, one after the other; the two owners send their
-    # values back at once (the busier one counts)
+    # link, the receiver all-gathering its half over its data axis on its intra-node link. One
+    # process drives these emulated chips: every transfer in turn
     eff, prof = Efficiency(), cluster.profiles
 
     def rate(src, dst):  # seconds per byte
@@ -52,7 +51,7 @@ def test_two_pipelines_cost_the_slowest_plus_the_exchange_and_one_costs_as_befor
     g1 = 4 * (2 * model.block_params + model.head_params)
     lat = eff.collective_latency_s
     summed = g0 * rate("sim_a", "sim_a") + lat + g1 * rate("sim_a", "sim_b") + lat
-    copied = max(g0 * rate("sim_a", "sim_a"), g1 * rate("sim_b", "sim_a")) + lat
+    copied = g0 * rate("sim_a", "sim_a") + lat + g1 * rate("sim_b", "sim_a") + lat
     assert both.exchange_summed_s == pytest.approx(summed)
     assert both.exchange_s == pytest.approx(summed + copied)
     # emulated chips share the host (one process drives them): nothing of the sum overlaps a backward
@@ -63,9 +62,9 @@ def test_two_pipelines_cost_the_slowest_plus_the_exchange_and_one_costs_as_befor
 
 def test_on_chips_with_processes_of_their_own_the_last_stages_sum_while_the_first_drain():
     """Real chips (each stage its own processes): each (owner, mirror) pair's gradient sum starts
-    once both stages are done with their own ops, in the runtime's order (by mirror, the owners
-    from the last down), so the last stages' sum overlaps the first stages' drain; the simulator
-    replays the same pairs."""
+    once both stages are done with their own ops (the mirror posts, the owner adds its mirrors in
+    turn), so the last stages' sum overlaps the first stages' drain; the simulator replays the
+    same pairs. The copies back: each mirror takes its owners' values one after the other."""
     import dataclasses
 
     from h2jax.plan import simulate_plan
@@ -77,7 +76,10 @@ def test_on_chips_with_processes_of_their_own_the_last_stages_sum_while_the_firs
     b = Plan((StageSpec("sim_a", (0, 2), 1, 1), StageSpec("sim_b", (2, 6), 1, 1)), global_batch=8, num_microbatches=4)
     plan = Plan(pipelines=(a, b))
     job = estimate_pipelines(plan, model, cluster)
-    assert [(o, m) for o, m, _ in job.exchange.pairs] == [(0, 2), (1, 3), (0, 3)]
+    pairs = job.exchange.pairs
+    assert [(o, m) for o, m, _ in pairs] == [(0, 2), (1, 3), (0, 3)]
+    # everyone done at once: owner 0 adds its two mirrors' in turn, owner 1 its one beside it
+    assert job.exchange_summed_s == pytest.approx(max(pairs[0][2] + pairs[2][2], pairs[1][2]))
     ready, _ = stage_ready_s(a, job.pipelines[0])
     assert ready[1] < ready[0]  # 1f1b: the last stage's last backward ends first
     slowest = max(c.iteration_s for c in job.pipelines)

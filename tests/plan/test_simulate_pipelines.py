@@ -175,12 +175,16 @@ def test_a_pair_of_stages_with_processes_of_their_own_sums_once_both_are_done():
     )
     assert math.isclose(both.iteration_s, 6.3)
     summed = sorted((e.stage, e.start, e.end, e.extra["with"]) for e in both.events if "with" in e.extra)
-    assert summed == [(0, 4.0, 4.5, 2), (1, 3.0, 5.0, 3), (2, 4.0, 4.5, 0), (3, 3.0, 5.0, 1)]
+    assert summed == [(0, 4.0, 4.5, 2), (1, 3.0, 5.0, 3)]  # on the owner, who adds
     after = simulate_pipelines([kw, kw], exchange_s=2.3, exchange_summed_s=2.0)
     assert math.isclose(after.iteration_s, 7.3)
-    # a stage in two pairs takes them one after the other, in the order given: mirror 2 (done at
-    # 4) with owner 1 (done at 3) 4 -> 5, then with owner 0 5 -> 5.5; tails 5.5 -> 6.5
-    chained = simulate_pipelines([kw, kw], exchange_pairs=[(1, 2, 1.0), (0, 2, 0.5)])
+    # a mirror posts to each of its owners and goes on: mirror 2 (done at 4) to owner 1 (done at
+    # 3) 4 -> 5 and to owner 0 (done at 4) 4 -> 4.5 at once; tails 5 -> 6
+    posted = simulate_pipelines([kw, kw], exchange_pairs=[(1, 2, 1.0), (0, 2, 0.5)])
+    assert math.isclose(posted.iteration_s, 6.0)
+    # an owner takes its mirrors one after the other: owner 0 (done at 4) adds mirror 2's
+    # (done at 4) 4 -> 4.5, then mirror 3's (done at 3) 4.5 -> 5.5; tails 5.5 -> 6.5
+    chained = simulate_pipelines([kw, kw], exchange_pairs=[(0, 2, 0.5), (0, 3, 1.0)])
     assert math.isclose(chained.iteration_s, 6.5)
     # on a shared host one process drives every stage: the pairs run after the last op, in turn,
     # then the four tails one after another (the shared host's rule)
