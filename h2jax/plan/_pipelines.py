@@ -76,7 +76,8 @@ class PipelinesCost:
     def exchange_words(self, fmt: Any = "{:.3f} s".format) -> str:
         """The exchange in words: "0.128 s exchange across pipelines (0.041 s of it beside the
         backward)"; `fmt` formats seconds."""
-        beside = f" ({fmt(self.exchange_overlap_s)} of it beside the backward)" if self.exchange_overlap_s > 0 else ""
+        hidden = fmt(self.exchange_overlap_s)
+        beside = f" ({hidden} of it beside the backward)" if hidden != fmt(0.0) else ""
         return f"{fmt(self.exchange_s)} exchange across pipelines{beside}"
 
     @property
