@@ -133,8 +133,8 @@ def measured_exchange(table: Any, model: Any, chip: Any, tensor: int) -> tuple[A
 class Exchange:
     """The exchange across a plan's pipelines as the runtime runs it (module docstring)."""
 
-    pairs: tuple[tuple[int, int, float], ...] = ()  # (owner, mirror, seconds): the gradient sum of each
-    # pair of the job's stages with processes of their own, in the runtime's order
+    pairs: tuple[tuple[int, int, float], ...] = ()  # (receiver, sender, seconds): the gradient sum's
+    # transfers (owner, mirror) between stages with processes of their own, in the runtime's order
     after_s: float = 0.0  # the gradient sum's seconds after the job's last op (stages sharing a host)
     copied_s: float = 0.0  # the copy back's, after the updates
 
