@@ -260,11 +260,11 @@ def stage_ready_s(pipe: Plan, cost: Any) -> tuple[list[float], float]:
         st, pipe.schedule, pipe.num_microbatches, transfers=transfers, period=cost.period_s, tails=False
     )
     last = cost.iteration_s - (tails - bare) - cost.driver_step_s
+    if len(st) == 1:  # nothing below it to drain
+        return [last], cost.iteration_s - last
     v = pipe.schedule.chunks
     top = max(s.t for s in st)
     scale = cost.period_s / top if top > 0 and cost.period_s > 0 else 1.0
-    if len(st) == 1:  # nothing below it to drain
-        return [last], cost.iteration_s - last
     slack = _slacks(
         pipe.schedule,
         pipe.num_microbatches,

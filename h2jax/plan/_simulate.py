@@ -44,8 +44,8 @@ exchange's seconds
 stages have processes of their own, the sum comes as (owner, mirror) pairs
 (:class:`h2jax.plan._pipelines.Exchange`): the mirror posts its gradient once it is done with its
 own ops, the owner takes its pairs one after the other, each once both are done: the sum overlaps
-the backward of stages still draining, and the tails wait for the last pair. A plan of one pipeline has no
-exchange and keeps each stage's tail right after its own last op.
+the backward of stages still draining, and the tails wait for the last pair. A plan of one
+pipeline has no exchange and keeps each stage's tail right after its own last op.
 
 Durations come from the cost model
 (:func:`simulate_plan`) or from a real run's trace (per stage, per microbatch), so the
@@ -492,7 +492,8 @@ def simulate_pipelines(
             raise ValueError(f"exchange_pairs: ({o}, {m}, {x!r}); expected two stages and seconds >= 0")
     if len(pipelines) == 1:
         if exchange_s or exchange_pairs:
-            raise ValueError(f"exchange_s={exchange_s!r} with one pipeline: one pipeline exchanges nothing")
+            what = f"exchange_s={exchange_s!r}" if exchange_s else f"exchange_pairs={list(exchange_pairs)!r}"
+            raise ValueError(f"{what} with one pipeline: one pipeline exchanges nothing")
         return simulate(**pipelines[0], host_cores=host_cores)
     events: list[SimEvent] = []
     lanes, offset = [], 0

@@ -230,9 +230,9 @@ class TiedParams:
         """Every tied parameter's gradient summed into its owner's accumulator, in stage order
         (each mirror's share added in turn, the mirrors in ascending order); the mirrors'
         accumulators of it zeroed (call after the step's backward). The parameters a mirror and
-        its owner share travel together. A mirror takes its owners from the last down: a
-        pipeline's last stages are done with their backward first, so their sums overlap the
-        drain of the stages below (h2jax.plan._pipelines prices this order)."""
+        its owner share travel together. A mirror posts its shares (World.from_stage_to) to its
+        owners from the last stage down: a pipeline's last stages are done with their backward
+        first (h2jax.plan._pipelines prices the sum beside the drain of the stages below)."""
         for (owner, m), sps in sorted(self._groups(by_owner=False).items(), key=lambda kv: (kv[0][1], -kv[0][0])):
             shares = None
             if m in self.local:

@@ -122,9 +122,6 @@ class LocalWorld(World):
     def from_stage_to(self, stage: int, stages: Sequence[int], value: Any) -> Any:
         return value
 
-    def settle(self) -> None:
-        pass
-
     def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
         return stop, -1 if committed is None else committed
 
