@@ -11,6 +11,7 @@ repetition runs every path once in turn, so the paths are compared paired in tim
              stage programs' boundaries use, so a stage goes on while its neighbour is busy; here,
              with the receiver always waiting, the copy is pure cost)
   ucx_jit    the same ops and program on the ucx engine (a UcxComm; h2jax/comm/_ucx.py)
+  ucx_bsend  ucx_jit with buffered sends (as ffi_bsend)
   ffi_call   h2jax FfiTransport: one standalone jitted program per transfer (dispatch included)
   host       h2jax HostTransport: jax -> numpy -> mpi4py -> numpy -> device_put
   tcp        plain TCP socket on 127.0.0.1, raw host bytes (the CPU-mediated TCP baseline)
@@ -26,6 +27,7 @@ Latency sizes 8 B - 64 KiB, bandwidth sizes 1 - 256 MiB. The last line is `RESUL
   max_ratio_ffi_over_mpi4jax  max over sizes of ffi_jit / mpi4jax time (null if mpi4jax is missing)
   max_ratio_ucx_over_mpi4py   max over sizes >= 64 KiB of ucx_jit / mpi4py time (null without UCX)
   latency_ratio_tcp_over_ucx  min over sizes <= 64 KiB of tcp / ucx_jit time (null without UCX)
+  max_ratio_ucx_bsend_over_mpi4py  max over sizes >= 64 KiB of ucx_bsend / mpi4py time (null without UCX)
 The ucx engine's UCX is loaded before mpi4py, so Open MPI uses that same UCX library too.
 """
 
@@ -48,7 +50,7 @@ from h2jax._hostmem import host_memory_line, hugepage_env, thp_mode  # noqa: E40
 
 LAT_SIZES = [8, 64, 512, 4096, 65536]
 BW_SIZES = [s << 20 for s in (1, 4, 16, 64, 256)]
-PATHS = ["ffi_jit", "ffi_bsend", "ucx_jit", "ffi_call", "host", "tcp", "mpi4py", "mpi4jax", "memcpy"]
+PATHS = ["ffi_jit", "ffi_bsend", "ucx_jit", "ucx_bsend", "ffi_call", "host", "tcp", "mpi4py", "mpi4jax", "memcpy"]
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -175,8 +177,9 @@ def measure_all(log: bool) -> None:
         paths = {"ffi_jit": in_program(comm, 1), "ffi_bsend": in_program(comm, 21, buffered=True)}
         if ucx_comm is not None:  # the same program on the ucx engine
             paths["ucx_jit"] = in_program(ucx_comm, 11)
+            paths["ucx_bsend"] = in_program(ucx_comm, 31, buffered=True)
         else:
-            results["ucx_jit"][nbytes] = None
+            results["ucx_jit"][nbytes] = results["ucx_bsend"][nbytes] = None
 
         # ffi_call: FfiTransport, a program per transfer
         def ffi_call():
@@ -311,6 +314,9 @@ def report(results: dict, have_mpi4jax: bool, log: bool) -> None:
             max(ucx[s] / results["mpi4py"][s] for s in sizes if s >= 65536) if have_ucx else None
         ),
         "latency_ratio_tcp_over_ucx": (min(results["tcp"][s] / ucx[s] for s in LAT_SIZES) if have_ucx else None),
+        "max_ratio_ucx_bsend_over_mpi4py": (
+            max(results["ucx_bsend"][s] / results["mpi4py"][s] for s in sizes if s >= 65536) if have_ucx else None
+        ),
         "ffi_call_8B_us": results["ffi_call"][8] * 1e6,
         "ffi_jit_8B_us": ffi[8] * 1e6,
         "ffi_jit_256MiB_GBps": (256 << 20) / ffi[256 << 20] / 1e9,

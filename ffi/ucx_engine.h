@@ -23,6 +23,15 @@
 // extra copy in that case only), which keeps per-(source, tag) order. Spin, then yield, then
 // sleep, as in the MPI engine.
 //
+// Buffered sends (BufferedSend), as in the MPI engine: the bytes are copied into a buffer of the
+// engine, the UCP send of the copy is posted, and the call returns, so a stage's program goes on
+// while its neighbour is busy elsewhere (a rendezvous holds a plain send until the receiver
+// matches it). Every later call of the engine on this process tests the sends in flight and
+// recycles their buffers; one not received within its timeout (or to a peer found dead) fails the
+// next call, naming the send, and its endpoint is closed as a plain send's would be; `FlushSends`
+// waits for all of them. On one host the receiver pulls a rendezvous's data (cma), so a buffered
+// send needs no progress from its sender to arrive; its completion is seen at the sender's next call.
+//
 // Memory: host buffers only (UCS_MEMORY_TYPE_HOST); Transfer's `mem_type` is the one place a
 // device variant passes UCS_MEMORY_TYPE_CUDA / _ROCM.
 #pragma once
@@ -85,6 +94,17 @@ struct Stashed {
   std::string error;
 };
 
+// a buffered send in flight: the engine's copy of the bytes and its UCP request
+struct Pending {
+  void* req = nullptr;
+  std::vector<char> buf;
+  int64_t handle = 0;
+  int rank = 0, dest = 0, tag = 0;
+  double timeout_s = 0;
+  Clock::time_point deadline;
+  std::string desc;
+};
+
 struct Engine {
   std::mutex mu;
   ucp_context_h ctx = nullptr;
@@ -96,6 +116,11 @@ struct Engine {
   std::map<std::tuple<uint32_t, int, int>, std::deque<std::unique_ptr<Stashed>>> stash;
   uint64_t stashed_messages = 0, stashed_bytes = 0;
   int64_t next_handle = 1;
+  std::deque<Pending> pending;                // buffered sends in flight, oldest first
+  std::vector<std::vector<char>> spare;       // buffers of completed ones, for reuse
+  std::vector<std::vector<char>> abandoned;   // of failed ones: never freed (a peer may still read them)
+  std::string send_error;                     // the first failure of a buffered send, not yet told
+  uint64_t buffered_sends = 0, buffered_bytes = 0;
 
   static Engine& get() {
     static Engine engine;
@@ -265,6 +290,151 @@ inline bool StashedDone(Stashed& s) {
   return true;
 }
 
+// Close the endpoint to `peer` of `c` (force: drops what it still holds of our sends) and mark
+// the peer, so later transfers to it fail at once with `why`. UCP cannot cancel a send, so this
+// is how one that did not complete is given up on: if its rendezvous announcement already reached
+// the peer, the peer may still match it later and read (cma) whatever the buffer then holds -- as
+// with MPI, whose MPI_Cancel cannot withdraw a send either; a timed-out send is an error of the
+// job, not a recoverable state. Caller holds the lock.
+inline void CloseEndpoint(Engine& eng, Comm& c, int peer, const char* why) {
+  if (c.eps[peer] != nullptr) {
+    ucp_request_param_t cp{};
+    cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* r = ucp_ep_close_nbx(c.eps[peer], &cp);
+    if (UCS_PTR_IS_PTR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(eng.worker);
+      ucp_request_free(r);
+    }
+    c.eps[peer] = nullptr;
+  }
+  if (c.dead[peer].empty()) c.dead[peer] = why;
+}
+
+constexpr const char* kSendGivenUp = "endpoint closed: an earlier send to it did not complete";
+
+inline std::string SendPrefix(int rank) { return "h2jax ffi send on rank " + std::to_string(rank) + ": "; }
+
+// the line of a buffered send to a peer already found dead (or whose endpoint was closed)
+inline std::string Unreachable(const Comm& c, int dest) {
+  return SendPrefix(c.rank) + "peer " + std::to_string(dest) + " is unreachable (" + c.dead[dest] + ")";
+}
+
+// Test the buffered sends in flight and keep the buffers of those done for reuse. One that failed,
+// whose peer is dead, or past its deadline is given up on (its endpoint closed, its buffer kept
+// alive); its error waits for the next call. Caller holds the lock.
+inline void ProgressSends(Engine& eng) {
+  if (eng.pending.empty()) return;
+  ucp_worker_progress(eng.worker);
+  const auto now = Clock::now();
+  for (auto it = eng.pending.begin(); it != eng.pending.end();) {
+    Comm* c = Find(eng, it->handle);
+    const ucs_status_t st = ucp_request_check_status(it->req);
+    const bool dead = !c->dead[it->dest].empty();
+    if (st == UCS_INPROGRESS && !dead && now <= it->deadline) {
+      ++it;
+      continue;
+    }
+    if (st == UCS_OK) {
+      ucp_request_free(it->req);
+      if (eng.spare.size() < 16) eng.spare.push_back(std::move(it->buf));
+      it = eng.pending.erase(it);
+      continue;
+    }
+    if (eng.send_error.empty()) {
+      std::ostringstream s;
+      s << SendPrefix(it->rank);
+      if (st != UCS_INPROGRESS)
+        s << "send of " << it->desc << " to peer " << it->dest << " tag " << it->tag << " failed: " << Status(st);
+      else if (dead)
+        s << "peer " << it->dest << " is unreachable (" << c->dead[it->dest] << "): send of " << it->desc << " ("
+          << it->buf.size() << " bytes) tag " << it->tag << " was not received";
+      else
+        s << "timed out after " << it->timeout_s << " s: send of " << it->desc << " (" << it->buf.size()
+          << " bytes) to peer " << it->dest << " tag " << it->tag << " was not received";
+      eng.send_error = s.str();
+    }
+    if (st == UCS_INPROGRESS) CloseEndpoint(eng, *c, it->dest, kSendGivenUp);
+    ucp_request_free(it->req);
+    eng.abandoned.push_back(std::move(it->buf));
+    it = eng.pending.erase(it);
+  }
+}
+
+// Wait until every buffered send of this process has completed (or failed); returns the first
+// failure not yet told, else "". Each send waits at most its own timeout, and all of them
+// together at most `max_wait_s` (then the sends still in flight are the error, left in flight).
+inline std::string FlushSends(double max_wait_s = 1e300) {
+  Engine& eng = Engine::get();
+  const auto t_start = Clock::now();
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(eng.mu);
+      if (eng.worker == nullptr) return {};
+      ProgressSends(eng);
+      if (eng.pending.empty()) return std::exchange(eng.send_error, {});
+      if (std::chrono::duration<double>(Clock::now() - t_start).count() > max_wait_s) {
+        if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
+        const Pending& p = eng.pending.front();
+        std::ostringstream s;
+        s << SendPrefix(p.rank) << eng.pending.size() << " buffered send(s) not received after " << max_wait_s
+          << " s, the first: " << p.desc << " (" << p.buf.size() << " bytes) to peer " << p.dest << " tag " << p.tag;
+        return s.str();
+      }
+    }
+    if (Clock::now() - t_start < std::chrono::milliseconds(5))
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+// Send `sbytes` from `sbuf` to `dest` with `stag` without waiting for the receiver: copy the bytes
+// into an engine buffer, post the UCP send of the copy, return. Returns "" or a one-line error,
+// which may be an earlier buffered send's.
+inline std::string BufferedSend(int64_t handle, const void* sbuf, size_t sbytes, int dest, int stag, double timeout_s,
+                                std::string_view desc) {
+  Engine& eng = Engine::get();
+  std::vector<char> buf;
+  {
+    std::lock_guard<std::mutex> lock(eng.mu);
+    Comm* c = Find(eng, handle);
+    if (c == nullptr) return "h2jax ffi send: no ucx comm with handle " + std::to_string(handle);
+    if (std::string e = CheckRoute(*c, dest, stag, "destination"); !e.empty()) return e;
+    ProgressSends(eng);
+    if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
+    if (!c->dead[dest].empty()) return Unreachable(*c, dest);
+    for (auto it = eng.spare.begin(); it != eng.spare.end(); ++it)
+      if (it->capacity() >= sbytes) {
+        buf = std::move(*it);
+        eng.spare.erase(it);
+        break;
+      }
+  }
+  buf.resize(sbytes);                                  // within a reused buffer's capacity: no allocation
+  if (sbytes) std::memcpy(buf.data(), sbuf, sbytes);  // outside the lock: other devices' calls go on
+  std::lock_guard<std::mutex> lock(eng.mu);
+  Comm* c = Find(eng, handle);
+  if (!c->dead[dest].empty()) return Unreachable(*c, dest);
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  prm.memory_type = UCS_MEMORY_TYPE_HOST;
+  void* r = ucp_tag_send_nbx(c->eps[dest], buf.data(), sbytes, MakeTag(c->id, c->rank, stag), &prm);
+  if (UCS_PTR_IS_ERR(r))
+    return SendPrefix(c->rank) + "send to peer " + std::to_string(dest) + " failed: " + Status(UCS_PTR_STATUS(r));
+  eng.buffered_sends += 1;
+  eng.buffered_bytes += sbytes;
+  if (r == nullptr) {  // done at once (an eager message): the buffer is free again
+    if (eng.spare.size() < 16) eng.spare.push_back(std::move(buf));
+    return {};
+  }
+  Pending p{r, std::move(buf), handle, c->rank, dest, stag, timeout_s, {}, std::string(desc)};
+  p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  eng.pending.push_back(std::move(p));
+  ProgressSends(eng);
+  return {};
+}
+
 // One transfer, as h2::Transfer in mpi_engine.h: an optional send of `sbytes` from `sbuf` to
 // `dest` with `stag`, an optional receive of exactly `rbytes` into `rbuf` from `src` with
 // `rtag`. Returns "" on success, else a one-line error ("timed out" in a timeout's line).
@@ -281,6 +451,8 @@ inline std::string Transfer(int64_t handle, const void* sbuf, size_t sbytes, int
     if (std::string e = CheckRoute(*c, dest, stag, "destination"); !e.empty()) return e;
   if (want_recv)
     if (std::string e = CheckRoute(*c, src, rtag, "source"); !e.empty()) return e;
+  ProgressSends(eng);  // an earlier buffered send that failed fails this call
+  if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
   void* sreq = nullptr;
   void* rreq = nullptr;
   Stashed* from_stash = nullptr;  // the receive is the front of the stash, maybe still arriving
@@ -429,23 +601,9 @@ inline std::string Transfer(int64_t handle, const void* sbuf, size_t sbytes, int
     // the stashed message was ours: put it back at the front, its order intact
     eng.stash[key].push_front(std::unique_ptr<Stashed>(from_stash));
   }
-  if (sreq != nullptr) {
-    // UCP cannot cancel a send: close the endpoint (force: drops what it still holds of our
-    // buffer) and mark the peer, so later transfers to it fail at once with this reason. If the
-    // rendezvous announcement already reached the peer, the peer may still match it later and
-    // read (cma) whatever the freed buffer then holds -- as with MPI, whose MPI_Cancel cannot
-    // withdraw a send either; a timed-out send is an error of the job, not a recoverable state.
-    ucp_request_param_t cp{};
-    cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* r = ucp_ep_close_nbx(c->eps[dest], &cp);
-    if (UCS_PTR_IS_PTR(r)) {
-      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(eng.worker);
-      ucp_request_free(r);
-    }
+  if (sreq != nullptr) {  // UCP cannot cancel a send: give it up with its endpoint (CloseEndpoint)
+    CloseEndpoint(eng, *c, dest, kSendGivenUp);
     ucp_request_free(sreq);
-    c->eps[dest] = nullptr;
-    if (c->dead[dest].empty()) c->dead[dest] = "endpoint closed: an earlier send to it did not complete";
   }
   return error;
 }

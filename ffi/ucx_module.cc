@@ -19,6 +19,7 @@ extern "C" XLA_FFI_Error* H2SendUcx(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2RecvUcx(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2RecvIntoUcx(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2SendRecvUcx(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* H2BSendUcx(XLA_FFI_CallFrame*);
 #ifdef H2JAX_UCX_CUDA  // built with a CUDA toolkit: device-buffer handlers too (handlers_ucx_cuda.cc)
 extern "C" XLA_FFI_Error* H2SendUcxCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* H2RecvUcxCuda(XLA_FFI_CallFrame*);
@@ -39,6 +40,7 @@ NB_MODULE(_ucx_ffi_cpu, m) {
     d["h2jax_ucx_recv"] = nb::capsule(reinterpret_cast<void*>(H2RecvUcx));
     d["h2jax_ucx_recv_into"] = nb::capsule(reinterpret_cast<void*>(H2RecvIntoUcx));
     d["h2jax_ucx_sendrecv"] = nb::capsule(reinterpret_cast<void*>(H2SendRecvUcx));
+    d["h2jax_ucx_bsend"] = nb::capsule(reinterpret_cast<void*>(H2BSendUcx));
     return d;
   });
 #ifdef H2JAX_UCX_CUDA
@@ -48,6 +50,8 @@ NB_MODULE(_ucx_ffi_cpu, m) {
     d["h2jax_ucx_recv"] = nb::capsule(reinterpret_cast<void*>(H2RecvUcxCuda));
     d["h2jax_ucx_recv_into"] = nb::capsule(reinterpret_cast<void*>(H2RecvIntoUcxCuda));
     d["h2jax_ucx_sendrecv"] = nb::capsule(reinterpret_cast<void*>(H2SendRecvUcxCuda));
+    // device buffers: the buffered send is the plain one (its bytes leave from device memory)
+    d["h2jax_ucx_bsend"] = nb::capsule(reinterpret_cast<void*>(H2SendUcxCuda));
     return d;
   });
 #endif
@@ -99,8 +103,20 @@ NB_MODULE(_ucx_ffi_cpu, m) {
     nb::dict d;
     d["messages"] = eng.stashed_messages;
     d["bytes"] = eng.stashed_bytes;
+    d["buffered_sends"] = eng.buffered_sends;
+    d["buffered_bytes"] = eng.buffered_bytes;
+    d["sends_in_flight"] = eng.pending.size();
     return d;
   });
+  // every buffered send of this process completed: "" or the first failure (a timeout names the
+  // send); at most `max_wait_s` for all of them together
+  m.def(
+      "flush_sends",
+      [](double max_wait_s) {
+        nb::gil_scoped_release release;
+        return h2ucx::FlushSends(max_wait_s);
+      },
+      nb::arg("max_wait_s") = 1e300);
   m.def(
       "protocols",
       [](int64_t handle, int peer) {

@@ -29,10 +29,10 @@ is :func:`classify_link` (``_paths.py``, pure); the runtime's link table
 (h2jax.runtime._links) names and times every link of a run.
 
 A receive whose message never comes fails after ``timeout_s`` naming rank, peer, tag and
-tensor. A buffered send (``send(..., buffered=True)``, the MPI engine: what the stage programs'
-boundaries use) returns once its bytes are copied; ``flush_sends()`` waits until all are
-received. ``stash_stats()`` counts the messages that
-took the deadlock-free detour, and the buffered sends.
+tensor. A buffered send (``send(..., buffered=True)``, either engine: what the stage programs'
+boundaries use) returns once its bytes are copied; ``flush_sends(comm=...)`` waits until all
+are received. ``stash_stats()`` counts the messages that took the deadlock-free detour, and the
+buffered sends.
 
 The transport registry (:data:`TRANSPORTS`, :class:`Transport`) is pure data and loads at
 once, so that ``h2jax.config`` checks ``train.transport`` without importing JAX; every other

@@ -468,8 +468,7 @@ class FfiChannel:
 
         pending, self._pending = self._pending, []
         jax.block_until_ready(pending)
-        if getattr(self.comm, "engine", None) != "ucx":  # the MPI engine's buffered sends received
-            _ffi.flush_sends()
+        _ffi.flush_sends(comm=self.comm)  # the engine's buffered sends received
 
     def close(self) -> None:
         self.flush()

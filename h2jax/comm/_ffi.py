@@ -24,14 +24,14 @@ traced int32 scalars (e.g. ``table[jax.lax.axis_index("tensor")]``), so each dev
 program can address its own peer and tag; they travel as a small operand. Concurrent
 transfers between the same two processes need distinct tags.
 
-Buffered sends (``send(..., buffered=True)``; the MPI engine, host buffers): the bytes are
-copied into a buffer of the engine, the MPI send of the copy is posted and the call returns,
-so the program that sends goes on while the receiver is still busy (an MPI rendezvous holds a
-plain send until the receiver posts). Later calls on the process complete the sends in
-flight; ``flush_sends()`` waits for all of them, as MPI_Finalize does before it ends the
-process. The pipeline's in-program boundaries send this way; the copy costs a ping-pong (a
-receiver always waiting) its time, so the plain send stays the default. The ucx engine and
-device buffers send plainly either way.
+Buffered sends (``send(..., buffered=True)``; host buffers, either engine): the bytes are
+copied into a buffer of the engine, the send of the copy is posted and the call returns, so
+the program that sends goes on while the receiver is still busy (a rendezvous holds a plain
+send until the receiver posts). Later calls on the process complete the sends in flight;
+``flush_sends()`` waits for all of them, as MPI_Finalize does (the MPI engine) and process exit
+does (the ucx engine) before the process ends. The pipeline's in-program boundaries send this
+way; the copy costs a ping-pong (a receiver always waiting) its time, so the plain send stays
+the default. Device buffers send plainly either way.
 
 Failures: a receive waits at most ``timeout_s``; the error names the rank, peer, tag, the
 tensor and what did arrive instead. A plain send fails the same way after ``timeout_s``; a
@@ -118,11 +118,16 @@ def stash_stats(platform: str = "cpu") -> dict[str, int]:
     return {k: int(v) for k, v in _extension(platform).stash_stats().items()}
 
 
-def flush_sends(platform: str = "cpu") -> None:
-    """Wait until every buffered send of this process's MPI engine has been received (each at
-    most its own timeout); raises ``TimeoutError`` naming the first send that was not, or
-    ``RuntimeError`` for another failure of one."""
-    err = _extension(platform).flush_sends()
+def flush_sends(platform: str = "cpu", *, comm: Any = None) -> None:
+    """Wait until every buffered send of this process's engine (``comm``'s: the MPI engine where
+    None) has been received (each at most its own timeout); raises ``TimeoutError`` naming the
+    first send that was not, or ``RuntimeError`` for another failure of one."""
+    if _is_ucx(comm):
+        from h2jax.comm import _ucx
+
+        err = _ucx.flush_sends_line()
+    else:
+        err = _extension(platform).flush_sends()
     if err:
         raise (TimeoutError if "timed out" in err else RuntimeError)(err)
 
@@ -227,13 +232,13 @@ def send(
     """Send ``x`` to rank ``peer`` of ``comm``; returns the next token.
 
     Returns once ``x`` has been delivered to the peer (received, or stashed by the peer while
-    it waits on anything of its own); ``buffered`` (the MPI engine on host buffers): once ``x``
-    is copied into the engine's send buffer (module docstring). Not received within
+    it waits on anything of its own); ``buffered`` (host buffers): once ``x`` is copied into the
+    engine's send buffer (module docstring; ``flush_sends`` waits for it). Not received within
     ``timeout_s``: an error naming the send.
     """
     x = jnp.asarray(x)
     _check(comm, "peer", peer, tag, timeout_s)
-    op = "bsend" if buffered and not _is_ucx(comm) else "send"
+    op = "bsend" if buffered else "send"
     call = jax.ffi.ffi_call(_target(comm, op), _TOKEN, has_side_effect=True)
     return call(
         _route(peer, tag),

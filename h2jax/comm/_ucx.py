@@ -16,6 +16,7 @@ second copy cannot load beside it: import ``h2jax.comm._ucx`` (or call ``_load``
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import threading
 from typing import Any
@@ -120,6 +121,7 @@ def _register() -> None:
             return
         for target, capsule in ext.registrations().items():
             jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+        atexit.register(_flush_at_exit)
         if hasattr(ext, "cuda_registrations"):  # built with a CUDA toolkit (under XLA's name for it)
             from xla_plugins import VENDORS
 
@@ -156,6 +158,23 @@ def check_versions(versions: list[str]) -> None:
 def stash_stats() -> dict[str, int]:
     """As ``h2jax.comm._ffi.stash_stats`` for the ucx engine (one engine per process)."""
     return {k: int(v) for k, v in _load().stash_stats().items()}
+
+
+def flush_sends_line(max_wait_s: float = 1e300) -> str:
+    """Wait until every buffered send of the ucx engine has completed: "" or the first failure's
+    line (``h2jax.comm._ffi.flush_sends(comm=...)`` raises it)."""
+    return _load().flush_sends(max_wait_s)
+
+
+def _flush_at_exit() -> None:
+    """At exit, the sends still in flight (a run that ends normally has flushed every step): a
+    peer reading one from this process's memory would fail once it is gone. Wait briefly, then
+    say so; a job that is failing may have lost the peer."""
+    import sys
+
+    err = flush_sends_line(2.0)
+    if err:
+        print(f"{err} (at exit)", file=sys.stderr, flush=True)
 
 
 def ucx_settings() -> str:

@@ -51,7 +51,13 @@ def test_unavailable_engine_says_how_to_get_it(monkeypatch):
 @needs_ucx
 def test_extension_registers_the_ucx_targets_and_names_ucx_by_soname():
     ext = _ucx._load()
-    assert set(ext.registrations()) == {"h2jax_ucx_send", "h2jax_ucx_recv", "h2jax_ucx_recv_into", "h2jax_ucx_sendrecv"}
+    assert set(ext.registrations()) == {
+        "h2jax_ucx_send",
+        "h2jax_ucx_bsend",
+        "h2jax_ucx_recv",
+        "h2jax_ucx_recv_into",
+        "h2jax_ucx_sendrecv",
+    }
     if shutil.which("readelf"):
         dyn = subprocess.run(["readelf", "-d", ext.__file__], capture_output=True, text=True).stdout
         assert "libucp.so.0" in dyn, dyn
@@ -94,11 +100,17 @@ def test_self_send_and_recv_on_one_rank():
         tok = hc.send(z + 1, peer=0, tag=5, comm=comm, token=tok)
         w, tok = hc.recv(x.shape, x.dtype, peer=0, tag=5, comm=comm, token=tok, into=jnp.zeros_like(x))
         tok = hc.send(big, peer=0, tag=6, comm=comm, token=tok)
-        b, _ = hc.recv(big.shape, big.dtype, peer=0, tag=6, comm=comm, token=tok)
-        return z, w, b
+        b, tok = hc.recv(big.shape, big.dtype, peer=0, tag=6, comm=comm, token=tok)
+        tok = hc.send(big + 1, peer=0, tag=7, comm=comm, token=tok, buffered=True)  # returns before the recv
+        c, _ = hc.recv(big.shape, big.dtype, peer=0, tag=7, comm=comm, token=tok)
+        return z, w, b, c
 
-    z, w, b = loop(x, big)
-    assert (z == x * 2).all() and (w == x * 2 + 1).all() and (b == big).all()
+    before = _ucx.stash_stats()
+    z, w, b, c = loop(x, big)
+    assert (z == x * 2).all() and (w == x * 2 + 1).all() and (b == big).all() and (c == big + 1).all()
+    hc.flush_sends(comm=comm)
+    after = _ucx.stash_stats()
+    assert after["buffered_sends"] == before["buffered_sends"] + 1 and after["sends_in_flight"] == 0, after
     with pytest.raises(
         jax.errors.JaxRuntimeError, match="DEADLINE_EXCEEDED.*timed out after 0.2 s: no message from peer 0 with tag 9"
     ):
@@ -132,14 +144,16 @@ def test_two_ranks_dtypes_large_1f1b_and_error_lines(tmp_path):
     # dtypes: 49 (dtype, shape) cases each way in one jitted program, 0 bytes, recv into;
     # shard_map: two devices per process each exchanging 4 MiB with its own traced tag;
     # big: 256 MiB sendrecv, both ranks sending 64 MiB first (1F1B) twice;
+    # buffered: 1F1B's send-first with buffered sends; one returns while its receiver sleeps, where a
+    # plain one waits; one nobody receives fails the next call, naming it, and closes its endpoint;
     # errors: timeout line (with what did arrive), wrong sizes (smaller, larger, rendezvous-sized),
     # a send nobody receives (times out, its endpoint closed, later sends fail at once)
-    results = _run_worker("dtypes,shard_map,big,errors", tmp_path)
+    results = _run_worker("dtypes,shard_map,big,buffered,errors", tmp_path)
     for r, res in enumerate(results):
         assert "<scenario>" not in res["errors"], f"rank {r}:\n{res['errors']['<scenario>']}"
         bad = {k: res["errors"].get(k, "") for k, ok in res["checks"].items() if not ok}
         assert not bad, f"rank {r}: {len(bad)} failed checks: {bad}"
-        assert len(res["checks"]) >= 63 + 2 * (r == 0)
+        assert len(res["checks"]) >= 69 + 5 * (r == 0)
 
 
 @pytest.mark.multiproc

@@ -151,6 +151,77 @@ def big(comm) -> None:
     check("1f1b/stashed", lambda: _ucx.stash_stats()["messages"] >= before + 2)
 
 
+def buffered(comm) -> None:
+    """Buffered sends: 1F1B's send-first exchange of 64 MiB with them; one returns while its receiver
+    sleeps, where a plain one waits for it; one nobody receives fails the sender's next call."""
+    import time
+
+    m = 16 * 1024 * 1024
+    mine = [jnp.full((m,), 10 * RANK + k, jnp.float32) for k in range(2)]
+
+    @jax.jit
+    def send_then_recv(a, b):
+        tok = hc.send(a, peer=OTHER, tag=30 + RANK, comm=comm, buffered=True)
+        tok = hc.send(b, peer=OTHER, tag=40 + RANK, comm=comm, token=tok, buffered=True)
+        y2, tok = hc.recv((m,), jnp.float32, peer=OTHER, tag=40 + OTHER, comm=comm, token=tok)
+        y1, tok = hc.recv((m,), jnp.float32, peer=OTHER, tag=30 + OTHER, comm=comm, token=tok)
+        return y1, y2
+
+    before = _ucx.stash_stats()
+    for it in range(2):
+        y1, y2 = send_then_recv(*mine)
+        check(f"buffered_1f1b/iter{it}", lambda: float(y1[0]) == 10 * OTHER and float(y2[-1]) == 10 * OTHER + 1)
+    hc.flush_sends(comm=comm)
+    after = _ucx.stash_stats()
+    check("buffered_1f1b/counted", lambda: after["buffered_sends"] == before["buffered_sends"] + 4)
+    check("buffered_1f1b/flushed", lambda: after["sends_in_flight"] == 0)
+
+    # rank 1 receives 4 MiB (a rendezvous) 2 s after rank 0 sends it: the buffered send returns at
+    # once, the plain one when the receiver takes it
+    n = 1 << 20
+    x = jnp.asarray(make((n,), jnp.float32, 60))
+    recv = jax.jit(lambda: hc.recv((n,), jnp.float32, peer=0, tag=61, comm=comm)[0])
+    for buf in (True, False):
+        MPI.COMM_WORLD.Barrier()
+        if RANK == 0:
+            send = jax.jit(lambda x, buf=buf: hc.send(x, peer=1, tag=61, comm=comm, buffered=buf))
+            send(x + 0).block_until_ready()  # compiled and run once, received below
+            MPI.COMM_WORLD.Barrier()
+            t0 = time.perf_counter()
+            send(x).block_until_ready()
+            took = time.perf_counter() - t0
+            errors[f"sender_waited_s/buffered={buf}"] = f"{took:.3f}"
+            checks[f"sender_waited/buffered={buf}"] = took < 1.0 if buf else took > 1.5
+            hc.flush_sends(comm=comm)
+        else:
+            y0 = recv()
+            MPI.COMM_WORLD.Barrier()
+            time.sleep(2.0)
+            y = recv()
+            check(
+                f"received/buffered={buf}", lambda y=y, y0=y0: same(y, make((n,), jnp.float32, 60)) and same(y0, y + 0)
+            )
+    MPI.COMM_WORLD.Barrier()
+
+    # a buffered send nobody receives: after its timeout the sender's next call fails, naming it,
+    # once; its endpoint is closed (a comm of its own, so the other scenarios keep theirs)
+    other = _ucx.UcxComm(MPI.COMM_WORLD)
+    if RANK == 0:
+        send = jax.jit(lambda x: hc.send(x, peer=1, tag=13, comm=other, timeout_s=0.5, buffered=True))
+        send(x).block_until_ready()
+        time.sleep(1.0)
+        expect_error(
+            "buffered_timeout",
+            lambda: hc.flush_sends(comm=other),
+            "timed out after 0.5 s: send of float32[1048576] (4194304 bytes) to peer 1 tag 13 was not received",
+        )
+        check("buffered_timeout/told_once", lambda: hc.flush_sends(comm=other) is None)
+        expect_error(
+            "buffered_after_close", lambda: send(x).block_until_ready(), "peer 1 is unreachable (endpoint closed"
+        )
+    MPI.COMM_WORLD.Barrier()
+
+
 def errors_(comm) -> None:
     """A receive whose message never comes times out with a line; a wrong size fails at once."""
     x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
@@ -248,7 +319,14 @@ def main() -> None:
     try:
         comm = _ucx.UcxComm(MPI.COMM_WORLD)
         for s in scenarios:
-            {"dtypes": dtypes, "shard_map": shard_map, "big": big, "errors": errors_, "peer_death": peer_death}[s](comm)
+            {
+                "dtypes": dtypes,
+                "shard_map": shard_map,
+                "big": big,
+                "buffered": buffered,
+                "errors": errors_,
+                "peer_death": peer_death,
+            }[s](comm)
             if s != "peer_death":
                 MPI.COMM_WORLD.Barrier()
     except Exception as e:
