@@ -7,13 +7,18 @@ update has run and every layer's copies have been summed and copied back. So its
     max over pipelines of its own iteration (h2jax.plan.estimate of that pipeline alone)
     + the exchange across pipelines
 
-where the exchange prices what the runtime does (h2jax.runtime._tied): every layer is owned by the
+where the exchange prices the runtime's transfers (h2jax.runtime._tied): every layer is owned by the
 first pipeline's stage that holds it; each other pipeline's stage holding it sends its gradient
 there, where it is added, and takes back the new values (the gradient's bytes, fp32; a mirror's
-optimizer moments do not travel: h2jax.runtime._tied). Each of these transfers runs sharded: the
-tensor is cut into as many pieces as the smaller of the two stages has devices, each piece on its
+optimizer moments do not travel: h2jax.runtime._tied). Each of these transfers is priced sharded:
+the tensor cut into as many pieces as the smaller of the two stages has devices, each piece on its
 own link (the pattern of the boundary transfers, h2jax.plan._stage_cost.transfer_s), and the
-receiving stage all-gathers the pieces over its data axis on its intra-node link. A link between two
+receiving stage all-gathering the pieces over its data axis on its intra-node link. That is how the
+runtime moves them in one process (``jax.device_put`` between the stage meshes) and how a
+device-direct exchange would across processes; across processes the runtime today moves each tensor
+whole through host memory (World.from_stage_to), so on real chips the exchange takes longer than
+priced, and ``h2jax plan`` says so beside a plan of several pipelines that it chooses
+(:data:`RUNTIME_PATH`). A link between two
 chip types, or between nodes of one, runs at the slower side's inter-node bandwidth. The runtime
 posts its sends and goes on (h2jax.runtime._world.World.from_stage_to), so a stage that sends to
 several is held by none of them, and a stage receives its transfers one after the other, in the
@@ -51,6 +56,12 @@ from typing import Any
 
 from h2jax.plan._plan import Plan
 
+RUNTIME_PATH = (
+    "the exchange is priced as sharded transfers over the stages' links, as a device-direct exchange would run; "
+    "across processes h2jax's runtime moves each tensor whole through host memory today, so on real chips it "
+    "takes longer than priced"
+)
+
 
 @dataclass(frozen=True)
 class PipelinesCost:
@@ -83,6 +94,12 @@ class PipelinesCost:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    @property
+    def device_direct_priced(self) -> bool:
+        """The exchange's transfers run between processes (real chips) and are priced as a
+        device-direct exchange would run them, faster than the runtime's today (:data:`RUNTIME_PATH`)."""
+        return self.exchange is not None and bool(self.exchange.pairs)
 
 
 def _holdings(pipe: Plan, model: Any) -> list[tuple[set[int], bool, bool]]:
