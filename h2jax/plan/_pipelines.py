@@ -58,8 +58,8 @@ from h2jax.plan._plan import Plan
 
 RUNTIME_PATH = (
     "the exchange is priced as sharded transfers over the stages' links, as a device-direct exchange would run; "
-    "across processes h2jax's runtime moves each tensor whole through host memory today, so on real chips it "
-    "takes longer than priced"
+    "across processes h2jax's runtime today sends each tensor whole, through the first process's host memory, to "
+    "every process of the receiving stage: on real chips far slower than priced"
 )
 
 
