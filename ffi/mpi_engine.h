@@ -22,7 +22,7 @@
 // left half-sent when a process exits. The data of a large message is pulled by the
 // receiver (rendezvous by get: CMA on one host, RDMA across hosts), so a buffered send
 // needs no progress from its sender to arrive; where a transport does need it, the
-// sender's next call gives it.
+// sender's next call gives it. The bookkeeping is buffered_sends.h's (the ucx engine's too).
 //
 // Thread safety: every MPI call and the stash sit behind one mutex; the per-device
 // computations of one process (shard_map) may call in from several threads. MPI must be
@@ -48,9 +48,9 @@
 #include <utility>
 #include <vector>
 
-namespace h2 {
+#include "buffered_sends.h"
 
-using Clock = std::chrono::steady_clock;
+namespace h2 {
 
 struct Engine {
   std::mutex mu;
@@ -60,22 +60,9 @@ struct Engine {
   std::set<MPI_Comm> errors_return;
   // messages (and bytes) that went through the stash: each costs an allocation and a copy
   uint64_t stashed_messages = 0, stashed_bytes = 0;
-  // buffered sends not yet complete, in posting order
-  struct Pending {
-    MPI_Request req;
-    std::vector<char> buf;
-    MPI_Comm comm;
-    int dest, tag;
-    double timeout_s;
-    Clock::time_point deadline;
-    std::string desc;
-  };
-  std::deque<Pending> pending;
-  std::vector<std::vector<char>> spare;      // buffers of completed sends, reused
-  std::vector<std::vector<char>> abandoned;  // buffers of sends given up on: MPI may still read them
-  std::string send_error;                     // a buffered send that failed, told by the next call
+  using Sends = BufferedSends<MPI_Request, MPI_Comm>;
+  Sends sends;  // buffered sends in flight (buffered_sends.h)
   bool finalize_hook = false;
-  uint64_t buffered_sends = 0, buffered_bytes = 0;
 
   static Engine& get() {
     static Engine engine;
@@ -125,67 +112,30 @@ inline std::string RankPrefix(MPI_Comm comm, std::string_view op) {
   return s.str();
 }
 
-// Under eng.mu: test the buffered sends in flight and keep the buffers of those done for
-// reuse. One past its deadline is given up on; its error waits for the next call.
+// Under eng.mu: test the buffered sends in flight (buffered_sends.h); one that failed or ran past
+// its deadline is withdrawn as far as MPI can (MPI_Cancel; its buffer stays alive, MPI may still
+// read it), its line waiting for the next call.
 inline void ProgressSends(Engine& eng) {
-  if (eng.pending.empty()) return;
-  const auto now = Clock::now();
-  for (auto it = eng.pending.begin(); it != eng.pending.end();) {
-    int flag = 0;
-    const int rc = MPI_Test(&it->req, &flag, MPI_STATUS_IGNORE);
-    if (rc == MPI_SUCCESS && !flag && now <= it->deadline) {
-      ++it;
-      continue;
-    }
-    if (eng.send_error.empty() && (rc != MPI_SUCCESS || !flag)) {
-      std::ostringstream s;
-      s << RankPrefix(it->comm, "send");
-      if (rc != MPI_SUCCESS)
-        s << "send failed: " << MpiError(rc);
-      else
-        s << "timed out after " << it->timeout_s << " s: send of " << it->desc << " (" << it->buf.size()
-          << " bytes) to peer " << it->dest << " tag " << it->tag << " was not received";
-      eng.send_error = s.str();
-    }
-    if (rc == MPI_SUCCESS && flag) {
-      if (eng.spare.size() < 16) eng.spare.push_back(std::move(it->buf));
-    } else {  // withdraw what MPI still can; the buffer stays alive, MPI may still read it
-      if (it->req != MPI_REQUEST_NULL) {
-        MPI_Cancel(&it->req);
-        MPI_Request_free(&it->req);
-      }
-      eng.abandoned.push_back(std::move(it->buf));
-    }
-    it = eng.pending.erase(it);
-  }
+  if (eng.sends.pending.empty()) return;
+  eng.sends.Progress(
+      [](Engine::Sends::Pending& p, std::string* why) {
+        int flag = 0;
+        const int rc = MPI_Test(&p.req, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) *why = MpiError(rc);
+        return rc != MPI_SUCCESS ? SendState::kFailed : flag ? SendState::kDone : SendState::kInFlight;
+      },
+      [](Engine::Sends::Pending& p, SendState) {
+        if (p.req != MPI_REQUEST_NULL) {
+          MPI_Cancel(&p.req);
+          MPI_Request_free(&p.req);
+        }
+      });
 }
 
-// Wait until every buffered send of this process has completed (or failed); returns the
-// first failure not yet told, else "". Each send waits at most its own timeout, and all of
-// them together at most `max_wait_s` (then the sends still in flight are the error).
+// Wait until every buffered send of this process has completed (or failed): buffered_sends.h's Flush.
 inline std::string FlushSends(double max_wait_s = 1e300) {
   Engine& eng = Engine::get();
-  const auto t_start = Clock::now();
-  for (;;) {
-    {
-      std::lock_guard<std::mutex> lock(eng.mu);
-      ProgressSends(eng);
-      if (eng.pending.empty()) return std::exchange(eng.send_error, {});
-      if (std::chrono::duration<double>(Clock::now() - t_start).count() > max_wait_s) {
-        if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
-        const Engine::Pending& p = eng.pending.front();
-        std::ostringstream s;
-        s << RankPrefix(p.comm, "send") << eng.pending.size() << " buffered send(s) not received after "
-          << max_wait_s << " s, the first: " << p.desc << " (" << p.buf.size() << " bytes) to peer " << p.dest
-          << " tag " << p.tag;
-        return s.str();
-      }
-    }
-    if (Clock::now() - t_start < std::chrono::milliseconds(5))
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
+  return eng.sends.Flush(eng.mu, [&eng] { ProgressSends(eng); }, max_wait_s);
 }
 
 // MPI_Finalize deletes MPI_COMM_SELF's attributes first, while MPI still works: flush there.
@@ -196,12 +146,12 @@ inline int FlushAtFinalize(MPI_Comm, int, void*, void*) {
   if (!err.empty()) std::fprintf(stderr, "%s (at exit)\n", err.c_str());
   Engine& eng = Engine::get();
   std::lock_guard<std::mutex> lock(eng.mu);
-  for (Engine::Pending& p : eng.pending) {  // withdrawn, so that MPI_Finalize does not wait on them
+  for (Engine::Sends::Pending& p : eng.sends.pending) {  // withdrawn, so that MPI_Finalize does not wait on them
     MPI_Cancel(&p.req);
     MPI_Request_free(&p.req);
-    eng.abandoned.push_back(std::move(p.buf));
+    eng.sends.abandoned.push_back(std::move(p.buf));
   }
-  eng.pending.clear();
+  eng.sends.pending.clear();
   return MPI_SUCCESS;
 }
 
@@ -224,24 +174,18 @@ inline std::string BufferedSend(MPI_Comm comm, const void* sbuf, size_t sbytes, 
       eng.finalize_hook = true;
     }
     ProgressSends(eng);
-    if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
-    for (auto it = eng.spare.begin(); it != eng.spare.end(); ++it)
-      if (it->capacity() >= sbytes) {
-        buf = std::move(*it);
-        eng.spare.erase(it);
-        break;
-      }
+    if (std::string e = eng.sends.TakeError(); !e.empty()) return e;
+    buf = eng.sends.Take(sbytes);
   }
   buf.resize(sbytes);  // within a reused buffer's capacity: no allocation
   if (sbytes) std::memcpy(buf.data(), sbuf, sbytes);  // outside the lock: other devices' calls go on
   std::lock_guard<std::mutex> lock(eng.mu);
-  Engine::Pending p{MPI_REQUEST_NULL, std::move(buf), comm, dest, stag, timeout_s, {}, std::string(desc)};
-  p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  const int rc = MPI_Isend(p.buf.data(), int(sbytes), MPI_BYTE, dest, stag, comm, &p.req);
+  int rank = -1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Request req = MPI_REQUEST_NULL;
+  const int rc = MPI_Isend(buf.data(), int(sbytes), MPI_BYTE, dest, stag, comm, &req);
   if (rc != MPI_SUCCESS) return RankPrefix(comm, "send") + "MPI_Isend failed: " + MpiError(rc);
-  eng.buffered_sends += 1;
-  eng.buffered_bytes += sbytes;
-  eng.pending.push_back(std::move(p));
+  eng.sends.Posted(req, std::move(buf), comm, rank, dest, stag, timeout_s, desc, true);
   ProgressSends(eng);  // a small (eager) message is done already: its buffer is free again
   return {};
 }
@@ -285,7 +229,7 @@ inline std::string Transfer(MPI_Comm comm, const void* sbuf, size_t sbytes, int 
     std::lock_guard<std::mutex> lock(eng.mu);
     ReturnErrors(eng, comm);
     ProgressSends(eng);  // an earlier buffered send that failed fails this call
-    if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
+    if (std::string e = eng.sends.TakeError(); !e.empty()) return e;
     if (want_recv) {  // an older message of (src, rtag) may sit in the stash: MPI order
       auto it = eng.stash.find({comm, src, rtag});
       if (it != eng.stash.end() && !it->second.empty()) {

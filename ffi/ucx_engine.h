@@ -55,6 +55,8 @@
 #include <utility>
 #include <vector>
 
+#include "buffered_sends.h"
+
 namespace h2ucx {
 
 using Clock = std::chrono::steady_clock;
@@ -94,17 +96,6 @@ struct Stashed {
   std::string error;
 };
 
-// a buffered send in flight: the engine's copy of the bytes and its UCP request
-struct Pending {
-  void* req = nullptr;
-  std::vector<char> buf;
-  int64_t handle = 0;
-  int rank = 0, dest = 0, tag = 0;
-  double timeout_s = 0;
-  Clock::time_point deadline;
-  std::string desc;
-};
-
 struct Engine {
   std::mutex mu;
   ucp_context_h ctx = nullptr;
@@ -116,11 +107,8 @@ struct Engine {
   std::map<std::tuple<uint32_t, int, int>, std::deque<std::unique_ptr<Stashed>>> stash;
   uint64_t stashed_messages = 0, stashed_bytes = 0;
   int64_t next_handle = 1;
-  std::deque<Pending> pending;                // buffered sends in flight, oldest first
-  std::vector<std::vector<char>> spare;       // buffers of completed ones, for reuse
-  std::vector<std::vector<char>> abandoned;   // of failed ones: never freed (a peer may still read them)
-  std::string send_error;                     // the first failure of a buffered send, not yet told
-  uint64_t buffered_sends = 0, buffered_bytes = 0;
+  using Sends = h2::BufferedSends<void*, int64_t>;  // a UCP request; the comm's handle
+  Sends sends;  // buffered sends in flight (buffered_sends.h)
 
   static Engine& get() {
     static Engine engine;
@@ -313,80 +301,37 @@ inline void CloseEndpoint(Engine& eng, Comm& c, int peer, const char* why) {
 
 constexpr const char* kSendGivenUp = "endpoint closed: an earlier send to it did not complete";
 
-inline std::string SendPrefix(int rank) { return "h2jax ffi send on rank " + std::to_string(rank) + ": "; }
-
 // the line of a buffered send to a peer already found dead (or whose endpoint was closed)
 inline std::string Unreachable(const Comm& c, int dest) {
-  return SendPrefix(c.rank) + "peer " + std::to_string(dest) + " is unreachable (" + c.dead[dest] + ")";
+  return Engine::Sends::Prefix(c.rank) + "peer " + std::to_string(dest) + " is unreachable (" + c.dead[dest] + ")";
 }
 
-// Test the buffered sends in flight and keep the buffers of those done for reuse. One that failed,
-// whose peer is dead, or past its deadline is given up on (its endpoint closed, its buffer kept
-// alive); its error waits for the next call. Caller holds the lock.
+// Test the buffered sends in flight (buffered_sends.h): a send to a peer found dead has failed; one
+// given up on while still in flight (past its deadline, or its peer dead) takes its endpoint with it
+// (CloseEndpoint). Caller holds the lock.
 inline void ProgressSends(Engine& eng) {
-  if (eng.pending.empty()) return;
+  if (eng.sends.pending.empty()) return;
   ucp_worker_progress(eng.worker);
-  const auto now = Clock::now();
-  for (auto it = eng.pending.begin(); it != eng.pending.end();) {
-    Comm* c = Find(eng, it->handle);
-    const ucs_status_t st = ucp_request_check_status(it->req);
-    const bool dead = !c->dead[it->dest].empty();
-    if (st == UCS_INPROGRESS && !dead && now <= it->deadline) {
-      ++it;
-      continue;
-    }
-    if (st == UCS_OK) {
-      ucp_request_free(it->req);
-      if (eng.spare.size() < 16) eng.spare.push_back(std::move(it->buf));
-      it = eng.pending.erase(it);
-      continue;
-    }
-    if (eng.send_error.empty()) {
-      std::ostringstream s;
-      s << SendPrefix(it->rank);
-      if (st != UCS_INPROGRESS)
-        s << "send of " << it->desc << " to peer " << it->dest << " tag " << it->tag << " failed: " << Status(st);
-      else if (dead)
-        s << "peer " << it->dest << " is unreachable (" << c->dead[it->dest] << "): send of " << it->desc << " ("
-          << it->buf.size() << " bytes) tag " << it->tag << " was not received";
-      else
-        s << "timed out after " << it->timeout_s << " s: send of " << it->desc << " (" << it->buf.size()
-          << " bytes) to peer " << it->dest << " tag " << it->tag << " was not received";
-      eng.send_error = s.str();
-    }
-    if (st == UCS_INPROGRESS) CloseEndpoint(eng, *c, it->dest, kSendGivenUp);
-    ucp_request_free(it->req);
-    eng.abandoned.push_back(std::move(it->buf));
-    it = eng.pending.erase(it);
-  }
+  eng.sends.Progress(
+      [&eng](Engine::Sends::Pending& p, std::string* why) {
+        const ucs_status_t st = ucp_request_check_status(p.req);
+        const Comm* c = Find(eng, p.comm);
+        if (st == UCS_OK) return h2::SendState::kDone;
+        if (st != UCS_INPROGRESS) *why = Status(st);
+        else if (!c->dead[p.dest].empty()) *why = "the peer is unreachable (" + c->dead[p.dest] + ")";
+        return why->empty() ? h2::SendState::kInFlight : h2::SendState::kFailed;
+      },
+      [&eng](Engine::Sends::Pending& p, h2::SendState) {
+        if (ucp_request_check_status(p.req) == UCS_INPROGRESS)  // UCP cannot cancel it: give up its endpoint
+          CloseEndpoint(eng, *Find(eng, p.comm), p.dest, kSendGivenUp);
+        ucp_request_free(p.req);
+      });
 }
 
-// Wait until every buffered send of this process has completed (or failed); returns the first
-// failure not yet told, else "". Each send waits at most its own timeout, and all of them
-// together at most `max_wait_s` (then the sends still in flight are the error, left in flight).
+// Wait until every buffered send of this process has completed (or failed): buffered_sends.h's Flush.
 inline std::string FlushSends(double max_wait_s = 1e300) {
   Engine& eng = Engine::get();
-  const auto t_start = Clock::now();
-  for (;;) {
-    {
-      std::lock_guard<std::mutex> lock(eng.mu);
-      if (eng.worker == nullptr) return {};
-      ProgressSends(eng);
-      if (eng.pending.empty()) return std::exchange(eng.send_error, {});
-      if (std::chrono::duration<double>(Clock::now() - t_start).count() > max_wait_s) {
-        if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
-        const Pending& p = eng.pending.front();
-        std::ostringstream s;
-        s << SendPrefix(p.rank) << eng.pending.size() << " buffered send(s) not received after " << max_wait_s
-          << " s, the first: " << p.desc << " (" << p.buf.size() << " bytes) to peer " << p.dest << " tag " << p.tag;
-        return s.str();
-      }
-    }
-    if (Clock::now() - t_start < std::chrono::milliseconds(5))
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
+  return eng.sends.Flush(eng.mu, [&eng] { ProgressSends(eng); }, max_wait_s);
 }
 
 // Send `sbytes` from `sbuf` to `dest` with `stag` without waiting for the receiver: copy the bytes
@@ -402,14 +347,9 @@ inline std::string BufferedSend(int64_t handle, const void* sbuf, size_t sbytes,
     if (c == nullptr) return "h2jax ffi send: no ucx comm with handle " + std::to_string(handle);
     if (std::string e = CheckRoute(*c, dest, stag, "destination"); !e.empty()) return e;
     ProgressSends(eng);
-    if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
+    if (std::string e = eng.sends.TakeError(); !e.empty()) return e;
     if (!c->dead[dest].empty()) return Unreachable(*c, dest);
-    for (auto it = eng.spare.begin(); it != eng.spare.end(); ++it)
-      if (it->capacity() >= sbytes) {
-        buf = std::move(*it);
-        eng.spare.erase(it);
-        break;
-      }
+    buf = eng.sends.Take(sbytes);
   }
   buf.resize(sbytes);                                  // within a reused buffer's capacity: no allocation
   if (sbytes) std::memcpy(buf.data(), sbuf, sbytes);  // outside the lock: other devices' calls go on
@@ -421,16 +361,10 @@ inline std::string BufferedSend(int64_t handle, const void* sbuf, size_t sbytes,
   prm.memory_type = UCS_MEMORY_TYPE_HOST;
   void* r = ucp_tag_send_nbx(c->eps[dest], buf.data(), sbytes, MakeTag(c->id, c->rank, stag), &prm);
   if (UCS_PTR_IS_ERR(r))
-    return SendPrefix(c->rank) + "send to peer " + std::to_string(dest) + " failed: " + Status(UCS_PTR_STATUS(r));
-  eng.buffered_sends += 1;
-  eng.buffered_bytes += sbytes;
-  if (r == nullptr) {  // done at once (an eager message): the buffer is free again
-    if (eng.spare.size() < 16) eng.spare.push_back(std::move(buf));
-    return {};
-  }
-  Pending p{r, std::move(buf), handle, c->rank, dest, stag, timeout_s, {}, std::string(desc)};
-  p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  eng.pending.push_back(std::move(p));
+    return Engine::Sends::Prefix(c->rank) + "send to peer " + std::to_string(dest) +
+           " failed: " + Status(UCS_PTR_STATUS(r));
+  // NULL: done at once (an eager message), the buffer free again
+  eng.sends.Posted(r, std::move(buf), handle, c->rank, dest, stag, timeout_s, desc, r != nullptr);
   ProgressSends(eng);
   return {};
 }
@@ -452,7 +386,7 @@ inline std::string Transfer(int64_t handle, const void* sbuf, size_t sbytes, int
   if (want_recv)
     if (std::string e = CheckRoute(*c, src, rtag, "source"); !e.empty()) return e;
   ProgressSends(eng);  // an earlier buffered send that failed fails this call
-  if (!eng.send_error.empty()) return std::exchange(eng.send_error, {});
+  if (std::string e = eng.sends.TakeError(); !e.empty()) return e;
   void* sreq = nullptr;
   void* rreq = nullptr;
   Stashed* from_stash = nullptr;  // the receive is the front of the stash, maybe still arriving

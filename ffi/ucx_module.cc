@@ -103,9 +103,9 @@ NB_MODULE(_ucx_ffi_cpu, m) {
     nb::dict d;
     d["messages"] = eng.stashed_messages;
     d["bytes"] = eng.stashed_bytes;
-    d["buffered_sends"] = eng.buffered_sends;
-    d["buffered_bytes"] = eng.buffered_bytes;
-    d["sends_in_flight"] = eng.pending.size();
+    d["buffered_sends"] = eng.sends.sends;
+    d["buffered_bytes"] = eng.sends.bytes;
+    d["sends_in_flight"] = eng.sends.pending.size();
     return d;
   });
   // every buffered send of this process completed: "" or the first failure (a timeout names the
