@@ -18,11 +18,11 @@ runtime moves them in one process (``jax.device_put`` between the stage meshes) 
 device-direct exchange would across processes; across processes the runtime today moves each tensor
 whole through host memory (World.from_stage_to), so on real chips the exchange takes longer than
 priced, and ``h2jax plan`` says so beside a plan of several pipelines that it chooses
-(:data:`RUNTIME_PATH`). A link between two
-chip types, or between nodes of one, runs at the slower side's inter-node bandwidth. The runtime
-posts its sends and goes on (h2jax.runtime._world.World.from_stage_to), so a stage that sends to
-several is held by none of them, and a stage receives its transfers one after the other, in the
-runtime's order (:class:`Exchange`): an owner its mirrors' gradients, a mirror its owners' values.
+(:data:`RUNTIME_PATH`). A link between two chip types, or between nodes of one, runs at the slower
+side's inter-node bandwidth. The runtime posts its sends and goes on
+(h2jax.runtime._world.World.from_stage_to), so a stage that sends to several is held by none of
+them, and a stage receives its transfers one after the other, in the runtime's order
+(:class:`Exchange`): an owner its mirrors' gradients, a mirror its owners' values.
 Between chips that share a host (emulated) the bytes cross its memory and the one process's driver
 runs every (owner, mirror) pair in turn: each pair costs what the profiler measured of that exchange
 between two clients of the host (``"exchange_call"`` per list plus ``"exchange"`` per block's worth
