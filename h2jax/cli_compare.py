@@ -77,7 +77,6 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     ``tokens_per_s``, ``devices_by_chip``, ``idle`` ({chip type: (chips, why)}) and ``report``
     (comparison.json's ``heterospeedup``; None with one chip type). `idle`: the one pipeline's."""
     from h2jax.plan import Searcher, matched_total, prove, same_batch, search, search_pipelines
-    from h2jax.plan._pipelines import RUNTIME_PATH
 
     cost = res.cost
     chosen = SimpleNamespace(
@@ -140,8 +139,8 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
                     console.print(f"  {c.devices_by_chip.get(chip, 0)} of {cluster.devices(chip)} {chip} used")
                 for chip, (n, why) in chosen.idle.items():
                     console.print(f"  {n} {chip} chips left idle: {why}")
-                if c.device_direct_priced:
-                    console.print(f"  note: {RUNTIME_PATH}")
+                if c.exchange_note:
+                    console.print(f"  note: {c.exchange_note}")
     console.print(f"[bold]{ratio_line(same, tps, f'at the same global batch ({gb} hetero, {gb} homogeneous)')}[/]")
     console.print(
         "[bold]"

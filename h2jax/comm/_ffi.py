@@ -123,9 +123,7 @@ def flush_sends(platform: str = "cpu", *, comm: Any = None) -> None:
     None) has been received (each at most its own timeout); raises ``TimeoutError`` naming the
     first send that was not, or ``RuntimeError`` for another failure of one."""
     if _is_ucx(comm):
-        from h2jax.comm import _ucx
-
-        err = _ucx.flush_sends_line()
+        err = comm.flush_sends_line()
     else:
         err = _extension(platform).flush_sends()
     if err:

@@ -235,6 +235,11 @@ class UcxComm:
         self.version = ext.ucx_version()
         _register()
 
+    def flush_sends_line(self) -> str:
+        """Wait until every buffered send of the process's ucx engine has completed: "" or the
+        first failure's line (module function :func:`flush_sends_line`)."""
+        return flush_sends_line()
+
     def protocols(self, peer: int) -> str:
         """The endpoint to ``peer``: its lanes and the protocol tables UCX has selected on it so far
         (``ucp_ep_print_info``; :func:`h2jax.comm._paths.parse_proto_info` reads them)."""

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from h2jax.plan._baselines import GRID, Searcher, share_unit
-from h2jax.plan._pipelines import RUNTIME_PATH, PipelinesCost, estimate_pipelines
+from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines
 from h2jax.plan._plan import Plan, PlanError, check_plan
 
 REFINE_ROUNDS = 2  # a partition's shares re-chosen after searching its groups at them
@@ -103,8 +103,8 @@ class PipelinesResult:
                 "tokens_per_s": round(self.cost.tokens_per_s, 1),
                 "ratio_matched_total": round(matched.ratio(self.cost.tokens_per_s), 4),
             }
-            if self.cost.device_direct_priced:
-                out["best"]["exchange_note"] = RUNTIME_PATH
+            if self.cost.exchange_note:
+                out["best"]["exchange_note"] = self.cost.exchange_note
         if self.per_chip is not None:
             out["per_chip"] = {
                 "shares": {p.stages[0].chip: p.global_batch for p in self.per_chip.plan.pipeline_plans()},

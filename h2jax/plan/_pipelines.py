@@ -101,6 +101,11 @@ class PipelinesCost:
         device-direct exchange would run them, faster than the runtime's today (:data:`RUNTIME_PATH`)."""
         return self.exchange is not None and bool(self.exchange.pairs)
 
+    @property
+    def exchange_note(self) -> str:
+        """:data:`RUNTIME_PATH` where :attr:`device_direct_priced`, else ""."""
+        return RUNTIME_PATH if self.device_direct_priced else ""
+
 
 def _holdings(pipe: Plan, model: Any) -> list[tuple[set[int], bool, bool]]:
     """Per stage of one pipeline: (its blocks, whether it holds the embedding, the head)."""
