@@ -16,7 +16,7 @@ from h2jax.plan._plan import (
     chunked_variant,
     even_layers,
 )
-from h2jax.plan._reshard import Transfer, bytes_crossing, reshard_pattern
+from h2jax.plan._reshard import Transfer, bytes_crossing, reshard_pattern, slice_routes
 from h2jax.plan.schedules import (
     BACKWARD,
     FORWARD,
@@ -78,6 +78,7 @@ __all__ = [
     "grid_events",
     "idle_fraction",
     "reshard_pattern",
+    "slice_routes",
     "stage_tasks",
     "timed_events",
 ]

@@ -13,16 +13,16 @@ there, where it is added, and takes back the new values (the gradient's bytes, f
 optimizer moments do not travel: h2jax.runtime._tied). Each of these transfers is priced sharded:
 the tensor cut into as many pieces as the smaller of the two stages has devices, each piece on its
 own link (the pattern of the boundary transfers, h2jax.plan._stage_cost.transfer_s), and the
-receiving stage all-gathering the pieces over its data axis on its intra-node link. That is how the
-runtime moves them in one process (``jax.device_put`` between the stage meshes) and how a
-device-direct exchange would across processes; across processes the runtime today moves each tensor
-whole through host memory (World.from_stage_to), so on real chips the exchange takes longer than
-priced, and ``h2jax plan`` says so beside a plan of several pipelines that it chooses
-(:data:`RUNTIME_PATH`). A link between two chip types, or between nodes of one, runs at the slower
-side's inter-node bandwidth. The runtime posts its sends and goes on
-(h2jax.runtime._world.World.from_stage_to), so a stage that sends to several is held by none of
-them, and a stage receives its transfers one after the other, in the runtime's order
-(:class:`Exchange`): an owner its mirrors' gradients, a mirror its owners' values.
+receiving stage all-gathering the pieces over its data axis on its intra-node link. That is the
+runtime's pattern: in one process ``jax.device_put`` between the stage meshes; across processes
+each process sends the pieces it holds (h2jax.plan.slice_routes) -- through host memory, a copy off
+and onto the devices at each end that a device-direct exchange would not make, so on real chips the
+exchange takes longer than priced, and ``h2jax plan`` says so beside a plan of several pipelines
+that it chooses (:data:`RUNTIME_PATH`). A link between two chip types, or between nodes of one,
+runs at the slower side's inter-node bandwidth. The runtime posts its sends and goes on
+(h2jax.runtime._world.World.post), so a stage that sends to several is held by none of them, and a
+stage receives its transfers one after the other, in the runtime's order (:class:`Exchange`): an
+owner its mirrors' gradients, a mirror its owners' values.
 Between chips that share a host (emulated) the bytes cross its memory and the one process's driver
 runs every (owner, mirror) pair in turn: each pair costs what the profiler measured of that exchange
 between two clients of the host (``"exchange_call"`` per list plus ``"exchange"`` per block's worth
@@ -58,8 +58,8 @@ from h2jax.plan._plan import Plan
 
 RUNTIME_PATH = (
     "the exchange is priced as sharded transfers over the stages' links, as a device-direct exchange would run; "
-    "across processes h2jax's runtime today sends each tensor whole, through the first process's host memory, to "
-    "every process of the receiving stage: on real chips far slower than priced"
+    "across processes h2jax's runtime sends the same pieces through host memory (a copy off and onto the devices at "
+    "each end): on real chips slower than priced"
 )
 
 

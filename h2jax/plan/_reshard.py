@@ -12,10 +12,15 @@ axis.
 
 Devices are named by mesh coordinates ``(data_idx, tensor_idx)``; slices are half-open
 ``(start, stop)`` per array dim, in global coordinates.
+
+:func:`slice_routes` is the general case at the granularity of processes, for arrays of any
+layout (a parameter several stages hold, h2jax.runtime._tied): which process sends which region
+to which, each element of a receiver's blocks sent once, from a process that holds it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 Slice = tuple[tuple[int, int], ...]
@@ -31,10 +36,7 @@ class Transfer:
 
     @property
     def num_elements(self) -> int:
-        n = 1
-        for a, b in self.index:
-            n *= b - a
-        return n
+        return _size(self.index)
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -97,3 +99,62 @@ def reshard_pattern(
 def bytes_crossing(pattern: list[Transfer], itemsize: int) -> int:
     """Bytes that cross the inter-stage link for a pattern."""
     return sum(t.num_elements for t in pattern) * itemsize
+
+
+Route = tuple[Slice, Slice, Slice]  # (region, the sender's block it is cut from, the receiver's block it fills)
+
+
+def _size(index: Slice) -> int:
+    n = 1
+    for a, b in index:
+        n *= b - a
+    return n
+
+
+def _overlap(a: Slice, b: Slice) -> Slice | None:
+    region = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return region if all(lo < hi for lo, hi in region) else None
+
+
+def slice_routes(
+    src: Sequence[tuple[int, Slice]], dst: Sequence[tuple[int, Slice]]
+) -> dict[tuple[int, int], list[Route]]:
+    """How an array laid out over some processes' devices (``src``) reaches another layout
+    (``dst``): {(sender, receiver): [(region, sender's block, receiver's block), ...]}, in an order
+    that every process computes alike from the same two layouts.
+
+    A layout lists (process, block) for each of its devices, a block being the slice of the global
+    array that device holds (a sharding's ``devices_indices_map``); replicas repeat a block, and
+    the distinct blocks of a layout tile the array. Each receiver gets every element of its
+    distinct blocks exactly once: from itself where it holds the sender's block, else from the
+    holder of that block that has sent the fewest elements so far (replicas share the load, the
+    receivers taken in order). A receiver's block that the sender's blocks do not cover is an
+    error (not a sharding's layout)."""
+    holders: dict[Slice, list[int]] = {}
+    for p, block in src:
+        hs = holders.setdefault(tuple(block), [])
+        if p not in hs:
+            hs.append(p)
+    needs: dict[int, set[Slice]] = {}
+    for p, block in dst:
+        needs.setdefault(p, set()).add(tuple(block))
+    sent = dict.fromkeys(sorted({p for hs in holders.values() for p in hs}), 0)
+    out: dict[tuple[int, int], list[Route]] = {}
+    for i, r in enumerate(sorted(needs)):
+        for d in sorted(needs[r]):
+            covered = 0
+            for e in sorted(holders):
+                region = _overlap(d, e)
+                if region is None:
+                    continue
+                hs = sorted(holders[e])
+                if r in hs:
+                    s = r
+                else:
+                    s = min(hs, key=lambda h: (sent[h], (hs.index(h) - i) % len(hs)))
+                    sent[s] += _size(region)
+                out.setdefault((s, r), []).append((region, e, d))
+                covered += _size(region)
+            if covered != _size(d):
+                raise ValueError(f"the sending layout covers {covered} of the {_size(d)} elements of block {d}")
+    return out

@@ -24,9 +24,13 @@ stage order, *owns* it; the others hold *mirrors*):
   are never read: its update is replaced by the owner's value, and a checkpoint keeps the
   owner's moments (below), so they do not travel (they decay under the zeroed gradient, inert).
   The cost per step: each mirror's share of the gradient travels once to the owner, the new
-  value once back (one process: ``jax.device_put`` between the stage meshes, sharded over the
+  value once back. In one process: ``jax.device_put`` between the stage meshes, sharded over the
   data axes and all-gathered on arrival, which also reshards when the stages' tensor degrees
-  differ; multi-process: through the host, with :meth:`World.from_stage_to`).
+  differ. Across processes the same pattern: each process sends, through host memory, the
+  slices it holds that a process of the other stage needs in the cut layout
+  (:func:`h2jax.plan.slice_routes` over both layouts: each element once, replicas sharing the
+  load; :meth:`World.post`), and the receiving stage all-gathers them over its data axis: every
+  process moves its own part, none the whole.
 - **Checkpoints.** A tied parameter and its optimizer state are saved once, by the owner,
   under the parameter's path in the whole model (``embed/embedding``); a restore gives every
   holder the same values (``h2jax.runtime._state``), under any plan -- also one whose single
@@ -38,7 +42,8 @@ With layer chunks (interleaved, zb-v) the holders are model positions, i.e. chun
 ``zb-v`` puts the embedding (position 0) and the head (the last position) on stage 0, so a
 tied table has two holders on one stage -- its two chunk programs, each with its own
 accumulator and optimizer state -- and the hand-overs between them stay on that stage's
-processes (:meth:`World.from_stage_to` from a stage to itself involves no other process).
+processes (across processes, a process of the stage takes from another only the slices the other's
+layout holds and its own lacks).
 """
 
 from __future__ import annotations
@@ -54,9 +59,11 @@ from jax.sharding import PartitionSpec as P
 
 from h2jax.config import ConfigError
 from h2jax.models import SharedParam
+from h2jax.plan import slice_routes
 from h2jax.runtime._layout import flatten, to_model_key
-from h2jax.runtime._procgroup import fetch, global_array
 from h2jax.runtime._world import World
+
+Block = tuple[tuple[int, int], ...]  # a slice of a global array: (start, stop) per dim
 
 
 def check_tieable(shared: Sequence[SharedParam]) -> None:
@@ -101,27 +108,43 @@ def _wire(x: jax.Array) -> Any:
 
 
 def _place_all(values: list[Any], likes: list[jax.Array]) -> list[jax.Array]:
-    """``values`` (device arrays of another mesh, or host arrays) laid out as ``likes``, each in
+    """``values`` (device arrays of another mesh of this process) laid out as ``likes``, each in
     a buffer of its own: two chunks of one stage may hold the copies on the same devices, and
-    each update donates its own (an aliased buffer would be deleted under the other). Device
-    arrays move sharded (:func:`_wire`: cut over the sender's data axis -- a local slice -- moved
+    each update donates its own (an aliased buffer would be deleted under the other). They move
+    sharded (:func:`_wire`: cut over the sender's data axis -- a local slice -- moved
     piece by piece to the receiver's, then all-gathered there over its data axis: what
     h2jax.plan's exchange cost prices), each step one ``jax.device_put`` of the whole list."""
-    if all(isinstance(v, jax.Array) for v in values):
-        src = [_wire(v) for v in values]
-        if any(w != v.sharding for w, v in zip(src, values)):  # a stage with a data axis: cut first
-            values = jax.device_put(list(values), src)
-        dst, final = [_wire(x) for x in likes], [x.sharding for x in likes]
-        if dst == final:  # no data axis on the receiver: one move, nothing to gather
-            return list(jax.device_put(list(values), final, may_alias=False))
-        return list(jax.device_put(jax.device_put(list(values), dst), final, may_alias=False))
-    return [global_array(np.asarray(v), x.sharding) for v, x in zip(values, likes)]
+    src = [_wire(v) for v in values]
+    if any(w != v.sharding for w, v in zip(src, values)):  # a stage with a data axis: cut first
+        values = jax.device_put(list(values), src)
+    dst, final = [_wire(x) for x in likes], [x.sharding for x in likes]
+    if dst == final:  # no data axis on the receiver: one move, nothing to gather
+        return list(jax.device_put(list(values), final, may_alias=False))
+    return list(jax.device_put(jax.device_put(list(values), dst), final, may_alias=False))
+
+
+def _block(index: tuple[slice, ...], shape: tuple[int, ...]) -> Block:
+    """A device's index (slices, as a sharding gives them) as a :data:`Block`."""
+    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+
+def _within(region: Block, block: Block) -> tuple[slice, ...]:
+    """``region`` as numpy slices of the array that holds ``block``."""
+    return tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(region, block))
+
+
+def layout(sharding: Any, shape: tuple[int, ...], ranks: Sequence[int]) -> tuple[tuple[int, Block], ...]:
+    """(world rank, block) for every device of an array of ``shape`` laid out as ``sharding``
+    (:func:`h2jax.plan.slice_routes`' layout): ``ranks`` are its stage's processes
+    (World.ranks_of), a device's ``process_index`` picks one."""
+    blocks = sharding.devices_indices_map(shape).items()
+    return tuple(sorted((ranks[d.process_index], _block(idx, shape)) for d, idx in blocks))
 
 
 def list_program(kind: str, like: list[jax.Array], cache: dict) -> Any:
-    """A jitted add of two lists of arrays (``kind`` "add"), or a times-zero of one ("times_zero":
+    """A jitted add of two lists of arrays (``kind`` "add"), a times-zero of one ("times_zero":
     finite elements become 0, non-finite ones stay NaN, so a stage whose share was non-finite
-    still reports it), whose outputs keep ``like``'s shardings (the next step's programs see the
+    still reports it) or the list as it is ("place": resharded, e.g. all-gathered), whose outputs keep ``like``'s shardings (the next step's programs see the
     layout they were compiled for); kept in ``cache`` by (kind, layouts). One program per list:
     a job of several pipelines ties every layer, and a program per parameter costs a dispatch
     each."""
@@ -129,6 +152,8 @@ def list_program(kind: str, like: list[jax.Array], cache: dict) -> Any:
     if key not in cache:
         if kind == "add":
             fn = lambda a, b: [x + y for x, y in zip(a, b)]  # noqa: E731
+        elif kind == "place":
+            fn = list
         else:
             fn = lambda a: [x * jnp.zeros((), x.dtype) for x in a]  # noqa: E731
         cache[key] = jax.jit(fn, out_shardings=[x.sharding for x in like])
@@ -185,6 +210,26 @@ class TiedParams:
                 self._names.setdefault(s, {})[to_model_key(path, plan.stages[s])] = (sp.name, s == sp.owner)
         self._programs: dict[tuple[str, Any], Any] = {}
         self._index: dict[tuple[str, str, int], Any] = {}  # leaf positions (the trees keep their structure)
+        # across processes: every holder's layouts of every tied parameter, (position, path) ->
+        # (held, arriving), told once by the processes holding it (the same plan on every process, so
+        # every process reaches this collective); the routes between two layouts kept as computed
+        self._layouts: dict[tuple[int, str], Any] = {}
+        self._routes: dict[tuple[int, int, str], Any] = {}
+        self._arriving: dict[tuple[int, str], Any] = {}  # this process's positions: the sharding pieces arrive in
+        self.bytes_posted = 0  # to other processes, since the start (what the exchange moved from here)
+        if world.multiprocess and self.shared:
+            mine = {}
+            for sp in self.shared:
+                for q, _ in sp.paths:
+                    if q in self.local:
+                        x = jax.tree.leaves(self.local[q].params)[self._param_index(sp, q)]
+                        ranks = world.ranks_of(self._stage_of[q])
+                        # as held (what it sends from), and as it arrives (cut over the data axis;
+                        # the parameter's, which its gradient accumulator shares: one spelling)
+                        self._arriving[(q, sp.name)] = _wire(x)
+                        mine[(q, sp.name)] = (layout(x.sharding, x.shape, ranks), layout(_wire(x), x.shape, ranks))
+            for told in world.allgather(mine):
+                self._layouts.update(told)
 
     def __bool__(self) -> bool:
         return bool(self.shared)
@@ -208,10 +253,71 @@ class TiedParams:
         """:func:`list_program`, kept per (kind, layouts) for this job."""
         return list_program(kind, like, self._programs)
 
-    def _host(self, x: Any) -> Any:
-        """What crosses to another stage: the arrays themselves in one process, else host copies
-        (collective over the stage's processes when sharded across them)."""
-        return fetch(x) if self.world.multiprocess else x
+    def _move(
+        self, src: int, dsts: Sequence[int], values: list[jax.Array] | None, sps: Sequence[SharedParam], likes: Any
+    ) -> dict[int, list[jax.Array]]:
+        """``values`` (position ``src``'s arrays of ``sps``, given where this process holds it) laid
+        out as each position of ``dsts`` that this process holds lays them out (``likes(q)``: its
+        arrays of ``sps``), each in buffers of its own: {q: arrays}. Only the processes of ``src``
+        and ``dsts`` take part, in the same order of calls (module docstring). As in one process
+        (:func:`_place_all`), what crosses between stages is cut over the receiving stage's data
+        axis (each of its data replicas takes a distinct piece, from the sending process that
+        holds it, replicas of the sender sharing the load) and all-gathered on arrival over that
+        axis; the pieces travel through host memory."""
+        if not self.world.multiprocess:
+            return {q: _place_all(values, likes(q)) for q in dsts if q in self.local}
+        me, dsts = self.world.rank, sorted(set(dsts))
+        routes = {q: [self._route(src, q, sp.name) for sp in sps] for q in dsts}
+        kept: dict[int, list[np.ndarray]] = {}  # the pieces this process sends itself
+        if values is not None:
+            held = [{_block(sh.index, x.shape): sh.data for sh in reversed(x.addressable_shards)} for x in values]
+            for q, per in routes.items():
+                for r in sorted({r for rt in per for s, r in rt if s == me}):
+                    pieces = [
+                        np.array(np.asarray(held[j][e])[_within(region, e)])
+                        for j, rt in enumerate(per)
+                        for region, e, _ in rt.get((me, r), ())
+                    ]
+                    if r == me:
+                        kept[q] = pieces
+                    else:
+                        self.world.post(r, pieces)
+                        self.bytes_posted += sum(p.nbytes for p in pieces)
+        out = {}
+        for q, per in routes.items():
+            if q not in self.local:
+                continue
+            blocks: list[dict[Block, np.ndarray]] = [{} for _ in sps]
+            for s in sorted({s for rt in per for s, r in rt if r == me}):
+                pieces = iter(kept.pop(q) if s == me else self.world.take(s))
+                for j, rt in enumerate(per):
+                    for region, _, d in rt.get((s, me), ()):
+                        piece = next(pieces)
+                        if d not in blocks[j]:
+                            blocks[j][d] = np.empty([b - a for a, b in d], piece.dtype)
+                        blocks[j][d][_within(region, d)] = piece
+            like = likes(q)
+            arrived = [
+                jax.make_array_from_callback(
+                    x.shape, self._arriving[(q, sp.name)], lambda idx, b=b, n=x.shape: b[_block(idx, n)]
+                )
+                for x, b, sp in zip(like, blocks, sps)
+            ]
+            if any(a.sharding != x.sharding for a, x in zip(arrived, like)):  # all-gathered over the data axis
+                arrived = self._program("place", like)(arrived)
+            out[q] = list(arrived)
+        return out
+
+    def _route(self, src: int, dst: int, name: str) -> Any:
+        key = (src, dst, name)
+        if key not in self._routes:
+            self._routes[key] = slice_routes(self._layouts[(src, name)][0], self._layouts[(dst, name)][1])
+        return self._routes[key]
+
+    def _leaves(self, q: int, tree: str, sps: Sequence[SharedParam]) -> list[jax.Array]:
+        """Position ``q``'s arrays of ``sps`` in its ``tree`` ("params" or "acc")."""
+        leaves = jax.tree.leaves(getattr(self.local[q], tree))
+        return [leaves[self._param_index(sp, q)] for sp in sps]
 
     def _groups(self, by_owner: bool) -> dict[tuple[int, Any], list[SharedParam]]:
         """The tied parameters by (owner, mirror) -- each mirror on its own, ``by_owner`` False: for
@@ -230,45 +336,35 @@ class TiedParams:
         """Every tied parameter's gradient summed into its owner's accumulator, in stage order
         (each mirror's share added in turn, the mirrors in ascending order); the mirrors'
         accumulators of it zeroed (call after the step's backward). The parameters a mirror and
-        its owner share travel together. A mirror posts its shares (World.from_stage_to) to its
+        its owner share travel together. A mirror posts its shares (:meth:`_move`) to its
         owners from the last stage down: a pipeline's last stages are done with their backward
         first (h2jax.plan._pipelines prices the sum beside the drain of the stages below)."""
         for (owner, m), sps in sorted(self._groups(by_owner=False).items(), key=lambda kv: (kv[0][1], -kv[0][0])):
-            shares = None
+            shares = self._leaves(m, "acc", sps) if m in self.local else None
+            got = self._move(m, [owner], shares, sps, lambda q: self._leaves(q, "acc", sps))
             if m in self.local:
-                st = self.local[m]
                 idx = [self._param_index(sp, m) for sp in sps]
-                leaves = jax.tree.leaves(st.acc)
-                mine = [leaves[i] for i in idx]
-                shares = self._host(mine)
-                st.acc = _replace(st.acc, dict(zip(idx, self._program("times_zero", mine)(mine))))
-            got = self.world.from_stage_to(self._stage_of[m], [self._stage_of[owner]], shares)
+                self.local[m].acc = _replace(
+                    self.local[m].acc, dict(zip(idx, self._program("times_zero", shares)(shares)))
+                )
             if owner in self.local:
                 st = self.local[owner]
                 idx = [self._param_index(sp, owner) for sp in sps]
-                leaves = jax.tree.leaves(st.acc)
-                mine = [leaves[i] for i in idx]
-                summed = self._program("add", mine)(mine, _place_all(got, mine))
-                st.acc = _replace(st.acc, dict(zip(idx, summed)))
+                mine = self._leaves(owner, "acc", sps)
+                st.acc = _replace(st.acc, dict(zip(idx, self._program("add", mine)(mine, got[owner]))))
         self.world.settle()
 
     def sync(self) -> None:
         """Every mirror takes its owner's value of each tied parameter (call after every update;
         the mirror's optimizer moments of it are never read: module docstring)."""
         for (owner, mirrors), sps in self._groups(by_owner=True).items():
-            local_mirrors = [m for m in mirrors if m in self.local]
-            if owner not in self.local and not local_mirrors:
+            if owner not in self.local and not any(m in self.local for m in mirrors):
                 continue
-            sent = None
-            if owner in self.local:
-                params = jax.tree.leaves(self.local[owner].params)
-                sent = self._host([params[self._param_index(sp, owner)] for sp in sps])
-            got = self.world.from_stage_to(self._stage_of[owner], [self._stage_of[m] for m in mirrors], sent)
-            for m in local_mirrors:
+            values = self._leaves(owner, "params", sps) if owner in self.local else None
+            got = self._move(owner, mirrors, values, sps, lambda q: self._leaves(q, "params", sps))
+            for m, arrays in got.items():
                 st = self.local[m]
-                params = jax.tree.leaves(st.params)
-                p_idx = [self._param_index(sp, m) for sp in sps]
-                st.params = _replace(st.params, dict(zip(p_idx, _place_all(list(got), [params[i] for i in p_idx]))))
+                st.params = _replace(st.params, dict(zip([self._param_index(sp, m) for sp in sps], arrays)))
         self.world.settle()
 
     def copies(self) -> dict[str, dict[int, Any]]:

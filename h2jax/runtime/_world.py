@@ -5,9 +5,10 @@ The trainer is the same in one process and under mpirun; what differs sits here:
 - which stages this process runs (``local_stages``) and on which meshes;
 - per-stage scalars in stage order on every process (:meth:`World.stage_values`: the
   squared gradient norms, so the global norm is the single-process one to the bit);
-- one stage's value on every process (:meth:`World.from_stage`: the loss), or on the
-  processes of some stages only (:meth:`World.from_stage_to`: the arrays of a parameter
-  several stages hold, h2jax.runtime._tied);
+- one stage's value on every process (:meth:`World.from_stage`: the loss);
+- point to point between processes (:meth:`World.post`, :meth:`World.take`: the slices of a
+  parameter several stages hold, h2jax.runtime._tied), with every stage's ranks
+  (:meth:`World.ranks_of`);
 - the step boundary (:meth:`World.step_boundary`: whether any process got a stop signal,
   and the newest step every process has committed);
 - decisions taken once (:meth:`World.lead`: rank 0 reads the checkpoint directory and tells
@@ -48,7 +49,7 @@ class JobError(Exception):
 
 
 _AGREED = (CheckpointError, ConfigError, OSError, KeyError, ValueError)
-STAGE_TO_TAG = 30_001  # World.from_stage_to's messages on the world communicator (channels use their own)
+EXCHANGE_TAG = 30_001  # World.post's messages on the world communicator (channels use their own)
 
 
 class World:
@@ -74,18 +75,23 @@ class World:
     def from_stage(self, stage: int, value: Any) -> Any:
         raise NotImplementedError
 
-    def from_stage_to(self, stage: int, stages: Sequence[int], value: Any) -> Any:
-        """``value`` of ``stage`` (given on each of its processes) on every process of
-        ``stages``: returned there and on ``stage``'s own processes, None elsewhere. Only
-        those processes take part (point to point, no collective); every one of them calls it
-        in the same order. Across processes ``value`` must pickle (host arrays); in one
-        process it is handed over as it is. The sender does not wait for its receivers: its
-        sends are posted (the value pickled at once) and :meth:`settle` waits for them, so a
-        stage that sends to several others is not held by the first of them."""
-        raise NotImplementedError
+    def ranks_of(self, stage: int) -> tuple[int, ...]:
+        """The world ranks of ``stage``'s processes, in their order in its ``jax.distributed``
+        cluster (a device's ``process_index`` picks one); this process alone in one process."""
+        return (self.rank,)
+
+    def post(self, rank: int, obj: Any) -> None:
+        """Send ``obj`` (it must pickle: host arrays) to process ``rank`` without waiting for it
+        to be received (pickled at once; :meth:`settle` waits): a process that sends to several
+        is held by none of them. Messages between two processes arrive in the order posted."""
+        raise NotImplementedError(f"{type(self).__name__} has no other process to post to")
+
+    def take(self, rank: int) -> Any:
+        """The next object process ``rank`` posted to this one (waits for it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no other process to take from")
 
     def settle(self) -> None:
-        """Wait until every send :meth:`from_stage_to` posted on this process was received."""
+        """Wait until every object :meth:`post` sent from this process was received."""
 
     def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
         raise NotImplementedError
@@ -117,9 +123,6 @@ class LocalWorld(World):
         return [float(values[s]) for s in range(self.num_stages)]
 
     def from_stage(self, stage: int, value: Any) -> Any:
-        return value
-
-    def from_stage_to(self, stage: int, stages: Sequence[int], value: Any) -> Any:
         return value
 
     def step_boundary(self, stop: str | None, committed: int | None) -> tuple[str | None, int]:
@@ -164,7 +167,7 @@ class MpiWorld(World):
         self.is_leader = self.leaders[self.stage_idx] == self.rank
         self.is_writer = self.rank == 0
         self.launcher = launcher
-        self._posted: list[Any] = []  # from_stage_to's sends not yet known received (settle)
+        self._posted: list[Any] = []  # post's sends not yet known received (settle)
 
     def stage_values(self, values: Mapping[int, float]) -> list[float]:
         mine = float(values[self.stage_idx]) if self.is_leader else None
@@ -174,17 +177,14 @@ class MpiWorld(World):
     def from_stage(self, stage: int, value: Any) -> Any:
         return self.comm.bcast(value, root=self.leaders[stage])
 
-    def from_stage_to(self, stage: int, stages: Sequence[int], value: Any) -> Any:
-        to = set(stages) - {stage}
-        if self.stage_idx == stage:
-            if self.is_leader:
-                for r, s in enumerate(self.stage_of_rank):
-                    if s in to:
-                        self._posted.append(self.comm.isend(value, dest=r, tag=STAGE_TO_TAG))
-            return value
-        if self.stage_idx in to:
-            return self.comm.recv(source=self.leaders[stage], tag=STAGE_TO_TAG)
-        return None
+    def ranks_of(self, stage: int) -> tuple[int, ...]:
+        return tuple(r for r, s in enumerate(self.stage_of_rank) if s == stage)
+
+    def post(self, rank: int, obj: Any) -> None:
+        self._posted.append(self.comm.isend(obj, dest=rank, tag=EXCHANGE_TAG))
+
+    def take(self, rank: int) -> Any:
+        return self.comm.recv(source=rank, tag=EXCHANGE_TAG)
 
     def settle(self) -> None:
         posted, self._posted = self._posted, []

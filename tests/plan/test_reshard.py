@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from h2jax.plan import bytes_crossing, reshard_pattern
+from h2jax.plan import bytes_crossing, reshard_pattern, slice_routes
 
 MESHES = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (4, 2), (2, 4), (8, 1), (1, 8)]
 
@@ -78,3 +78,78 @@ def test_indivisible_hidden_falls_back_to_whole_slices():
 def test_indivisible_batch_is_refused():
     with pytest.raises(ValueError, match="divisible"):
         reshard_pattern((6, 8), src=(4, 1), dst=(1, 1))
+
+
+# -- slice_routes: any layout to any other, at the granularity of processes -----------------------
+def _layout(shape, grid, procs, replicas, first_rank):
+    """(rank, block) per device: ``shape`` cut into ``grid`` blocks (per dim), each held by
+    ``replicas`` devices, the devices dealt to ``procs`` processes in order (a stage's mesh)."""
+    blocks = list(itertools.product(*[[(i * n // g, (i + 1) * n // g) for i in range(g)] for n, g in zip(shape, grid)]))
+    devices = [b for b in blocks for _ in range(replicas)]
+    per = len(devices) // procs
+    return [(first_rank + i // per, b) for i, b in enumerate(devices)]
+
+
+LAYOUTS = [  # (grid, replicas, processes)
+    ((1, 1), 1, 1),
+    ((1, 1), 2, 2),  # replicated over two processes (a data axis)
+    ((2, 1), 1, 2),  # split on dim 0 (vocab) over two processes
+    ((1, 2), 2, 2),  # split on dim 1, each half on one process twice
+    ((1, 2), 2, 4),  # split on dim 1, each half on two processes
+    ((4, 1), 1, 1),  # four blocks in one process
+    ((2, 2), 2, 4),
+]
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.product(LAYOUTS, LAYOUTS)))
+def test_slice_routes_give_every_receiver_its_blocks_once_from_their_holders(src, dst):
+    shape = (8, 12)
+    a, b = _layout(shape, *src, first_rank=0), _layout(shape, *dst, first_rank=10)
+    routes = slice_routes(a, b)
+    held = {}
+    for p, blk in a:
+        held.setdefault(p, set()).add(blk)
+    for r in sorted({p for p, _ in b}):
+        for d in {blk for p, blk in b if p == r}:
+            hits = np.zeros(shape, np.int32)
+            for (s, rr), rt in routes.items():
+                for region, e, dd in rt:
+                    if rr == r and dd == d:
+                        assert e in held[s]  # a sender sends only what it holds
+                        assert all(e0 <= x0 < x1 <= e1 for (x0, x1), (e0, e1) in zip(region, e))
+                        hits[tuple(slice(x0, x1) for x0, x1 in region)] += 1
+            box = tuple(slice(x0, x1) for x0, x1 in d)
+            assert (hits[box] == 1).all() and hits.sum() == hits[box].sum()  # its block, each element once
+
+
+def test_slice_routes_share_a_replicated_block_among_its_holders():
+    whole = ((0, 8), (0, 4))
+    two = [(0, whole), (1, whole)]  # replicated over two processes
+    four = [(r, whole) for r in range(10, 14)]  # four processes each needing it whole
+    assert sorted(slice_routes(two, four)) == [(0, 10), (0, 12), (1, 11), (1, 13)]
+    assert sorted(slice_routes(two, two + four)) == [
+        (0, 0),
+        (0, 10),
+        (0, 12),
+        (1, 1),
+        (1, 11),
+        (1, 13),
+    ]  # own from itself
+
+
+def test_slice_routes_the_tied_table_of_two_stages_over_two_processes_each():
+    """The owner's table split on vocab over ranks 0 and 1, the mirror's whole on ranks 2 and 3
+    (data 2): the gradient goes half from each mirror process, the values back a half from each
+    owner process to each mirror process."""
+    owner = [(0, ((0, 4), (0, 4))), (1, ((4, 8), (0, 4)))]
+    mirror = [(2, ((0, 8), (0, 4))), (3, ((0, 8), (0, 4)))]
+    assert slice_routes(mirror, owner) == {
+        (2, 0): [(((0, 4), (0, 4)), ((0, 8), (0, 4)), ((0, 4), (0, 4)))],
+        (3, 1): [(((4, 8), (0, 4)), ((0, 8), (0, 4)), ((4, 8), (0, 4)))],
+    }
+    assert sorted(slice_routes(owner, mirror)) == [(0, 2), (0, 3), (1, 2), (1, 3)]
+
+
+def test_slice_routes_refuse_a_layout_that_does_not_cover_a_block():
+    with pytest.raises(ValueError, match="covers 16 of the 32 elements"):
+        slice_routes([(0, ((0, 4), (0, 4)))], [(1, ((0, 8), (0, 4)))])

@@ -153,8 +153,8 @@ def test_a_non_finite_share_is_counted_and_named(tmp_path):
 
 @pytest.mark.slow
 def test_tied_thread_ranks_equal_one_process(tmp_path):
-    """MpiWorld's logic (one stage per rank, the table's gradient and value exchanged with
-    World.from_stage_to) with ranks as threads: the same losses, norms and parameters as one
+    """MpiWorld's logic (one stage per rank, the table's gradient and value exchanged
+    point to point, TiedParams._move) with ranks as threads: the same losses, norms and parameters as one
     process, and the copies identical on the two ranks."""
     cfg = make_cfg("2st-1f1b", **{"train.steps": "3", "checkpoint.enabled": "false"})
     local = Trainer(cfg, run_dir=tmp_path / "local")

@@ -1,6 +1,6 @@
 """Tied embeddings under mpirun: stages in different processes (one per stage, or one per
-device) exchange the table's gradient shares and new values through the host
-(World.from_stage_to); the boundaries travel by the ffi or host transport.
+device) exchange the table's gradient shares and new values through the host, each process
+the slices it holds and a process of the other stage needs; the boundaries travel by the ffi or host transport.
 
 Against the sequential model, in this process: each step's loss and every gradient within
 1e-5 of ``jax.value_and_grad`` of the whole model (test_tied.py's reasons), the parameters
@@ -52,6 +52,15 @@ def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
     assert sorted(copies) == ["copy/0", f"copy/{last}"]
     assert np.array_equal(copies["copy/0"], copies[f"copy/{last}"])
     assert np.array_equal(copies["copy/0"], got[TABLE])
+    if plan == "2st-per-device":
+        # stage 0 over two processes (tensor 2: the tied table split on vocab), stage 1 over two
+        # (data 2: each holds it whole, takes it cut over its data axis, all-gathers it). Each
+        # step each mirror process sends one owner process its half of the fp32 gradient, and
+        # each owner process its half of the new values to one mirror process: every process
+        # moves half the table, none the whole
+        table = got[TABLE]
+        sent = [int(rk["exchange_bytes"]) for rk in ranks]
+        assert sent == [3 * (table.nbytes // 2)] * 2 + [3 * (table.size // 2) * 4] * 2
 
     # the multi-process checkpoint, restored in one process onto one stage holding both uses
     restored_on_one_stage(cfg, got, tmp_path)

@@ -3,8 +3,8 @@
 experiment ``PLAN`` (tests/_harness.py TIED_PLANS), or of the plan of several pipelines ``PLAN``
 (PIPELINE_PLANS: every layer held by every pipeline), with checkpoints on; every process writes ``OUT/rank<r>.npz``: the loss and global norm
 of each step, the gradients of its stages before each update (``grads/<step>/<path>``), its
-parameters after the run (``params/<path>``), and its copies of the tied table
-(``copy/<stage>``)."""
+parameters after the run (``params/<path>``), its copies of the tied table
+(``copy/<stage>``) and the bytes its exchange posted to other processes (``exchange_bytes``)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def main() -> None:
     for k, v in fetch(trainer.params_by_layer()).items():
         arrays[f"params/{k}"] = v
     tied = trainer.tied
+    arrays["exchange_bytes"] = np.array(tied.bytes_posted)
     for name, copies in tied.copies().items():
         if name != TABLE:  # the tied table's copies; a plan of pipelines ties every layer
             continue
@@ -55,4 +56,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:  # end the whole job at once (h2jax train does it in h2jax.runtime._job), not hang it
+        import traceback
+
+        from mpi4py import MPI
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
