@@ -42,8 +42,8 @@ With layer chunks (interleaved, zb-v) the holders are model positions, i.e. chun
 ``zb-v`` puts the embedding (position 0) and the head (the last position) on stage 0, so a
 tied table has two holders on one stage -- its two chunk programs, each with its own
 accumulator and optimizer state -- and the hand-overs between them stay on that stage's
-processes (across processes, a process of the stage takes from another only the slices the other's
-layout holds and its own lacks).
+processes (across processes, a process of the stage takes from another only the slices the
+other's layout holds and its own lacks).
 """
 
 from __future__ import annotations
@@ -144,10 +144,10 @@ def layout(sharding: Any, shape: tuple[int, ...], ranks: Sequence[int]) -> tuple
 def list_program(kind: str, like: list[jax.Array], cache: dict) -> Any:
     """A jitted add of two lists of arrays (``kind`` "add"), a times-zero of one ("times_zero":
     finite elements become 0, non-finite ones stay NaN, so a stage whose share was non-finite
-    still reports it) or the list as it is ("place": resharded, e.g. all-gathered), whose outputs keep ``like``'s shardings (the next step's programs see the
-    layout they were compiled for); kept in ``cache`` by (kind, layouts). One program per list:
-    a job of several pipelines ties every layer, and a program per parameter costs a dispatch
-    each."""
+    still reports it) or the list as it is ("place": resharded, e.g. all-gathered), whose
+    outputs keep ``like``'s shardings (the next step's programs see the layout they were
+    compiled for); kept in ``cache`` by (kind, layouts). One program per list: a job of several
+    pipelines ties every layer, and a program per parameter costs a dispatch each."""
     key = (kind, tuple(x.sharding for x in like))
     if key not in cache:
         if kind == "add":
