@@ -135,6 +135,8 @@ def slice_routes(
         hs = holders.setdefault(tuple(block), [])
         if p not in hs:
             hs.append(p)
+    for hs in holders.values():
+        hs.sort()
     needs: dict[int, set[Slice]] = {}
     for p, block in dst:
         needs.setdefault(p, set()).add(tuple(block))
@@ -147,7 +149,7 @@ def slice_routes(
                 region = _overlap(d, e)
                 if region is None:
                     continue
-                hs = sorted(holders[e])
+                hs = holders[e]
                 if r in hs:
                     s = r
                 else:

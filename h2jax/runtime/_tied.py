@@ -226,8 +226,8 @@ class TiedParams:
                         ranks = world.ranks_of(self._stage_of[q])
                         # as held (what it sends from), and as it arrives (cut over the data axis;
                         # the parameter's, which its gradient accumulator shares: one spelling)
-                        self._arriving[(q, sp.name)] = _wire(x)
-                        mine[(q, sp.name)] = (layout(x.sharding, x.shape, ranks), layout(_wire(x), x.shape, ranks))
+                        wired = self._arriving[(q, sp.name)] = _wire(x)
+                        mine[(q, sp.name)] = (layout(x.sharding, x.shape, ranks), layout(wired, x.shape, ranks))
             for told in world.allgather(mine):
                 self._layouts.update(told)
 
