@@ -91,6 +91,8 @@ TIED_PLANS = {
     "2st-zb-h1": (4, "zb-h1", [S("sim_c", (0, 2), 1, 2), S("sim_d", (2, 4), 2, 1)]),
     # under mpirun one process per device (-np 4): each copy of the table sharded over two processes
     "2st-per-device": (4, "1f1b", [S("sim_a", (0, 2), 1, 2), S("sim_b", (2, 4), 2, 1)]),
+    # ... (-np 3): the owner's table on one process, the mirror's whole on each of two (data 2)
+    "2st-one-to-two": (4, "1f1b", [S("sim_a", (0, 2), 1, 1), S("sim_b", (2, 4), 2, 1)]),
 }
 
 

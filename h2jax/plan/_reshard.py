@@ -20,6 +20,7 @@ to which, each element of a receiver's blocks sent once, from a process that hol
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,6 +117,18 @@ def _overlap(a: Slice, b: Slice) -> Slice | None:
     return region if all(lo < hi for lo, hi in region) else None
 
 
+def _cut(region: Slice, parts: int) -> list[Slice]:
+    """``region`` cut into up to ``parts`` near-equal boxes along its longest dimension (fewer
+    where that dimension is shorter), in order."""
+    dim = max(range(len(region)), key=lambda k: region[k][1] - region[k][0])
+    lo, hi = region[dim]
+    n = min(parts, hi - lo)
+    return [
+        tuple((lo + (hi - lo) * t // n, lo + (hi - lo) * (t + 1) // n) if k == dim else r for k, r in enumerate(region))
+        for t in range(n)
+    ]
+
+
 def slice_routes(
     src: Sequence[tuple[int, Slice]], dst: Sequence[tuple[int, Slice]]
 ) -> dict[tuple[int, int], list[Route]]:
@@ -126,9 +139,12 @@ def slice_routes(
     A layout lists (process, block) for each of its devices, a block being the slice of the global
     array that device holds (a sharding's ``devices_indices_map``); replicas repeat a block, and
     the distinct blocks of a layout tile the array. Each receiver gets every element of its
-    distinct blocks exactly once: from itself where it holds the sender's block, else from the
-    holder of that block that has sent the fewest elements so far (replicas share the load, the
-    receivers taken in order). A receiver's block that the sender's blocks do not cover is an
+    distinct blocks exactly once: from itself where it holds the sender's block, else from that
+    block's holders, who share the load: where the regions asked of a block are at least as many
+    as its holders, each region comes whole from the holder that has sent the fewest elements so
+    far (the receivers taken in order); where they are fewer (e.g. one receiver of a block that
+    two processes hold), each region is cut along its longest dimension among the holders, so
+    every holder sends a part. A receiver's block that the sender's blocks do not cover is an
     error (not a sharding's layout)."""
     holders: dict[Slice, list[int]] = {}
     for p, block in src:
@@ -140,23 +156,34 @@ def slice_routes(
     needs: dict[int, set[Slice]] = {}
     for p, block in dst:
         needs.setdefault(p, set()).add(tuple(block))
-    sent = dict.fromkeys(sorted({p for hs in holders.values() for p in hs}), 0)
-    out: dict[tuple[int, int], list[Route]] = {}
+    asks: list[tuple[int, int, Slice, Slice, Slice]] = []  # (receiver index, receiver, its block, sender block, region)
     for i, r in enumerate(sorted(needs)):
         for d in sorted(needs[r]):
             covered = 0
             for e in sorted(holders):
                 region = _overlap(d, e)
-                if region is None:
-                    continue
-                hs = holders[e]
-                if r in hs:
-                    s = r
-                else:
-                    s = min(hs, key=lambda h: (sent[h], (hs.index(h) - i) % len(hs)))
-                    sent[s] += _size(region)
-                out.setdefault((s, r), []).append((region, e, d))
-                covered += _size(region)
+                if region is not None:
+                    asks.append((i, r, d, e, region))
+                    covered += _size(region)
             if covered != _size(d):
                 raise ValueError(f"the sending layout covers {covered} of the {_size(d)} elements of block {d}")
+    asked = Counter(e for _, r, _, e, _ in asks if r not in holders[e])  # regions asked of each block from afar
+    done: Counter = Counter()  # ... of them routed so far
+    sent = dict.fromkeys(sorted({p for hs in holders.values() for p in hs}), 0)
+    out: dict[tuple[int, int], list[Route]] = {}
+    for i, r, d, e, region in asks:
+        hs = holders[e]
+        if r in hs:
+            out.setdefault((r, r), []).append((region, e, d))
+        elif asked[e] >= len(hs):
+            s = min(hs, key=lambda h: (sent[h], (hs.index(h) - i) % len(hs)))
+            sent[s] += _size(region)
+            out.setdefault((s, r), []).append((region, e, d))
+        else:
+            per = len(hs) // asked[e]  # holders for each region asked (>= 2)
+            for t, part in enumerate(_cut(region, per)):
+                s = hs[(done[e] * per + t) % len(hs)]
+                sent[s] += _size(part)
+                out.setdefault((s, r), []).append((part, e, d))
+            done[e] += 1
     return out

@@ -137,6 +137,32 @@ def test_slice_routes_share_a_replicated_block_among_its_holders():
     ]  # own from itself
 
 
+def test_slice_routes_cut_a_region_among_holders_that_outnumber_its_receivers():
+    """One receiver of a block two processes hold (a mirror of data 2 sending to an owner of data
+    1): each holder sends half, on every call (not the first holder every time); three holders of
+    a block two rows long: two of them send a row each."""
+    whole = ((0, 8), (0, 4))
+    routes = slice_routes([(2, whole), (3, whole)], [(0, whole)])
+    assert routes == {
+        (2, 0): [(((0, 4), (0, 4)), whole, whole)],
+        (3, 0): [(((4, 8), (0, 4)), whole, whole)],
+    }
+    short = ((0, 2), (0, 1))
+    assert slice_routes([(1, short), (2, short), (3, short)], [(0, short)]) == {
+        (1, 0): [(((0, 1), (0, 1)), short, short)],
+        (2, 0): [(((1, 2), (0, 1)), short, short)],
+    }
+    # two receivers of four holders: each receiver's region from two of them, all four sending
+    four = [(r, whole) for r in range(4)]
+    sent = slice_routes(four, [(10, whole), (11, whole)])
+    assert sorted(sent) == [(0, 10), (1, 10), (2, 11), (3, 11)]
+    assert all(_elements(rt) == 16 for rt in sent.values())
+
+
+def _elements(routes) -> int:
+    return sum(int(np.prod([b - a for a, b in region])) for region, _, _ in routes)
+
+
 def test_slice_routes_the_tied_table_of_two_stages_over_two_processes_each():
     """The owner's table split on vocab over ranks 0 and 1, the mirror's whole on ranks 2 and 3
     (data 2): the gradient goes half from each mirror process, the values back a half from each

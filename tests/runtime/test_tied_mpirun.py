@@ -40,6 +40,7 @@ JOB = Path(__file__).with_name("tied_job.py")
         ("2st-1f1b", "ffi", 2),
         pytest.param("3st-gpipe", "host", 3, marks=[pytest.mark.slow, pytest.mark.long]),
         pytest.param("2st-per-device", "ffi", 4, marks=[pytest.mark.slow, pytest.mark.long]),
+        pytest.param("2st-one-to-two", "ffi", 3, marks=[pytest.mark.slow, pytest.mark.long]),
     ],
 )
 def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
@@ -61,6 +62,12 @@ def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
         table = got[TABLE]
         sent = [int(rk["exchange_bytes"]) for rk in ranks]
         assert sent == [3 * (table.nbytes // 2)] * 2 + [3 * (table.size // 2) * 4] * 2
+    if plan == "2st-one-to-two":
+        # the owner alone (one process) sends the mirror processes a half each of the new values;
+        # the two mirror processes hold the whole gradient alike and send the owner a half each
+        table = got[TABLE]
+        sent = [int(rk["exchange_bytes"]) for rk in ranks]
+        assert sent == [3 * table.nbytes] + [3 * (table.size // 2) * 4] * 2
 
     # the multi-process checkpoint, restored in one process onto one stage holding both uses
     restored_on_one_stage(cfg, got, tmp_path)
