@@ -225,11 +225,16 @@ class StageGroup:
         else:  # one host's processes of this chip type take consecutive local devices
             local_ids = list(range(self.node_index * k, (self.node_index + 1) * k))
             backend = chip.platform
+        # every parameter is given: no cluster detection. Under Open MPI 5, jax >= 0.12 detects the
+        # local process id with a collective over MPI's COMM_WORLD (mpi4py), which only this
+        # stage's processes would enter: a job whose stages span different process counts (one
+        # stage alone on a process) would wait there forever
         jax.distributed.initialize(
             coordinator_address=self.coordinator,
             num_processes=self.group_size,
             process_id=self.group_rank,
             local_device_ids=local_ids,
+            cluster_detection_method="deactivate",
             initialization_timeout=int(timeout_s),
         )
         return backend
