@@ -119,7 +119,9 @@ def _overlap(a: Slice, b: Slice) -> Slice | None:
 
 def _cut(region: Slice, parts: int) -> list[Slice]:
     """``region`` cut into up to ``parts`` near-equal boxes along its longest dimension (fewer
-    where that dimension is shorter), in order."""
+    where that dimension is shorter; a scalar's whole), in order."""
+    if not region:
+        return [region]
     dim = max(range(len(region)), key=lambda k: region[k][1] - region[k][0])
     lo, hi = region[dim]
     n = min(parts, hi - lo)

@@ -152,6 +152,7 @@ def test_slice_routes_cut_a_region_among_holders_that_outnumber_its_receivers():
         (1, 0): [(((0, 1), (0, 1)), short, short)],
         (2, 0): [(((1, 2), (0, 1)), short, short)],
     }
+    assert slice_routes([(1, ()), (2, ())], [(0, ())]) == {(1, 0): [((), (), ())]}  # a scalar: whole
     # two receivers of four holders: each receiver's region from two of them, all four sending
     four = [(r, whole) for r in range(4)]
     sent = slice_routes(four, [(10, whole), (11, whole)])
