@@ -53,20 +53,19 @@ def test_tied_under_mpirun_equals_sequential(plan, transport, nproc, tmp_path):
     assert sorted(copies) == ["copy/0", f"copy/{last}"]
     assert np.array_equal(copies["copy/0"], copies[f"copy/{last}"])
     assert np.array_equal(copies["copy/0"], got[TABLE])
+    # the bytes each process posts to others over the 3 steps (fp32 gradients, the table's values)
+    table = got[TABLE]
+    sent = [int(rk["exchange_bytes"]) for rk in ranks]
     if plan == "2st-per-device":
         # stage 0 over two processes (tensor 2: the tied table split on vocab), stage 1 over two
         # (data 2: each holds it whole, takes it cut over its data axis, all-gathers it). Each
         # step each mirror process sends one owner process its half of the fp32 gradient, and
         # each owner process its half of the new values to one mirror process: every process
         # moves half the table, none the whole
-        table = got[TABLE]
-        sent = [int(rk["exchange_bytes"]) for rk in ranks]
         assert sent == [3 * (table.nbytes // 2)] * 2 + [3 * (table.size // 2) * 4] * 2
     if plan == "2st-one-to-two":
         # the owner alone (one process) sends the mirror processes a half each of the new values;
         # the two mirror processes hold the whole gradient alike and send the owner a half each
-        table = got[TABLE]
-        sent = [int(rk["exchange_bytes"]) for rk in ranks]
         assert sent == [3 * table.nbytes] + [3 * (table.size // 2) * 4] * 2
 
     # the multi-process checkpoint, restored in one process onto one stage holding both uses
