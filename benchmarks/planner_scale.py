@@ -43,7 +43,9 @@ lower_bound_s, gap (the one pipeline's), ratio_matched_total and ratio_same_batc
 plan's), ratio_matched_total_one_pipeline, chosen (per cluster: "one pipeline" or the plan of
 several), chips_used (the chosen plan's), pipelines (the search over several pipelines: its best
 plan, one pipeline per chip type, partitions priced; per cluster, by chip count), ratio_bound
-(per cluster below 100 %: one_pipeline_max_ratio, one_pipeline_exact, space_below),
+(per cluster below 100 %: one_pipeline_max_ratio, one_pipeline_exact, space_below, space_max_ratio,
+space_bound), pipelines_bound (per cluster: h2jax.plan.pipelines_bound over every partition, no
+budget -- bound_s, where it is reached, its seconds, max_ratio_matched_total),
 ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
 median, max), and reference_ms (the reference before and after the whole run, and timed in
 each search's process right before it: per cluster, the median).
@@ -76,6 +78,7 @@ from h2jax.plan import (  # noqa: E402
     Searcher,
     SearchOptions,
     matched_total,
+    pipelines_bound,
     prove,
     same_batch,
     search,
@@ -155,6 +158,7 @@ def main() -> None:
     result["ratio_matched_total_one_pipeline"] = {}
     result["chosen"] = {}
     result["ratio_bound"] = {}
+    result["pipelines_bound"] = {}
     ref_before = reference_ms()
     print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(f"reference before: {ref_before:.2f} ms (sum(i * i for i in range(100000)), best of 5 x 20)")
@@ -178,7 +182,7 @@ def main() -> None:
         times = [r["search_s"] for r in runs]
         mid = sorted(runs, key=lambda r: r["search_s"])[len(runs) // 2]  # the run with the median time
         ratio = matched = one_matched = float("nan")
-        split = per_line = ""
+        split = per_line = space_line = ""
         bound_lines: list[str] = []
         chips_used, chosen = mid["chips_used"], "one pipeline"
         if mid["stages"]:  # each chip type alone, searched as `h2jax plan` does (h2jax.plan._baselines)
@@ -195,13 +199,24 @@ def main() -> None:
                 tps, chosen = several.cost.tokens_per_s, several.describe()
                 chips_used = sum(several.cost.devices_by_chip.values()) / cluster.num_devices
             ratio, matched, one_matched = same.ratio(tps), base.ratio(tps), base.ratio(one_matched_tps)
+            # the lower bound over the plans of one and of several pipelines, every partition (no budget)
+            space = pipelines_bound(searcher, gb, order=mid["order"])
+            result["pipelines_bound"][str(cluster.num_devices)] = {
+                **space.to_dict(),
+                "max_ratio_matched_total": round(base.ratio(gb * model.seq_len / space.bound_s), 4),
+            }
+            space_line = (
+                f"  lower bound over the space of one and several pipelines ({space.partitions} partitions, "
+                f"{space.seconds:.1f} s): {space.bound_s:.3f} s at {space.describe()}: matched-total ratio at most "
+                f"{100 * base.ratio(gb * model.seq_len / space.bound_s):.1f} %"
+            )
             if matched < 1.0:  # what bounds it: `h2jax plan --prove PROVE_S`, as a user asks for it
                 # the bound is the proof's (exact, or its lower bound where its budget ends first)
                 res = SimpleNamespace(
                     exhaustive=False, iteration_s=mid["iteration_s"], lower_bound_s=mid["lower_bound_s"]
                 )
                 proof = prove(cluster, model, global_batch=gb, opts=opts, budget_s=PROVE_S)
-                bound = bounds(res, proof, several, base, cluster, gb, model, tps)
+                bound = bounds(res, proof, several, base, cluster, gb, model, tps, space)
                 result["ratio_bound"][str(cluster.num_devices)] = {k: v for k, v in bound.items() if k != "lines"}
                 bound_lines = bound["lines"]
             per_line = (
@@ -244,6 +259,8 @@ def main() -> None:
             print(f"  matched total: homogeneous {split}")
         if per_line:
             print(per_line)
+        if space_line:
+            print(space_line)
         for line in bound_lines:
             print(f"  bound: {line}")
         if len({round(r["iteration_s"], 9) for r in runs}) > 1:

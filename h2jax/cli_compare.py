@@ -9,6 +9,7 @@ HeteroSpeedupRatios of the chosen plan, each naming its batches, with what bound
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,7 +77,7 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     """The second half of ``h2jax plan`` (module docstring). The chosen plan: ``plan``,
     ``tokens_per_s``, ``devices_by_chip``, ``idle`` ({chip type: (chips, why)}) and ``report``
     (comparison.json's ``heterospeedup``; None with one chip type). `idle`: the one pipeline's."""
-    from h2jax.plan import Searcher, matched_total, prove, same_batch, search, search_pipelines
+    from h2jax.plan import Searcher, matched_total, pipelines_bound, prove, same_batch, search, search_pipelines
 
     cost = res.cost
     chosen = SimpleNamespace(
@@ -151,10 +152,13 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     )
     if chosen.plan is not res.plan:
         console.print(f"  (the one pipeline: {ratio_line(matched, cost.tokens_per_s, 'at the matched total batch')})")
-    proof = None
-    if args.prove and not res.exhaustive and matched.tokens_per_s > 0 and matched.ratio(tps) < 1.0:
-        proof = prove(cluster, model, global_batch=gb, table=table, opts=opts, budget_s=args.prove)
-    bound = bounds(res, proof, several, matched, cluster, gb, model, tps)
+    proof = space = None
+    if args.prove and matched.tokens_per_s > 0 and matched.ratio(tps) < 1.0:
+        if not res.exhaustive:
+            proof = prove(cluster, model, global_batch=gb, table=table, opts=opts, budget_s=args.prove)
+        if several is not None:
+            space = pipelines_bound(searcher, gb, order=order, max_pipelines=args.max_pipelines, budget_s=args.prove)
+    bound = bounds(res, proof, several, matched, cluster, gb, model, tps, space, args.prove or 0.0)
     limits = bound["lines"] if bound else []
     for line in limits:
         console.print(f"  {line}")
@@ -190,7 +194,9 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     return chosen
 
 
-def bounds(res, proof, several, matched, cluster, gb: int, model, tps: float) -> dict[str, Any] | None:
+def bounds(
+    res, proof, several, matched, cluster, gb: int, model, tps: float, space=None, budget_s: float = 0.0
+) -> dict[str, Any] | None:
     """What bounds the matched-total ratio where it is below 100 % (None where it is not): the
     one-pipeline space's optimum where a search of it was exhaustive (the default search's, or
     `proof`'s: :func:`h2jax.plan.prove`, ``h2jax plan --prove``), else that search's lower bound;
@@ -198,7 +204,9 @@ def bounds(res, proof, several, matched, cluster, gb: int, model, tps: float) ->
     same shares (each alone runs at its own pace; together all wait for the slowest, then
     exchange). With two chip types the plans of several pipelines are only those, so an exact
     one-pipeline optimum below 100 % proves no plan of the space reaches it (``space_below``).
-    ``lines``: the same in words."""
+    `space`: :func:`h2jax.plan.pipelines_bound` (``--prove``, within `budget_s`), the lower bound
+    over the plans of one and of several pipelines; where it covers every partition and stays
+    below 100 %, that proves it too. ``lines``: the same in words."""
     if matched.tokens_per_s <= 0 or matched.ratio(tps) >= 1.0:
         return None
     one = proof if proof is not None and (proof.exhaustive or not res.exhaustive) else res
@@ -240,9 +248,34 @@ def bounds(res, proof, several, matched, cluster, gb: int, model, tps: float) ->
             "so no plan of the space reaches 100 %: with two chip types its plans of several pipelines are one "
             "pipeline per chip type"
         )
+    space_ratio = None
+    if space is not None and math.isfinite(space.bound_s):
+        space_ratio = matched.ratio(gb * model.seq_len / space.bound_s)
+        scope = (
+            f"any plan of the space ({space.partitions - 1} partition{'s' if space.partitions > 2 else ''} into "
+            "several pipelines, and one pipeline)"
+            if space.complete
+            else f"the plans of {space.bounded} of the space's {space.partitions} partitions (the rest not bounded "
+            f"within {budget_s:g} s)"
+        )
+        lines.append(
+            f"{scope} exceeds at most {100 * space_ratio:.1f} % (at least {_fmt_s(space.bound_s)}: the least of each "
+            f"pipeline's lower bound at its share, reached at {space.describe()}; the exchange left out; "
+            f"{space.seconds:.1f} s)"
+        )
+        if space.complete and space_ratio < 1.0 and not below:
+            below = True
+            lines.append("so no plan of the space reaches 100 %")
+        elif space.complete and not below:
+            lines.append(
+                "that bound leaves room above 100 %, so it does not decide whether a plan of the space reaches it: "
+                "each pipeline's bound lies below its best plan, as the one pipeline's does"
+            )
     return {
         "one_pipeline_max_ratio": None if ratio is None else round(ratio, 4),
         "one_pipeline_exact": exact,
         "space_below": below,
+        "space_max_ratio": None if space_ratio is None else round(space_ratio, 4),
+        "space_bound": space.to_dict() if space is not None else None,
         "lines": lines,
     }

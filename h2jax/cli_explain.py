@@ -85,7 +85,10 @@ def explanation(res, cluster, gb: int, *, measured: bool, several: bool, other: 
             "lower bound, as a ratio; and one pipeline per chip type, which on the baseline's shares cannot "
             "pass 100 %: apart, each chip type runs at its own pace; together every pipeline waits for the "
             "slowest, then the exchange. With two chip types those are the only plans of several pipelines, "
-            "so an exact one-pipeline optimum under 100 % proves no plan of the space reaches it.",
+            "so an exact one-pipeline optimum under 100 % proves no plan of the space reaches it. With --prove "
+            "also the lower bound over the plans of one and of several pipelines: each pipeline at least the "
+            "search's lower bound of its chips at its share, the least over every partition and split (the "
+            "exchange left out); under 100 % it proves no plan of the space reaches it, above it decides nothing.",
         ]
     if other:
         lines.append(

@@ -95,7 +95,7 @@ from h2jax.plan._cost import (  # noqa: E402
     stage_cost,
     transfer_s,
 )
-from h2jax.plan._pipeline_search import PipelinesResult, search_pipelines  # noqa: E402
+from h2jax.plan._pipeline_search import PipelinesBound, PipelinesResult, pipelines_bound, search_pipelines  # noqa: E402
 from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines  # noqa: E402
 from h2jax.plan._profiles import (  # noqa: E402
     EXCHANGE,
@@ -121,6 +121,7 @@ from h2jax.plan._search import (  # noqa: E402
     SearchResult,
     exhaustive,
     is_memory_descending,
+    lower_bound,
     prove,
     search,
 )
@@ -132,6 +133,8 @@ __all__ += [
     "Searcher",
     "estimate_pipelines",
     "search_pipelines",
+    "pipelines_bound",
+    "PipelinesBound",
     "PipelinesResult",
     "idle_chips",
     "matched_total",
@@ -166,6 +169,7 @@ __all__ += [
     "estimate",
     "exhaustive",
     "is_memory_descending",
+    "lower_bound",
     "load_chip",
     "roofline_costs",
     "prove",

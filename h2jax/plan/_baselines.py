@@ -28,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from h2jax.plan._search import SearchCache, SearchOptions, SearchResult, search
+from h2jax.plan._search import SearchCache, SearchOptions, SearchResult, lower_bound, search
 
 GRID = 8  # matched total: shares in multiples of global_batch / GRID (or the largest divisor below it)
 
@@ -90,6 +90,7 @@ class Searcher:
         self.opts = dataclasses.replace(base, group_size=None, max_options_per_chip=None, auto=True)
         self.mixed_opts = base  # several chip types together: the heterogeneous search's own options
         self._done: dict[tuple[tuple[str, ...], int], SearchResult] = {}
+        self._bounds: dict[tuple[tuple[str, ...], int], float] = {}
         self.cache = SearchCache(model, table)  # memory caps and stage pricings, shared by its searches
 
     def __call__(
@@ -113,6 +114,24 @@ class Searcher:
                 cache=self.cache,
             )
         return self._done[key]
+
+    def lower_bound(self, chips: str | tuple[str, ...], global_batch: int) -> float:
+        """The lower bound of every plan the search of `chips` at `global_batch` (:meth:`__call__`)
+        searches among, without searching (:func:`h2jax.plan.lower_bound`; inf: none holds the
+        model), kept."""
+        group = (chips,) if isinstance(chips, str) else tuple(chips)
+        key = (group, global_batch)
+        if key not in self._bounds:
+            opts = self.opts if len(group) == 1 else self.mixed_opts
+            self._bounds[key] = lower_bound(
+                self.cluster.only(*group),
+                self.model,
+                global_batch=global_batch,
+                table=self.table,
+                opts=opts,
+                cache=self.cache,
+            )
+        return self._bounds[key]
 
     def tokens_per_s(self, chip: str, global_batch: int) -> float | None:
         """tokens/s of the chip type alone at `global_batch`; None where no plan fits (0 sequences: 0)."""

@@ -41,6 +41,12 @@ Each search of a group of several chip types gets at most a quarter of the budge
 :data:`MIN_GROUP_SEARCH_S`, and returns its best plan so far; every search shares the memory caps
 and stage pricings of the others (the Searcher's :class:`h2jax.plan.SearchCache`). The result says
 how many of the space's partitions were priced.
+
+:func:`pipelines_bound` bounds the whole space from below, the plans of one pipeline included:
+each pipeline of a plan takes at least the one-pipeline search's lower bound of its group at its
+share, so a partition's plans at least the least, over its splits, of its trained groups' largest
+bound. It costs a bound per group and share (seconds at 1,024 chips, ~40 s at 10,000), so
+``h2jax plan`` computes it under ``--prove``, within its budget.
 """
 
 from __future__ import annotations
@@ -299,6 +305,23 @@ def _better(a: tuple | None, b: tuple | None) -> tuple | None:
     return b if a is None or b[0].iteration_s < a[0].iteration_s else a
 
 
+def _partitions(
+    names: Sequence[str], order: Sequence[str] | None, max_pipelines: int | None
+) -> tuple[list[tuple[tuple[str, ...], ...]], bool, tuple | None]:
+    """:func:`space` with at most `max_pipelines` groups, one pipeline per chip type first (and
+    returned apart: None where the space lacks it); `order` as :func:`search_pipelines` takes it."""
+    order = [c for c in (order or []) if c in names]
+    order += [c for c in names if c not in order]
+    parts, every = space(names, order)
+    if max_pipelines:
+        parts = [p for p in parts if len(p) <= max_pipelines]
+    singles = next((p for p in parts if all(len(grp) == 1 for grp in p)), None)
+    if singles is not None:
+        parts.remove(singles)
+        parts.insert(0, singles)
+    return parts, every, singles
+
+
 def search_pipelines(
     searcher: Searcher,
     global_batch: int,
@@ -317,17 +340,9 @@ def search_pipelines(
     t0 = time.perf_counter()
     cluster = searcher.cluster
     names = list(cluster.names)
-    order = [c for c in (order or []) if c in names]
-    order += [c for c in names if c not in order]
     unit = share_unit(global_batch, grid)
     g = global_batch // unit
-    parts, every = space(names, order)
-    if max_pipelines:
-        parts = [p for p in parts if len(p) <= max_pipelines]
-    singles = next((p for p in parts if all(len(grp) == 1 for grp in p)), None)
-    if singles is not None:
-        parts.remove(singles)
-        parts.insert(0, singles)
+    parts, every, singles = _partitions(names, order, max_pipelines)
     exact = exact_space(parts, g)
     deadline = t0 + time_budget_s if time_budget_s else None
     groups = _Groups(searcher, global_batch, unit, exact=exact, deadline=deadline, budget_s=time_budget_s or 0.0)
@@ -369,4 +384,106 @@ def search_pipelines(
         per_chip=per_chip[0] if per_chip else None,
         untrained=tuple(c for c in names if best and not any(c in grp for grp in best[1])),
         per_chip_link=f"{slowest}'s inter-node link at most, {cluster.profile(slowest).inter_node_gbps:g} GB/s",
+    )
+
+
+@dataclass(frozen=True)
+class PipelinesBound:
+    """What :func:`pipelines_bound` found: no plan of the partitions it bounded is faster than
+    ``bound_s``; where that is reached (the partition and shares whose pipelines' bounds are
+    least); how many of the space's partitions it bounded (the one pipeline counted as one)."""
+
+    bound_s: float  # inf: no plan of the partitions bounded holds the model
+    groups: tuple[tuple[str, ...], ...]
+    shares: tuple[int, ...]
+    bounded: int
+    partitions: int
+    every_partition: bool  # the space holds every partition (else: runs of consecutive chip types)
+    seconds: float
+
+    @property
+    def complete(self) -> bool:
+        """Every partition of the space bounded: the bound holds for every plan of it."""
+        return self.bounded == self.partitions
+
+    def describe(self) -> str:
+        """ "2 pipelines: gaudi2 at 192, h100_sxm at 320" (or "one pipeline at 512")."""
+        if len(self.groups) == 1:
+            return f"one pipeline at {self.shares[0]}"
+        parts = [f"{'+'.join(g)} at {b}" for g, b in zip(self.groups, self.shares) if b]
+        idle = [c for g, b in zip(self.groups, self.shares) if not b for c in g]
+        rest = f" ({', '.join(idle)} not trained)" if idle else ""
+        return f"{len(parts)} pipeline{'s' if len(parts) > 1 else ''}: {', '.join(parts)}{rest}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bound_s": round(self.bound_s, 4) if self.bound_s < float("inf") else None,
+            "at": self.describe() if self.groups else None,
+            "partitions_bounded": self.bounded,
+            "partitions": self.partitions,
+            "every_partition": self.every_partition,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def pipelines_bound(
+    searcher: Searcher,
+    global_batch: int,
+    *,
+    order: Sequence[str] | None = None,
+    max_pipelines: int | None = None,
+    grid: int = GRID,
+    budget_s: float | None = None,
+) -> PipelinesBound:
+    """A lower bound on the step of every plan of :func:`search_pipelines`'s space (the same
+    `order`, `max_pipelines` and `grid`), the plans of one pipeline included.
+
+    A plan of several pipelines takes at least its slowest pipeline's own iteration
+    (h2jax.plan._pipelines: the slowest pipeline, then what the exchange adds), and each of its
+    pipelines is a plan of one pipeline over its group's chips at its share, so it takes at
+    least the search's lower bound of that group at that share
+    (:meth:`h2jax.plan.Searcher.lower_bound`, the search's own space and options). So a
+    partition's plans take at least the least, over its splits of the batch, of the largest of
+    its trained groups' bounds (:func:`best_shares`, the search's own program over the splits,
+    on the bounds), and the space's at least the least over its partitions and the one pipeline
+    (the whole cluster's bound at the whole batch). It leaves out the exchange and is as loose
+    as the one-pipeline bounds it is made of (h2jax.plan._search: on mid-size instances the
+    one-pipeline optimum lies 20-80 % above its bound).
+
+    `budget_s`: the one pipeline first, then the partitions in the search's order while it
+    lasts (None or 0: no limit); a bound of fewer than every partition holds for those only
+    (``complete`` says which).
+    """
+    t0 = time.perf_counter()
+    names = list(searcher.cluster.names)
+    unit = share_unit(global_batch, grid)
+    g = global_batch // unit
+    parts, every, _ = _partitions(names, order, max_pipelines)
+    whole = tuple(names)
+    best = (searcher.lower_bound(whole, global_batch), (whole,), (global_batch,))
+    bounded = 1
+    tables: dict[tuple[str, ...], list[tuple[float, None] | None]] = {}
+    for part in parts:
+        if budget_s and time.perf_counter() - t0 > budget_s:
+            break
+        for grp in part:
+            if grp not in tables:
+                row = [searcher.lower_bound(grp, j * unit) for j in range(1, g + 1)]
+                tables[grp] = [None] + [(b, None) if b < float("inf") else None for b in row]
+        times = [tables[grp] for grp in part]
+        js = best_shares(times, g)
+        bounded += 1
+        if js is None:
+            continue
+        value = max(t[j][0] for t, j in zip(times, js) if j)
+        if value < best[0]:
+            best = (value, part, tuple(j * unit for j in js))
+    return PipelinesBound(
+        bound_s=best[0],
+        groups=best[1] if best[0] < float("inf") else (),
+        shares=best[2] if best[0] < float("inf") else (),
+        bounded=bounded,
+        partitions=len(parts) + 1,
+        every_partition=every,
+        seconds=time.perf_counter() - t0,
     )

@@ -9,7 +9,17 @@ import random
 
 import pytest
 
-from h2jax.plan import Cluster, ModelShape, Plan, Searcher, StageSpec, estimate_pipelines, search, search_pipelines
+from h2jax.plan import (
+    Cluster,
+    ModelShape,
+    Plan,
+    Searcher,
+    StageSpec,
+    estimate_pipelines,
+    pipelines_bound,
+    search,
+    search_pipelines,
+)
 from h2jax.plan._pipeline_search import best_shares, compositions, exact_space, rebatch, runs, set_partitions, space
 
 BELL = {1: 1, 2: 2, 3: 5, 4: 15, 5: 52}
@@ -137,6 +147,40 @@ def test_search_equals_brute_force_on_small_instances(gb, searchers):
     assert got.per_chip is not None and got.per_chip.iteration_s >= got.cost.iteration_s
 
 
+@pytest.mark.parametrize("gb", [6, 8])
+def test_the_bound_over_the_space_is_its_parts_least_and_below_its_optimum(gb, searchers):
+    """pipelines_bound: each (group, share)'s bound lies below the exhaustive search's optimum of
+    that group at that share; the space's bound is the least, over the one pipeline and every
+    partition and split, of the largest bound of its trained groups (brute force over the
+    splits); so it lies below the best plan of several pipelines and the one pipeline's optimum."""
+    searcher = searchers(gb)
+    cluster, model = searcher.cluster, searcher.model
+    names = tuple(cluster.names)
+    several = search_pipelines(searcher, gb)  # every group at every share, exhaustively (the test above)
+    one = search(cluster, model, global_batch=gb, opts=searcher.mixed_opts)
+    assert one.exhaustive and several.cost is not None
+    got = pipelines_bound(searcher, gb)
+    assert got.complete and got.partitions == BELL[3] and got.every_partition
+    checked = 0
+    for (group, share), r in searcher._done.items():
+        assert r.exhaustive, (group, share)
+        if r.plan is not None:
+            assert 0 < searcher.lower_bound(group, share) <= r.iteration_s, (group, share)
+            checked += 1
+    assert checked >= 7 * 4
+    expect, at = searcher.lower_bound(names, gb), ((names,), (gb,))
+    parts, _ = space(list(names), list(names))
+    for part in parts:
+        for js in compositions(gb, len(part)):
+            worst = max(searcher.lower_bound(grp, j) for grp, j in zip(part, js) if j)
+            if worst < expect:
+                expect, at = worst, (part, js)
+    assert got.bound_s == expect and (got.groups, got.shares) == at
+    assert 0 < got.bound_s <= min(several.iteration_s, one.iteration_s)
+    short = pipelines_bound(searcher, gb, budget_s=1e-9)  # the one pipeline, then the budget is spent
+    assert not short.complete and short.bounded == 1 and short.bound_s == searcher.lower_bound(names, gb)
+
+
 def test_max_pipelines_and_time_budget_limit_the_partitions(searchers):
     searcher = searchers(8)
     two = search_pipelines(searcher, 8, max_pipelines=2)
@@ -216,7 +260,7 @@ def test_h2jax_plan_chooses_and_writes_the_faster_plan_of_the_search_over_pipeli
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout
 
-    out = plan("--out", str(tmp_path / "p"))
+    out = plan("--out", str(tmp_path / "p"), "--prove", "60")
     assert "mi250x not trained" in out and "chosen" in out and "not chosen" not in out
     report = json.loads((tmp_path / "p" / "comparison.json").read_text())
     hs = report["heterospeedup"]
@@ -228,12 +272,21 @@ def test_h2jax_plan_chooses_and_writes_the_faster_plan_of_the_search_over_pipeli
     # below 100 % at the matched total: the one-pipeline optimum (this search is exact) bounds the
     # one pipeline, and with two chip types that proves no plan of the space reaches 100 %
     assert hs["matched_total"]["ratio"] < 1.0
-    assert hs["bound"] == {
+    bound = hs["bound"]
+    assert {k: bound[k] for k in ("one_pipeline_max_ratio", "one_pipeline_exact", "space_below")} == {
         "one_pipeline_max_ratio": hs["one_pipeline"]["ratio_matched_total"],
         "one_pipeline_exact": True,
         "space_below": True,
     }
     assert "so no plan of the space reaches 100 %" in out
+    # --prove also bounds the space of several pipelines (here one per chip type, and one pipeline):
+    # every partition, below the chosen plan's step
+    space = bound["space_bound"]
+    assert space["partitions_bounded"] == space["partitions"] == 2 and space["every_partition"]
+    assert space["bound_s"] > 0 and 8 * model["seq_len"] / space["bound_s"] >= report["tokens_per_s"] * (1 - 1e-3)
+    assert bound["space_max_ratio"] >= hs["matched_total"]["ratio"]
+    words = " ".join(out.split())  # the console wraps long lines
+    assert "any plan of the space (1 partition into several pipelines, and one pipeline) exceeds at most" in words
     one = plan("--max-pipelines", "1", "--out", str(tmp_path / "q"))
     assert "several pipelines:" not in one
     kept = Plan.from_yaml(tmp_path / "q" / "plan.yaml")

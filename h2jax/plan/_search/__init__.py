@@ -103,7 +103,7 @@ are in the tests.
 """
 
 from h2jax.plan._search._bounds import root_bound
-from h2jax.plan._search._driver import prove, search
+from h2jax.plan._search._driver import lower_bound, prove, search
 from h2jax.plan._search._options import (
     DEFAULT_TIME_BUDGET_S,
     ChipChoice,
@@ -133,6 +133,7 @@ __all__ = [
     "data_degrees",
     "exhaustive",
     "is_memory_descending",
+    "lower_bound",
     "root_bound",
     "prove",
     "search",

@@ -12,7 +12,7 @@ from h2jax.plan._cost import (
     part_costs,
     part_fill_s,
 )
-from h2jax.plan._profiles import Cluster, ModelShape, ProfileTable
+from h2jax.plan._profiles import ChipProfile, ModelShape, ProfileTable
 from h2jax.plan._search._options import INF, ChipChoice
 from h2jax.plan._search._space import _Held, slot_time_bound
 from h2jax.plan.schedules import Schedule
@@ -145,23 +145,28 @@ def root_bound(
     return max(best, (m - 1) * b_lb + L * amin) + fixed_s
 
 
-def _fixed_parts_s(
-    cluster: Cluster,
+def _chip_fixed_parts(
+    chip: ChipProfile,
     model: ModelShape,
-    choices: dict[str, list[ChipChoice]],
+    choices: Sequence[ChipChoice],
     mb: int,
     table: ProfileTable | None,
-    schedules: Sequence[Schedule] = (),
-) -> float:
-    """The cheapest embedding plus the cheapest head (fwd + bwd, less the W a split schedule
-    hides) over every choice: stage 0 and the last stage run them besides their blocks,
-    whatever the plan."""
+    schedules: Sequence[Schedule],
+) -> tuple[float, float]:
+    """(the cheapest embedding, the cheapest head) over one chip type's choices (inf: none): fwd +
+    bwd, less the W a split schedule hides. Stage 0 and the last stage run them besides their
+    blocks, whatever the plan, so the least of each over the chip types bounds what every plan
+    adds (:func:`_fixed_sum`)."""
     emb, head = INF, INF
-    for name, cs in choices.items():
-        chip = cluster.profile(name)
-        for t, d in {(c.tensor, c.data) for c in cs}:
-            parts = part_costs(model, chip, table, tensor=t, microbatch_per_device=max(1, mb // d))
-            for part in ("embed", "head"):
-                fill = part_fill_s(model, part, parts[part], tensor=t, schedules=schedules)
-                emb, head = (min(emb, fill), head) if part == "embed" else (emb, min(head, fill))
+    for t, d in {(c.tensor, c.data) for c in choices}:
+        parts = part_costs(model, chip, table, tensor=t, microbatch_per_device=max(1, mb // d))
+        emb = min(emb, part_fill_s(model, "embed", parts["embed"], tensor=t, schedules=schedules))
+        head = min(head, part_fill_s(model, "head", parts["head"], tensor=t, schedules=schedules))
+    return emb, head
+
+
+def _fixed_sum(parts: Sequence[tuple[float, float]]) -> float:
+    """The cheapest embedding plus the cheapest head, from each chip type's :func:`_chip_fixed_parts`."""
+    emb = min((e for e, _ in parts), default=INF)
+    head = min((h for _, h in parts), default=INF)
     return (emb if math.isfinite(emb) else 0.0) + (head if math.isfinite(head) else 0.0)

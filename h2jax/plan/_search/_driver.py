@@ -246,3 +246,23 @@ def prove(
         table=table,
         opts=dataclasses.replace(opts, time_budget_s=budget_s, converge=False),
     )
+
+
+def lower_bound(
+    cluster: Cluster,
+    model: ModelShape,
+    *,
+    global_batch: int,
+    table: ProfileTable | None = None,
+    opts: SearchOptions = SearchOptions(),
+    cache: SearchCache | None = None,
+) -> float:
+    """The search's lower bound on every plan of its space (one pipeline over `cluster`'s chip
+    types at `global_batch`; :func:`root_bound` per microbatch size and schedule, the least),
+    without searching: each schedule bounded with its own caps and fills, as a search does before
+    it has a plan. inf: no plan of the space holds the model. `cache`: as for :func:`search`
+    (the chip types' choices, their holdings and fills are shared)."""
+    if cache is not None:
+        cache.check(model, table)
+    run = _Run(cluster, model, global_batch, table, opts, INF, time.perf_counter(), cache)
+    return run.lower_bound(timed=False)

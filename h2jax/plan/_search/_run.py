@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from h2jax.plan._search._bounds import _Bounds, _fixed_parts_s, _OutOfTime, root_bound
+from h2jax.plan._search._bounds import _Bounds, _chip_fixed_parts, _fixed_sum, _OutOfTime, root_bound
 from h2jax.plan._search._options import (
     INF,
     LOCAL_STARTS,
@@ -25,6 +25,8 @@ from h2jax.plan._search._space import (
     beam,
     build_plan,
     chip_choices,
+    held_of,
+    kept,
     microbatch_sizes,
     searched_labels,
     slot_time_bound,
@@ -65,7 +67,6 @@ class _Run:
         self.mb_bound: dict[int, float] = {}
         self.schedule_bound: dict[tuple[int, str], float] = {}  # (mb, schedule) -> root bound of its plans
         self._fixed: dict[tuple[int, str], float] = {}
-        self._shapes: dict[int, dict[str, list[ChipChoice]]] = {}  # per mb, one choice per (tensor, data)
         self.starts: list[tuple[float, tuple[ChipChoice, ...], int, tuple[str, ...], str]] = []
         self.last_schedule: Schedule | None = None  # the schedule of evaluate's result
         self._ranked_cache: dict[int, dict] = {}
@@ -74,6 +75,7 @@ class _Run:
         space_opts = SearchOptions(**{**_fields(opts), "max_options_per_chip": None})
         self.space: dict[int, dict[str, list[ChipChoice]]] = {}
         caps_cache: dict = cache.caps(space_opts, len(self.names)) if cache is not None else {}
+        self.caps_cache = caps_cache
         for mb in microbatch_sizes(global_batch, opts):
             choices = chip_choices(
                 cluster, model, mb, space_opts, table, caps_cache, num_microbatches=global_batch // mb
@@ -107,7 +109,7 @@ class _Run:
         key = (mb, schedule)
         hit = self._helds.get(key)
         if hit is None:
-            hit = self._helds[key] = [_Held(cs, schedule) for cs in self.space[mb].values()]
+            hit = self._helds[key] = [held_of(self.caps_cache, cs, schedule) for cs in self.space[mb].values()]
         return hit
 
     def fixed_s(self, mb: int, schedule: Schedule) -> float:
@@ -115,13 +117,17 @@ class _Run:
         key = (mb, schedule)
         hit = self._fixed.get(key)
         if hit is None:
-            shapes = self._shapes.get(mb)  # one choice per (tensor, data): all the embedding and head depend on
-            if shapes is None:
-                shapes = self._shapes[mb] = {
-                    n: list({(c.tensor, c.data): c for c in cs}.values()) for n, cs in self.space[mb].items()
-                }
-            hit = _fixed_parts_s(self.cluster, self.model, shapes, mb, self.table, (schedule,))
-            self._fixed[key] = hit
+            parts = []
+            for name, cs in self.space[mb].items():  # each chip type's, kept with its choices
+                mine = kept(self.caps_cache, cs)
+                part = mine.get(("fixed", schedule))
+                if part is None:
+                    chip = self.cluster.profile(name)
+                    part = mine["fixed", schedule] = _chip_fixed_parts(
+                        chip, self.model, cs, mb, self.table, (schedule,)
+                    )
+                parts.append(part)
+            hit = self._fixed[key] = _fixed_sum(parts)
         return hit
 
     def lower_bound(self, *, timed: bool = True) -> float:

@@ -181,7 +181,9 @@ def chip_choices(
     `num_microbatches`.
 
     `caps_cache`: the memory model by (chip, tensor, sequences per device), which is all it
-    depends on, and the caps by counts, shared between microbatch sizes.
+    depends on, and the caps by counts, shared between microbatch sizes; and each chip type's
+    choices by (microbatch, counts, the options that shape them), shared between searches whose
+    chip types differ (:class:`h2jax.plan.SearchCache`).
     """
     caps_cache = {} if caps_cache is None else caps_cache
     schedules = searched_labels(opts)
@@ -203,6 +205,24 @@ def chip_choices(
     m = num_microbatches
     n_types = len(cluster.names)
     for chip, nodes in cluster.chips:
+        # the choices of a chip type depend on no other chip type (but through n_types, which
+        # keys caps_cache): a search over other chip types beside it reuses them, and their
+        # _Held (held_of)
+        mkey = (
+            "choices",
+            chip.name,
+            nodes,
+            microbatch,
+            m,
+            opts.measured_only,
+            opts.max_stages_per_chip,
+            opts.group_size,
+            opts.stage_in_node,
+        )
+        hit = caps_cache.get(mkey)
+        if hit is not None:
+            out[chip.name] = hit
+            continue
         devices = nodes * chip.devices_per_node
         choices = []
         rows = measured_rows(table, chip.name, model) if opts.measured_only else frozenset()
@@ -308,7 +328,7 @@ def chip_choices(
                     ChipChoice(name, k, d, t, layer_s, rc_s, full[v]) for k, v in zip(ks, tot) if full[v] is not None
                 )
         choices.sort(key=lambda c: (-(c.stages / c.layer_s), c.stages, c.tensor))  # capability first
-        out[chip.name] = choices
+        out[chip.name] = caps_cache[mkey] = choices  # never changed: shared by every search given caps_cache
     if opts.max_options_per_chip:
         out = beam(out, L, opts.max_options_per_chip)
     return out
@@ -403,6 +423,26 @@ class _Held:
     def each_on(self, grid: np.ndarray) -> np.ndarray:
         """[choice, grid point]: :meth:`each` at every point of `grid`."""
         return self.kernel.each_on(np.ascontiguousarray(grid, dtype=np.float64))
+
+
+def kept(caps_cache: dict, choices: list[ChipChoice]) -> dict:
+    """What searches keep of one list of :func:`chip_choices` (shared between them through
+    `caps_cache`): a dict beside the list, for what depends on it alone (:func:`held_of`, the
+    embedding's and head's fills)."""
+    key = ("kept", id(choices))
+    hit = caps_cache.get(key)
+    if hit is None or hit[0] is not choices:  # the list is kept with it: its id is not reused
+        hit = caps_cache[key] = (choices, {})
+    return hit[1]
+
+
+def held_of(caps_cache: dict, choices: list[ChipChoice], schedule: Schedule | None) -> _Held:
+    """``_Held(choices, schedule)``, built once per list and schedule (:func:`kept`)."""
+    out = kept(caps_cache, choices)
+    held = out.get(("held", schedule))
+    if held is None:
+        held = out["held", schedule] = _Held(choices, schedule)
+    return held
 
 
 def slot_time_bound(helds: Sequence[_Held], L: int) -> float:
