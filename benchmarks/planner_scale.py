@@ -45,7 +45,8 @@ several), chips_used (the chosen plan's), pipelines (the search over several pip
 plan, one pipeline per chip type, partitions priced; per cluster, by chip count), ratio_bound
 (per cluster below 100 %: one_pipeline_max_ratio, one_pipeline_exact, space_below, space_max_ratio,
 space_bound), pipelines_bound (per cluster: h2jax.plan.pipelines_bound over every partition, no
-budget -- bound_s, where it is reached, its seconds, max_ratio_matched_total),
+budget -- bound_s, where it is reached, its seconds, max_ratio_matched_total), baselines_s (the
+same-batch and matched-total baselines' searches, the matched total's grid refined),
 ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
 median, max), and reference_ms (the reference before and after the whole run, and timed in
 each search's process right before it: per cluster, the median).
@@ -159,6 +160,7 @@ def main() -> None:
     result["chosen"] = {}
     result["ratio_bound"] = {}
     result["pipelines_bound"] = {}
+    result["baselines_s"] = {}
     ref_before = reference_ms()
     print(f"load average before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(f"reference before: {ref_before:.2f} ms (sum(i * i for i in range(100000)), best of 5 x 20)")
@@ -188,11 +190,14 @@ def main() -> None:
         if mid["stages"]:  # each chip type alone, searched as `h2jax plan` does (h2jax.plan._baselines)
             opts = search_options(cluster)
             searcher = Searcher(cluster, model, opts=opts)
+            t_base = time.perf_counter()
             same, base = same_batch(searcher, gb), matched_total(searcher, gb)
-            split = base.describe()
+            result["baselines_s"][str(cluster.num_devices)] = round(time.perf_counter() - t_base, 1)
+            split = f"{base.describe()}; both baselines searched in {time.perf_counter() - t_base:.1f} s"
             tps = one_matched_tps = mid["tokens_per_s"]
             # then, as `h2jax plan` does, the plans of several pipelines, and the faster plan chosen
-            several = search_pipelines(searcher, gb, order=mid["order"], time_budget_s=opts.time_budget_s)
+            grid = gb // base.unit  # the several pipelines' shares on the baseline's grid, as `h2jax plan` puts them
+            several = search_pipelines(searcher, gb, order=mid["order"], time_budget_s=opts.time_budget_s, grid=grid)
             result["pipelines"][str(cluster.num_devices)] = several.to_dict(base)
             result["pipelines_search_s"][str(cluster.num_devices)] = round(several.search_s, 3)
             if several.cost is not None and several.cost.iteration_s < mid["iteration_s"]:
@@ -200,7 +205,7 @@ def main() -> None:
                 chips_used = sum(several.cost.devices_by_chip.values()) / cluster.num_devices
             ratio, matched, one_matched = same.ratio(tps), base.ratio(tps), base.ratio(one_matched_tps)
             # the lower bound over the plans of one and of several pipelines, every partition (no budget)
-            space = pipelines_bound(searcher, gb, order=mid["order"])
+            space = pipelines_bound(searcher, gb, order=mid["order"], grid=grid)
             result["pipelines_bound"][str(cluster.num_devices)] = {
                 **space.to_dict(),
                 "max_ratio_matched_total": round(base.ratio(gb * model.seq_len / space.bound_s), 4),

@@ -96,8 +96,13 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     several = None
     if args.max_pipelines != 1:
         order = list(dict.fromkeys(s.chip for s in res.plan.stages))
-        several = search_pipelines(
-            searcher, gb, order=order, time_budget_s=opts.time_budget_s, max_pipelines=args.max_pipelines
+        several = search_pipelines(  # shares on the matched-total baseline's grid
+            searcher,
+            gb,
+            order=order,
+            time_budget_s=opts.time_budget_s,
+            max_pipelines=args.max_pipelines,
+            grid=gb // matched.unit,
         )
         space = "every partition" if several.every_partition else "partitions into runs of the stage order's chip types"
         console.print(
@@ -157,7 +162,14 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
         if not res.exhaustive:
             proof = prove(cluster, model, global_batch=gb, table=table, opts=opts, budget_s=args.prove)
         if several is not None:
-            space = pipelines_bound(searcher, gb, order=order, max_pipelines=args.max_pipelines, budget_s=args.prove)
+            space = pipelines_bound(
+                searcher,
+                gb,
+                order=order,
+                max_pipelines=args.max_pipelines,
+                grid=gb // matched.unit,
+                budget_s=args.prove,
+            )
     bound = bounds(res, proof, several, matched, cluster, gb, model, tps, space, args.prove or 0.0)
     limits = bound["lines"] if bound else []
     for line in limits:

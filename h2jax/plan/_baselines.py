@@ -11,7 +11,12 @@ the ratio means, so two are computed and always named:
   dynamic program over the chip types picks the split whose jobs add up to the most tokens/s.
   This is "the sum of its parts on the same data": the fair test of a claim that the mixed
   cluster beats its chip types run apart. A coarser grid can only miss a better split, which
-  would lower the baseline and raise the ratio, so the grid is printed with it.
+  would lower the baseline and raise the ratio: eighths missed 8 % of the best split's tokens/s
+  at 10,000 chips of eight types and 1.6 % at 2,432 of four (docs/LOG.md, session 43), so the
+  grid starts at :data:`GRID` steps and is doubled while the best split gains at least
+  :data:`REFINE_GAIN`, up to :data:`MAX_GRID` steps, and the grids tried are printed with their
+  best splits' tokens/s (at 10,000 chips each doubling still gains ~1 %, to 64 steps: the
+  printed gain says so).
 - **same batch** (:func:`same_batch`): every homogeneous job at the whole global batch. Each
   job then takes as many sequences per step as the whole mixed cluster, with a smaller
   bubble than its share would give it, so this baseline is the larger and the ratio the lower;
@@ -30,7 +35,9 @@ from typing import Any
 
 from h2jax.plan._search import SearchCache, SearchOptions, SearchResult, lower_bound, search
 
-GRID = 8  # matched total: shares in multiples of global_batch / GRID (or the largest divisor below it)
+GRID = 8  # matched total: shares in multiples of global_batch / GRID (or the largest divisor below it) ...
+REFINE_GAIN = 0.005  # ... the grid doubled while the best split gains at least this share of its tokens/s
+MAX_GRID = 32  # ... up to this many steps (each doubling searches every chip type at as many new shares)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class Baseline:
     shares: dict[str, int]
     results: dict[str, SearchResult | None]  # None where the share is 0
     unit: int = 0  # matched total: the shares' step (global_batch / the grid)
+    coarser: tuple[tuple[int, float], ...] = ()  # matched total: (step, best tokens/s) of the grids before it
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,9 +67,19 @@ class Baseline:
         return [n for n, r in self.results.items() if r is not None and r.plan is None]
 
     def describe(self) -> str:
-        """The split in words: "gaudi2 at 192, h100_sxm at 320 (of 512; shares in steps of 64)"."""
+        """The split in words: "gaudi2 at 192, h100_sxm at 320 (of 512; shares in steps of 32 (steps
+        of 64: -0.4 %))", the other grids tried with their best split's tokens/s against this one's."""
         parts = [f"{n} at {b}" if b else f"{n} not run" for n, b in self.shares.items()]
         step = f"; shares in steps of {self.unit}" if self.unit else ""
+        if self.coarser:  # each other grid's best split, against this one's
+            step += (
+                " (steps of "
+                + ", ".join(
+                    f"{u}: {100 * (t / self.tokens_per_s - 1):+.1f} %" if self.tokens_per_s > 0 else f"{u}"
+                    for u, t in self.coarser
+                )
+                + ")"
+            )
         return f"{', '.join(parts)} (of {self.global_batch}{step})"
 
     def to_dict(self, hetero_tokens_per_s: float) -> dict[str, Any]:
@@ -70,6 +88,7 @@ class Baseline:
             "global_batch": self.global_batch,
             "shares": dict(self.shares),
             "share_step": self.unit or None,
+            "coarser_steps": {str(u): round(t, 1) for u, t in self.coarser} or None,
             "tokens_per_s": {
                 n: (round(r.cost.tokens_per_s, 1) if r is not None and r.plan is not None else None)
                 for n, r in self.results.items()
@@ -159,12 +178,37 @@ def share_unit(global_batch: int, grid: int = GRID) -> int:
     return global_batch // g
 
 
-def matched_total(searcher: Searcher, global_batch: int, *, grid: int = GRID) -> Baseline:
+def matched_total(searcher: Searcher, global_batch: int, *, grid: int = GRID, refine: bool = True) -> Baseline:
     """The chip types alone on shares of `global_batch` that sum to it, the split searched
     (module docstring): the split with the most tokens/s added up over the jobs that have a
     plan at their share. Where no split gives every share a plan, each chip type without one
     takes 0 (it is not run); a Baseline whose tokens/s is 0 when no chip type has a plan at any
-    share."""
+    share. `refine`: the grid doubled from `grid` steps while the best split gains at least
+    :data:`REFINE_GAIN`, up to :data:`MAX_GRID` steps or the finest the batch allows (each
+    grid's searches kept: a finer one searches only its new shares); the best split of every
+    grid tried is returned, the coarser grids' with it."""
+    best = _matched_on(searcher, global_batch, grid)
+    tried: list[tuple[int, float]] = []
+    while refine and grid < MAX_GRID:
+        grid *= 2
+        unit = share_unit(global_batch, grid)
+        if unit == best.unit or any(unit == u for u, _ in tried):
+            break  # no finer step divides the batch
+        finer = _matched_on(searcher, global_batch, grid)
+        gain = finer.tokens_per_s / best.tokens_per_s - 1 if best.tokens_per_s > 0 else float("inf")
+        if finer.tokens_per_s > best.tokens_per_s:
+            tried.append((best.unit, best.tokens_per_s))
+            best = finer
+        else:  # a step that is not a divisor of the last one can miss its splits: the better one kept
+            tried.append((finer.unit, finer.tokens_per_s))
+        if gain < REFINE_GAIN:
+            break
+    return dataclasses.replace(best, coarser=tuple(tried))
+
+
+def _matched_on(searcher: Searcher, global_batch: int, grid: int) -> Baseline:
+    """:func:`matched_total` on one grid: the best split of `global_batch` in steps of
+    ``share_unit(global_batch, grid)``, by a dynamic program over the chip types."""
     names = list(searcher.cluster.names)
     unit = share_unit(global_batch, grid)
     g = global_batch // unit

@@ -238,7 +238,9 @@ class _Groups:
         if r.plan is None:
             return
         times = self._times[group]
-        if self.exact:  # each share's own best plan, nothing else
+        if self.exact or (len(group) == 1 and r.exhaustive):
+            # each share's own best plan: exhaustive, no plan of the space at j is faster (and a
+            # group of one type is searched at every share, so its plan is no share's but j's best)
             times[j] = (r.iteration_s, r.plan)
             return
         for k in range(1, len(times)):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from h2jax.plan import Cluster, ModelShape, Plan, Searcher, StageSpec, estimate, idle_chips, matched_total, same_batch
-from h2jax.plan._baselines import share_unit
+from h2jax.plan._baselines import GRID, MAX_GRID, REFINE_GAIN, share_unit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,11 +57,50 @@ def test_the_matched_total_split_is_the_best_split_on_its_grid(seed):
         n: {b: (None if rng.random() < 0.2 else rng.uniform(1, 100)) for b in range(unit, gb + 1, unit)} for n in names
     }
     s = TableSearcher(table)
-    got = matched_total(s, gb)
+    got = matched_total(s, gb, refine=False)
     assert sum(got.shares.values()) == gb or got.tokens_per_s == 0
     assert all(b % unit == 0 for b in got.shares.values())
     assert got.tokens_per_s == pytest.approx(_brute(s, gb, unit), rel=1e-12)
     assert got.ratio(2 * got.tokens_per_s) == pytest.approx(2.0) or got.tokens_per_s == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_grid_is_doubled_while_the_best_split_gains(seed):
+    """matched_total's refinement, replayed with brute force: from GRID steps the grid doubles
+    while the best split gains at least REFINE_GAIN, up to MAX_GRID or the finest step that
+    divides the batch; the best split of every grid tried is kept, the others named with theirs."""
+    import random
+
+    rng = random.Random(seed)
+    gb = rng.choice([32, 48])
+    names = [f"c{i}" for i in range(rng.choice([2, 3]))]
+    table = {n: {b: (None if rng.random() < 0.1 else rng.uniform(1, 100)) for b in range(1, gb + 1)} for n in names}
+    s = TableSearcher(table)
+    got = matched_total(s, gb)
+    grid, unit = GRID, share_unit(gb, GRID)
+    best, tried = (_brute(s, gb, unit), unit), []
+    while grid < MAX_GRID:
+        grid *= 2
+        u = share_unit(gb, grid)
+        if u == best[1] or u in [t[1] for t in tried]:
+            break
+        fine = _brute(s, gb, u)
+        tried.append(best if fine > best[0] else (fine, u))
+        gain, best = fine / best[0] - 1, max(best, (fine, u))
+        if gain < REFINE_GAIN:
+            break
+    assert (got.tokens_per_s, got.unit) == (pytest.approx(best[0], rel=1e-12), best[1])
+    assert [u for u, _ in got.coarser] == [u for _, u in tried] and len(tried) >= 1
+    assert all(t == pytest.approx(b, rel=1e-12) for (_, t), (b, _) in zip(got.coarser, tried))
+    assert got.tokens_per_s >= matched_total(s, gb, refine=False).tokens_per_s
+    assert f"shares in steps of {got.unit} (steps of {got.coarser[0][0]}: " in got.describe()
+
+
+def test_a_split_that_gains_nothing_on_a_finer_grid_keeps_its_grid():
+    # tokens/s proportional to the share: every split adds up to the same, no finer grid gains
+    s = TableSearcher({n: {b: 10.0 * b for b in range(1, 65)} for n in ("a", "b")})
+    got = matched_total(s, 64)
+    assert got.unit == share_unit(64, GRID) == 8 and got.coarser == ((4, pytest.approx(640.0)),)
 
 
 def test_share_steps_divide_the_global_batch():
