@@ -65,7 +65,10 @@ neighbourhood and adjacent swaps); beams of the best 2, 3, 4, 6, 9, 13, ... choi
 type by the same ranking (half as wide again after 4: a beam of width w prices up to w^k
 configurations of k chip types, so the round that confirms convergence costs 1.5^k, not 2^k,
 times the one before), each followed by coordinate descent; last the exact round, which the
-incumbent lets prune hard. Before the exact round a configuration's chunked schedules are
+incumbent lets prune hard. A space of at most EXACT_AFTER_LOCAL triples skips the beams: its
+exact round comes soon in any case, and pruned by the seeds' and the climb's best plan it found
+the same plans in half the time the beams before it took (one chip type at 10,000 chips, the
+mid-size instances: docs/LOG.md, session 43). Before the exact round a configuration's chunked schedules are
 solved only in the stage order its one-chunk schedules found best (a heuristic, like those
 rounds; the exact round tries every order under every schedule).
 The search stops at the exact round's end (exhaustive), at the

@@ -87,6 +87,8 @@ def _rounds(run: _Run, cluster: Cluster, opts: SearchOptions) -> list[tuple[str,
         neigh = orders
     widest = max(len(cs) for choices in run.space.values() for cs in choices.values())
     out: list[tuple[str, int | None, list]] = [("seeds", None, neigh), ("local", None, neigh)]
+    if run.size(None, len(orders)) <= EXACT_AFTER_LOCAL:  # no beams: the exact round soon (package docstring)
+        return [*out, ("exact", None, orders)]
     width = 2
     while width < widest and run.size(width, len(neigh)) < run.size(None, len(orders)):
         out += [("beam", width, neigh), ("local", None, neigh)]
