@@ -134,12 +134,19 @@ class Searcher:
             )
         return self._done[key]
 
-    def lower_bound(self, chips: str | tuple[str, ...], global_batch: int) -> float:
+    def lower_bound(
+        self, chips: str | tuple[str, ...], global_batch: int, *, cache: SearchCache | None = None
+    ) -> float:
         """The lower bound of every plan the search of `chips` at `global_batch` (:meth:`__call__`)
         searches among, without searching (:func:`h2jax.plan.lower_bound`; inf: none holds the
-        model), kept."""
+        model), kept; where that search has run and was exhaustive, its optimum (inf: no plan).
+        `cache`: the SearchCache to bound with (one that keeps the chip types' choices, shared by
+        the bounds of other groups at this batch); None: the searches' own."""
         group = (chips,) if isinstance(chips, str) else tuple(chips)
         key = (group, global_batch)
+        done = self._done.get(key)
+        if done is not None and done.exhaustive:
+            return done.iteration_s
         if key not in self._bounds:
             opts = self.opts if len(group) == 1 else self.mixed_opts
             self._bounds[key] = lower_bound(
@@ -148,7 +155,7 @@ class Searcher:
                 global_batch=global_batch,
                 table=self.table,
                 opts=opts,
-                cache=self.cache,
+                cache=self.cache if cache is None else cache,
             )
         return self._bounds[key]
 

@@ -452,10 +452,13 @@ def pipelines_bound(
     as the one-pipeline bounds it is made of (h2jax.plan._search: on mid-size instances the
     one-pipeline optimum lies 20-80 % above its bound).
 
-    `budget_s`: the one pipeline first, then the partitions in the search's order while it
-    lasts (None or 0: no limit); a bound of fewer than every partition holds for those only
-    (``complete`` says which).
+    `budget_s`: the one pipeline first, then every group at each share in turn (the groups at
+    one share share their chip types' choices: a SearchCache of that share alone, which bounds
+    the memory) while it lasts (None or 0: no limit); where it ends first, the bound holds for
+    the one pipeline only (``complete`` says so).
     """
+    from h2jax.plan._search import SearchCache
+
     t0 = time.perf_counter()
     names = list(searcher.cluster.names)
     unit = share_unit(global_batch, grid)
@@ -463,18 +466,22 @@ def pipelines_bound(
     parts, every, _ = _partitions(names, order, max_pipelines)
     whole = tuple(names)
     best = (searcher.lower_bound(whole, global_batch), (whole,), (global_batch,))
-    bounded = 1
-    tables: dict[tuple[str, ...], list[tuple[float, None] | None]] = {}
-    for part in parts:
-        if budget_s and time.perf_counter() - t0 > budget_s:
+    groups = list(dict.fromkeys(grp for part in parts for grp in part))
+    tables: dict[tuple[str, ...], list[tuple[float, None] | None]] = {grp: [None] * (g + 1) for grp in groups}
+    complete = True
+    for j in range(1, g + 1):
+        scope = SearchCache(searcher.model, searcher.table, keep_choices=True)
+        for grp in groups:
+            if budget_s and time.perf_counter() - t0 > budget_s:
+                complete = False
+                break
+            b = searcher.lower_bound(grp, j * unit, cache=scope)
+            tables[grp][j] = (b, None) if b < float("inf") else None
+        if not complete:
             break
-        for grp in part:
-            if grp not in tables:
-                row = [searcher.lower_bound(grp, j * unit) for j in range(1, g + 1)]
-                tables[grp] = [None] + [(b, None) if b < float("inf") else None for b in row]
+    for part in parts if complete else ():
         times = [tables[grp] for grp in part]
         js = best_shares(times, g)
-        bounded += 1
         if js is None:
             continue
         value = max(t[j][0] for t, j in zip(times, js) if j)
@@ -484,7 +491,7 @@ def pipelines_bound(
         bound_s=best[0],
         groups=best[1] if best[0] < float("inf") else (),
         shares=best[2] if best[0] < float("inf") else (),
-        bounded=bounded,
+        bounded=len(parts) + 1 if complete else 1,
         partitions=len(parts) + 1,
         every_partition=every,
         seconds=time.perf_counter() - t0,

@@ -165,21 +165,36 @@ class SearchCache:
     several pipelines): the chip shapes' memory models and caps, and the stage pricings. Neither
     depends on which other chip types a search holds, only on the options they are computed
     under (and the caps on the chip type count, through the schedules' count floors), which key
-    them here. A search given one computes what it lacks and leaves it for the next."""
+    them here. A search given one computes what it lacks and leaves it for the next.
 
-    def __init__(self, model: ModelShape, table: ProfileTable | None):
+    `keep_choices`: also each chip type's choices (and what depends on them alone: their
+    holdings, the embedding's and head's fills), for searches and bounds of other chip types at
+    the same microbatch size and count (:meth:`choices`). They grow with every batch searched
+    (hundreds of MB per batch at 10,000 chips), so only a cache of one batch keeps them
+    (:func:`h2jax.plan.pipelines_bound`: every group at one share)."""
+
+    def __init__(self, model: ModelShape, table: ProfileTable | None, *, keep_choices: bool = False):
         self.model, self.table = model, table
         self._caps: dict[tuple, dict] = {}
         self._pricings: dict[tuple, tuple[dict, dict, dict]] = {}
+        self._choices: dict[tuple, dict] | None = {} if keep_choices else None
 
     def check(self, model: ModelShape, table: ProfileTable | None) -> None:
         if model is not self.model or table is not self.table:
             raise ValueError("a SearchCache serves the searches of one model and profile table")
 
+    @staticmethod
+    def _key(opts: SearchOptions, n_types: int) -> tuple:
+        return (opts.cost, opts.allow_recompute, opts.schedule, tuple(opts.schedules), opts.interleaved_chunks, n_types)
+
     def caps(self, opts: SearchOptions, n_types: int) -> dict:
         """The memory models and caps of :func:`h2jax.plan._search._space.chip_choices`."""
-        key = (opts.cost, opts.allow_recompute, opts.schedule, tuple(opts.schedules), opts.interleaved_chunks, n_types)
-        return self._caps.setdefault(key, {})
+        return self._caps.setdefault(self._key(opts, n_types), {})
+
+    def choices(self, opts: SearchOptions, n_types: int) -> dict | None:
+        """The chip types' choices kept (`keep_choices`; None: not kept), for searches of
+        `n_types` chip types under `opts`."""
+        return None if self._choices is None else self._choices.setdefault(self._key(opts, n_types), {})
 
     def pricings(self, opts: SearchOptions) -> tuple[dict, dict, dict]:
         """The stage pricings, boundary transfers and schedule counts of

@@ -75,10 +75,11 @@ class _Run:
         space_opts = SearchOptions(**{**_fields(opts), "max_options_per_chip": None})
         self.space: dict[int, dict[str, list[ChipChoice]]] = {}
         caps_cache: dict = cache.caps(space_opts, len(self.names)) if cache is not None else {}
-        self.caps_cache = caps_cache
+        shared = cache.choices(space_opts, len(self.names)) if cache is not None else None
+        self.keep: dict = shared if shared is not None else {}  # what depends on a chip type's choices alone
         for mb in microbatch_sizes(global_batch, opts):
             choices = chip_choices(
-                cluster, model, mb, space_opts, table, caps_cache, num_microbatches=global_batch // mb
+                cluster, model, mb, space_opts, table, caps_cache, num_microbatches=global_batch // mb, keep=shared
             )
             if all(choices[n] for n in self.names):
                 self.space[mb] = choices
@@ -109,7 +110,7 @@ class _Run:
         key = (mb, schedule)
         hit = self._helds.get(key)
         if hit is None:
-            hit = self._helds[key] = [held_of(self.caps_cache, cs, schedule) for cs in self.space[mb].values()]
+            hit = self._helds[key] = [held_of(self.keep, cs, schedule) for cs in self.space[mb].values()]
         return hit
 
     def fixed_s(self, mb: int, schedule: Schedule) -> float:
@@ -119,7 +120,7 @@ class _Run:
         if hit is None:
             parts = []
             for name, cs in self.space[mb].items():  # each chip type's, kept with its choices
-                mine = kept(self.caps_cache, cs)
+                mine = kept(self.keep, cs)
                 part = mine.get(("fixed", schedule))
                 if part is None:
                     chip = self.cluster.profile(name)

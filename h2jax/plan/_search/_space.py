@@ -175,15 +175,17 @@ def chip_choices(
     caps_cache: dict | None = None,
     *,
     num_microbatches: int,
+    keep: dict | None = None,
 ) -> dict[str, list[ChipChoice]]:
     """Every (k, data, tensor) of every chip type for this microbatch size, with the memory
     caps of its stages under each searched schedule (its ``count_floors``) at
     `num_microbatches`.
 
     `caps_cache`: the memory model by (chip, tensor, sequences per device), which is all it
-    depends on, and the caps by counts, shared between microbatch sizes; and each chip type's
-    choices by (microbatch, counts, the options that shape them), shared between searches whose
-    chip types differ (:class:`h2jax.plan.SearchCache`).
+    depends on, and the caps by counts, shared between microbatch sizes. `keep`: each chip
+    type's choices by (microbatch, counts, the options that shape them), for searches whose
+    chip types differ (``SearchCache.choices``; keyed there by `caps_cache`'s options and chip
+    type count).
     """
     caps_cache = {} if caps_cache is None else caps_cache
     schedules = searched_labels(opts)
@@ -206,8 +208,7 @@ def chip_choices(
     n_types = len(cluster.names)
     for chip, nodes in cluster.chips:
         # the choices of a chip type depend on no other chip type (but through n_types, which
-        # keys caps_cache): a search over other chip types beside it reuses them, and their
-        # _Held (held_of)
+        # keys `keep`): a search over other chip types beside it reuses them, and their _Held
         mkey = (
             "choices",
             chip.name,
@@ -219,7 +220,7 @@ def chip_choices(
             opts.group_size,
             opts.stage_in_node,
         )
-        hit = caps_cache.get(mkey)
+        hit = keep.get(mkey) if keep is not None else None
         if hit is not None:
             out[chip.name] = hit
             continue
@@ -328,7 +329,9 @@ def chip_choices(
                     ChipChoice(name, k, d, t, layer_s, rc_s, full[v]) for k, v in zip(ks, tot) if full[v] is not None
                 )
         choices.sort(key=lambda c: (-(c.stages / c.layer_s), c.stages, c.tensor))  # capability first
-        out[chip.name] = caps_cache[mkey] = choices  # never changed: shared by every search given caps_cache
+        out[chip.name] = choices  # never changed: shared by every search given `keep`
+        if keep is not None:
+            keep[mkey] = choices
     if opts.max_options_per_chip:
         out = beam(out, L, opts.max_options_per_chip)
     return out
@@ -425,20 +428,20 @@ class _Held:
         return self.kernel.each_on(np.ascontiguousarray(grid, dtype=np.float64))
 
 
-def kept(caps_cache: dict, choices: list[ChipChoice]) -> dict:
-    """What searches keep of one list of :func:`chip_choices` (shared between them through
-    `caps_cache`): a dict beside the list, for what depends on it alone (:func:`held_of`, the
-    embedding's and head's fills)."""
+def kept(keep: dict, choices: list[ChipChoice]) -> dict:
+    """What searches keep of one list of :func:`chip_choices` in `keep` (a search's own, or
+    shared between them with the lists: ``SearchCache.choices``): a dict beside the list, for
+    what depends on it alone (:func:`held_of`, the embedding's and head's fills)."""
     key = ("kept", id(choices))
-    hit = caps_cache.get(key)
+    hit = keep.get(key)
     if hit is None or hit[0] is not choices:  # the list is kept with it: its id is not reused
-        hit = caps_cache[key] = (choices, {})
+        hit = keep[key] = (choices, {})
     return hit[1]
 
 
-def held_of(caps_cache: dict, choices: list[ChipChoice], schedule: Schedule | None) -> _Held:
+def held_of(keep: dict, choices: list[ChipChoice], schedule: Schedule | None) -> _Held:
     """``_Held(choices, schedule)``, built once per list and schedule (:func:`kept`)."""
-    out = kept(caps_cache, choices)
+    out = kept(keep, choices)
     held = out.get(("held", schedule))
     if held is None:
         held = out["held", schedule] = _Held(choices, schedule)
