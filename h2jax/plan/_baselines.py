@@ -12,7 +12,7 @@ the ratio means, so two are computed and always named:
   This is "the sum of its parts on the same data": the fair test of a claim that the mixed
   cluster beats its chip types run apart. A coarser grid can only miss a better split, which
   would lower the baseline and raise the ratio: eighths missed 8 % of the best split's tokens/s
-  at 10,000 chips of eight types and 1.6 % at 2,432 of four (docs/LOG.md, session 43), so the
+  at 10,000 chips of eight types and 1.7 % at 2,432 of four (docs/LOG.md, session 43), so the
   grid starts at :data:`GRID` steps and is doubled while the best split gains at least
   :data:`REFINE_GAIN`, up to :data:`MAX_GRID` steps, and the grids tried are printed with their
   best splits' tokens/s (at 10,000 chips each doubling still gains ~1 %, to 64 steps: the
