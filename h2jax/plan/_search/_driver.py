@@ -263,7 +263,7 @@ def lower_bound(
     types at `global_batch`; :func:`root_bound` per microbatch size and schedule, the least),
     without searching: each schedule bounded with its own caps and fills, as a search does before
     it has a plan. inf: no plan of the space holds the model. `cache`: as for :func:`search`
-    (the chip types' choices, their holdings and fills are shared)."""
+    (and the chip types' choices, their holdings and fills, where it keeps them)."""
     if cache is not None:
         cache.check(model, table)
     run = _Run(cluster, model, global_batch, table, opts, INF, time.perf_counter(), cache)
