@@ -261,24 +261,23 @@ def bounds(
             "pipeline per chip type"
         )
     space_ratio = None
-    if space is not None and math.isfinite(space.bound_s):
-        space_ratio = matched.ratio(gb * model.seq_len / space.bound_s)
-        scope = (
-            f"any plan of the space ({space.partitions - 1} partition{'s' if space.partitions > 2 else ''} into "
-            "several pipelines, and one pipeline)"
-            if space.complete
-            else f"the plans of {space.bounded} of the space's {space.partitions} partitions (the rest not bounded "
-            f"within {budget_s:g} s)"
-        )
+    if space is not None and not space.complete:
         lines.append(
-            f"{scope} exceeds at most {100 * space_ratio:.1f} % (at least {_fmt_s(space.bound_s)}: the least of each "
-            f"pipeline's lower bound at its share, reached at {space.describe()}; the exchange left out; "
-            f"{space.seconds:.1f} s)"
+            f"the lower bound over the plans of several pipelines did not end within {budget_s:g} s (a bound per "
+            "group of chip types and share of the batch; more --prove seconds give it time)"
         )
-        if space.complete and space_ratio < 1.0 and not below:
+    elif space is not None and math.isfinite(space.bound_s):
+        space_ratio = matched.ratio(gb * model.seq_len / space.bound_s)
+        n = space.partitions - 1
+        lines.append(
+            f"no plan of the space ({n} partition{'s' if n > 1 else ''} into several pipelines, and one pipeline) "
+            f"exceeds {100 * space_ratio:.1f} % (at least {_fmt_s(space.bound_s)}: the least of each pipeline's "
+            f"lower bound at its share, reached at {space.describe()}; the exchange left out; {space.seconds:.1f} s)"
+        )
+        if space_ratio < 1.0 and not below:
             below = True
             lines.append("so no plan of the space reaches 100 %")
-        elif space.complete and not below:
+        elif not below:
             lines.append(
                 "that bound leaves room above 100 %, so it does not decide whether a plan of the space reaches it: "
                 "each pipeline's bound lies below its best plan, as the one pipeline's does"

@@ -185,6 +185,30 @@ def test_the_bound_over_the_space_is_its_parts_least_and_below_its_optimum(gb, s
     assert not short.complete and short.bounded == 1 and short.bound_s == searcher.lower_bound(names, gb)
 
 
+def test_the_ratio_lines_say_what_the_space_bound_proves_and_when_it_did_not_end(searchers):
+    """h2jax plan's lines under 100 % (cli_compare.bounds): a bound over every partition gives
+    the space's ratio and says whether it decides; one that ran out of --prove's seconds says
+    so and claims no ratio."""
+    from h2jax.cli_compare import bounds
+    from h2jax.plan import matched_total
+
+    searcher = searchers(8)
+    cluster, model = searcher.cluster, searcher.model
+    res = search(cluster, model, global_batch=8, opts=searcher.mixed_opts)
+    matched, several = matched_total(searcher, 8), search_pipelines(searcher, 8)
+    tps = 0.5 * matched.tokens_per_s  # a chosen plan at half the baseline: under 100 %
+    whole = pipelines_bound(searcher, 8)
+    got = bounds(res, None, several, matched, cluster, 8, model, tps, whole, 30.0)
+    ratio = matched.ratio(8 * model.seq_len / whole.bound_s)
+    assert got["space_max_ratio"] == round(ratio, 4) and got["space_bound"]["partitions_bounded"] == BELL[3]
+    assert got["space_below"] == (ratio < 1.0 or got["one_pipeline_exact"] and len(cluster.names) == 2)
+    assert any(line.startswith("no plan of the space (4 partitions into several pipelines") for line in got["lines"])
+    short = pipelines_bound(searcher, 8, budget_s=1e-9)
+    cut = bounds(res, None, several, matched, cluster, 8, model, tps, short, 1e-9)
+    assert cut["space_max_ratio"] is None and not cut["space_below"]
+    assert any("did not end within 1e-09 s" in line for line in cut["lines"])
+
+
 def test_max_pipelines_and_time_budget_limit_the_partitions(searchers):
     searcher = searchers(8)
     two = search_pipelines(searcher, 8, max_pipelines=2)
@@ -290,7 +314,7 @@ def test_h2jax_plan_chooses_and_writes_the_faster_plan_of_the_search_over_pipeli
     assert space["bound_s"] > 0 and 8 * model["seq_len"] / space["bound_s"] >= report["tokens_per_s"] * (1 - 1e-3)
     assert bound["space_max_ratio"] >= hs["matched_total"]["ratio"]
     words = " ".join(out.split())  # the console wraps long lines
-    assert "any plan of the space (1 partition into several pipelines, and one pipeline) exceeds at most" in words
+    assert "no plan of the space (1 partition into several pipelines, and one pipeline) exceeds" in words
     one = plan("--max-pipelines", "1", "--out", str(tmp_path / "q"))
     assert "several pipelines:" not in one
     kept = Plan.from_yaml(tmp_path / "q" / "plan.yaml")
