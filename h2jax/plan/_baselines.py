@@ -112,6 +112,11 @@ class Searcher:
         self._bounds: dict[tuple[tuple[str, ...], int], float] = {}
         self.cache = SearchCache(model, table)  # memory caps and stage pricings, shared by its searches
 
+    def opts_of(self, group: tuple[str, ...]) -> SearchOptions:
+        """The options a group of chip types is searched (and bounded) under: one type its own
+        space, several the heterogeneous search's options."""
+        return self.opts if len(group) == 1 else self.mixed_opts
+
     def __call__(
         self, chips: str | tuple[str, ...], global_batch: int, *, time_budget_s: float | None = None
     ) -> SearchResult:
@@ -121,7 +126,7 @@ class Searcher:
         group = (chips,) if isinstance(chips, str) else tuple(chips)
         key = (group, global_batch)
         if key not in self._done:
-            opts = self.opts if len(group) == 1 else self.mixed_opts
+            opts = self.opts_of(group)
             if time_budget_s is not None and (opts.time_budget_s is None or time_budget_s < opts.time_budget_s):
                 opts = dataclasses.replace(opts, time_budget_s=time_budget_s)
             self._done[key] = search(
@@ -148,13 +153,12 @@ class Searcher:
         if done is not None and done.exhaustive:
             return done.iteration_s
         if key not in self._bounds:
-            opts = self.opts if len(group) == 1 else self.mixed_opts
             self._bounds[key] = lower_bound(
                 self.cluster.only(*group),
                 self.model,
                 global_batch=global_batch,
                 table=self.table,
-                opts=opts,
+                opts=self.opts_of(group),
                 cache=self.cache if cache is None else cache,
             )
         return self._bounds[key]

@@ -167,8 +167,7 @@ def test_the_bound_over_the_space_is_its_parts_least_and_below_its_optimum(gb, s
         assert r.exhaustive, (group, share)
         assert searcher.lower_bound(group, share) == r.iteration_s  # an exhaustive search's optimum is its bound
         if r.plan is not None:
-            opts = searcher.opts if len(group) == 1 else searcher.mixed_opts
-            raw = lower_bound(cluster.only(*group), model, global_batch=share, opts=opts)
+            raw = lower_bound(cluster.only(*group), model, global_batch=share, opts=searcher.opts_of(group))
             assert 0 < raw <= r.iteration_s, (group, share)
             checked += 1
     assert checked >= 7 * 4
@@ -330,8 +329,7 @@ def test_searches_sharing_a_cache_find_the_plans_of_searches_without_one(searche
     assert searcher.cache._caps and searcher.cache._pricings
     compared = 0
     for (group, gb), got in searcher._done.items():
-        opts = searcher.opts if len(group) == 1 else searcher.mixed_opts
-        alone = search(cluster.only(*group), model, global_batch=gb, opts=opts)
+        alone = search(cluster.only(*group), model, global_batch=gb, opts=searcher.opts_of(group))
         assert alone.exhaustive and got.exhaustive, (group, gb)
         assert (got.plan, got.iteration_s) == (alone.plan, alone.iteration_s), (group, gb)
         compared += got.plan is not None
