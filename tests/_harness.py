@@ -343,6 +343,8 @@ def cli_env(**extra: str) -> dict[str, str]:
     for k in SHARE_CORES:  # the suite's two settings for mpirun jobs (tests/conftest.py)
         if k in os.environ:
             env[k] = os.environ[k]
+    if os.environ.get("H2JAX_TEST_XLA_FLAGS"):  # the suite's compile flags (tests/conftest.py)
+        env["XLA_FLAGS"] = os.environ["H2JAX_TEST_XLA_FLAGS"]
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env.update(extra)

@@ -43,9 +43,19 @@ else:
 os.environ.setdefault("PRTE_MCA_hwloc_default_binding_policy", "none")
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
+# XLA's CPU backend compiles without LLVM's optimisations in every JAX process of the suite
+# (this one, and through tests/_harness.py's cli_env the CLI runs and mpirun jobs it starts):
+# the tests' models are tiny, so a test is mostly compiling, and LLVM's -O0 compiles the same
+# programs in about 60 % of the time (tests/runtime/test_pipelines.py, two cases, cold cache:
+# 63 s -> 39 s). The programs and their arithmetic are XLA's (no fast-math either way); only
+# the machine code is less optimised. The README's commands get it too (their programs are the
+# other tests' programs: one flag, one cache entry each); tests/e2e/test_compile_cache.py runs
+# `h2jax train` with XLA's defaults, as a user runs it.
+os.environ.setdefault("H2JAX_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] += " " + os.environ["H2JAX_TEST_XLA_FLAGS"]
 
 from xla_plugins import register_emulated_chips  # noqa: E402
 
@@ -70,15 +80,33 @@ def pytest_collection_modifyitems(config, items):
     """Under xdist's ``--dist loadgroup``: one group per test file (a module's shared compiles
     and fixtures stay in one worker) unless a test names its own, except that every mpirun test
     joins one group, so at most one mpirun job runs at a time beside the other worker's
-    in-process tests."""
+    in-process tests.
+
+    xdist hands the groups out in the order their first tests were collected (pyproject's
+    ``--no-loadscope-reorder``: by default it sorts them by their number of tests, which put the
+    README's sections, one long test each, last, and one worker ran them alone for the last 5-8
+    minutes), each to the next free worker. The longest first leaves short ones to even out the
+    two workers at the end: the mpirun group, the README's sections, the other groups with an
+    end-to-end (``slow``) test, then the rest, each in collection order."""
+    groups = {}
     for item in items:
+        own = item.get_closest_marker("xdist_group")  # a test that names its own group
         if item.get_closest_marker("multiproc"):
             group = "mpirun"
-        elif item.get_closest_marker("xdist_group"):  # a test that names its own group
-            continue
+        elif own is not None:
+            group = own.args[0]
         else:
             group = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        if group == "mpirun" or own is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    slow = {groups[item.nodeid] for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> int:
+        group = groups[item.nodeid]
+        return 0 if group == "mpirun" else 1 if group.startswith("readme-") else 2 if group in slow else 3
+
+    items.sort(key=rank)
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: a run without xdist has no such hook

@@ -41,6 +41,7 @@ def run_worker(worker: Path, scenario: str, out: Path, timeout_s: float, **extra
     from h2jax.launch import find_mpirun
 
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")} | extra_env
+    env["XLA_FLAGS"] = os.environ.get("H2JAX_TEST_XLA_FLAGS", "")  # the suite's compile flags (tests/conftest.py)
     cmd = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, str(worker)]
     try:
         proc = subprocess.run([*cmd, scenario, str(out)], env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -149,6 +149,7 @@ def test_a_gin_selected_model_trains_under_mpirun(tmp_path):
         pytest.skip("mpirun not installed")
     (tmp_path / "exp.gin").write_text(USER_GIN)
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "H2JAX_CONFIG_DIR", "XLA_FLAGS")}
+    env["XLA_FLAGS"] = os.environ.get("H2JAX_TEST_XLA_FLAGS", "")  # the suite's compile flags (tests/conftest.py)
     losses = {}
     for name, prefix, extra in (
         ("one", [], []),

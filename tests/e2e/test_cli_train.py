@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(args, cwd):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["XLA_FLAGS"] = os.environ.get("H2JAX_TEST_XLA_FLAGS", "")  # the suite's compile flags (tests/conftest.py)
     return subprocess.run(
         [sys.executable, "-m", "h2jax.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )

@@ -177,6 +177,7 @@ def test_every_readme_command_runs_in_order(section, tmp_path):
     for name in ("configs", "benchmarks", "examples"):
         (tmp_path / name).symlink_to(REPO / name)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = os.environ.get("H2JAX_TEST_XLA_FLAGS", "")  # the suite's compile flags (tests/conftest.py)
     env["PYTHONUNBUFFERED"] = "1"
     ran = 0
     for _, cmd, argv, why, code in (st for st in steps() if st[0] == section):
