@@ -45,12 +45,13 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 # XLA's CPU backend compiles without LLVM's optimisations in every JAX process of the suite
 # (this one, and through tests/_harness.py's cli_env the CLI runs and mpirun jobs it starts):
-# the tests' models are tiny, so a test is mostly compiling, and LLVM's -O0 compiles the same
-# programs in about 60 % of the time (tests/runtime/test_pipelines.py, two cases, cold cache:
-# 63 s -> 39 s). The programs and their arithmetic are XLA's (no fast-math either way); only
-# the machine code is less optimised. The README's commands get it too (their programs are the
-# other tests' programs: one flag, one cache entry each); tests/e2e/test_compile_cache.py runs
-# `h2jax train` with XLA's defaults, as a user runs it.
+# the tests' models are tiny, so a test is mostly compiling, and with LLVM's -O0 it takes less
+# time (tests/runtime/test_pipelines.py, two cases, cold cache: 63 s -> 39 s; a test that mostly
+# executes takes longer: the default job's 200 steps 34 s -> 50 s). The programs and their
+# arithmetic are XLA's (no fast-math either way); only the machine code is less optimised. The
+# README's commands get it too (their programs are the other tests' programs: one flag, one
+# cache entry each); tests/e2e/test_compile_cache.py runs `h2jax train` with XLA's defaults, as
+# a user runs it.
 os.environ.setdefault("H2JAX_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
