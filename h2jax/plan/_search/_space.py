@@ -285,7 +285,11 @@ def chip_choices(
                         continue  # not even one block fits a stage of this shape
                 if kdep is not None:
                     tot = kdep.floor_key(np.array(ks), m=m, n_types=n_types).tolist()
-                    want = [v for v in dict.fromkeys(tot) if (key, kdep, m, v) not in caps_cache]
+                    # a total's caps are priced over the ranks of its most stages here (0 beyond):
+                    # keyed by that count too, since another microbatch size with this shape
+                    # (fewer data-parallel replicas fit, so fewer stages) reaches fewer ranks
+                    most = dict(zip(tot, ks))  # ks ascend: the last k of each total is its most
+                    want = [v for v in dict.fromkeys(tot) if (key, kdep, m, v, most[v]) not in caps_cache]
                     if want:
                         fkey = (kdep, "floors", m, n_types, L, tuple(want))  # no chip shape in it
                         floors = caps_cache.get(fkey)
@@ -294,15 +298,14 @@ def chip_choices(
                             floors = caps_cache[fkey] = kdep.count_floors(k=kk, m=m, n_types=n_types, L=L)
                         ranks = None
                         if np.ndim(floors[0][0]) == 2:  # a total's choices use only their stages' ranks
-                            most = dict(zip(tot, ks))  # ks ascend: the last k of each total is its most
                             ranks = np.array([most[v] for v in want], dtype=np.int64)
                         ln, lr = _caps_at(caps_cache[key, 1], floors, L, opts.allow_recompute, ranks)
                         if ln.ndim == 1:  # floors that do not depend on the total
                             ln, lr = np.broadcast_to(ln, (len(want), L)), np.broadcast_to(lr, (len(want), L))
                         fill = fills[kdep]
                         for v, a, b in zip(want, ln, lr):
-                            caps_cache[key, kdep, m, v] = StageCaps(a, b, fill)
-                    zb = {v: caps_cache[key, kdep, m, v] for v in dict.fromkeys(tot)}  # by floor key
+                            caps_cache[key, kdep, m, v, most[v]] = StageCaps(a, b, fill)
+                    zb = {v: caps_cache[key, kdep, m, v, most[v]] for v in dict.fromkeys(tot)}  # by floor key
                 else:
                     tot = [0.0] * len(ks)
                     zb = {0.0: None}
