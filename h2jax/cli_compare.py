@@ -85,8 +85,9 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     )
     if len(cluster.names) == 1:
         return chosen
-    searcher = Searcher(cluster, model, table=table, opts=opts)
+    searcher = Searcher(cluster, model, table=table, opts=opts, workers=args.workers)
     same, matched = same_batch(searcher, gb), matched_total(searcher, gb)
+    searcher.close()  # the baselines are the workers' searches; what follows runs here
     for name, r in same.results.items():
         console.print(f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: {_job_text(r)}")
     for name, r in matched.results.items():

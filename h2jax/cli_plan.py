@@ -92,6 +92,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "any number; 1: one pipeline through every chip type, no search over several)",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes that search the homogeneous baselines, each chip type's on one (default: one per core, "
+        "at most one per chip type; 1: all in this process); each ends exhaustive, marked (exact), so the plans "
+        "do not depend on the count",
+    )
+    p.add_argument(
         "--prove",
         type=float,
         default=0.0,
@@ -333,6 +341,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise PlanError("--out", f"{args.out} is a file; expected a folder for plan.yaml and experiment.yaml")
         if args.max_pipelines is not None and args.max_pipelines < 1:
             raise PlanError("--max-pipelines", f"expected 1 or more, got {args.max_pipelines}")
+        if args.workers is not None and args.workers < 1:
+            raise PlanError("--workers", f"expected 1 or more, got {args.workers}")
         if args.time_budget < 0:
             raise ProfileError(f"--time-budget: expected seconds >= 0 (0: no limit), got {args.time_budget}")
         if not args.prove >= 0:

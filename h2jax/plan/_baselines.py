@@ -30,6 +30,11 @@ plans one chip type alone needs).
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
+import weakref
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,13 +102,46 @@ class Baseline:
         }
 
 
+def default_workers(chip_types: int) -> int:
+    """Processes for the baselines' searches: one per core this process may run on, at most one
+    per chip type (a chip type's searches run on one worker, sharing its tables)."""
+    return max(1, min(len(os.sched_getaffinity(0)), chip_types))
+
+
+_WORKER: Searcher | None = None  # in a worker process: the Searcher its tasks run on
+
+
+def _start_worker(cluster: Any, model: Any, table: Any, opts: SearchOptions, mixed_opts: SearchOptions) -> None:
+    global _WORKER
+    _WORKER = Searcher(cluster, model, table=table, workers=1)
+    _WORKER.opts, _WORKER.mixed_opts = opts, mixed_opts
+
+
+def _search_all(group: tuple[str, ...], batches: list[int]) -> list[SearchResult]:
+    assert _WORKER is not None
+    return [_WORKER(group, b) for b in batches]
+
+
 class Searcher:
     """Each chip type's best homogeneous plan at a global batch, searched once per (chip type,
     batch) and kept: the same-batch and matched-total baselines share their searches (and the
     search over several pipelines, whose groups of several chip types are searched with the
-    heterogeneous search's own options, grouping and beam included)."""
+    heterogeneous search's own options, grouping and beam included).
 
-    def __init__(self, cluster: Any, model: Any, *, table: Any = None, opts: SearchOptions | None = None):
+    `workers`: processes that run the baselines' searches (:meth:`prefetch`), each chip type's
+    on one of them, kept for the Searcher's life (None: :func:`default_workers`; 1: every search
+    in this process). The searches of one chip type are exhaustive (h2jax.plan.search: a space
+    that small runs on to its exact round), so their plans are the same wherever they run."""
+
+    def __init__(
+        self,
+        cluster: Any,
+        model: Any,
+        *,
+        table: Any = None,
+        opts: SearchOptions | None = None,
+        workers: int | None = None,
+    ):
         self.cluster, self.model, self.table = cluster, model, table
         base = opts if opts is not None else SearchOptions()
         self.opts = dataclasses.replace(base, group_size=None, max_options_per_chip=None, auto=True)
@@ -111,6 +149,38 @@ class Searcher:
         self._done: dict[tuple[tuple[str, ...], int], SearchResult] = {}
         self._bounds: dict[tuple[tuple[str, ...], int], float] = {}
         self.cache = SearchCache(model, table)  # memory caps and stage pricings, shared by its searches
+        self.workers = workers if workers is not None else default_workers(len(cluster.names))
+        self._pool: ProcessPoolExecutor | None = None
+
+    def prefetch(self, requests: Iterable[tuple[tuple[str, ...], int]]) -> None:
+        """Run the searches of `requests` ((chip types, global batch) pairs) not yet kept on the
+        workers, each group's in one task, and keep their results; with one worker, or one group
+        to search, nothing (each runs in this process when asked for)."""
+        todo: dict[tuple[str, ...], list[int]] = {}
+        for group, b in dict.fromkeys(requests):
+            if (group, b) not in self._done and b > 0:
+                todo.setdefault(group, []).append(b)
+        if self.workers < 2 or len(todo) < 2:
+            return
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.workers,
+                mp_context=multiprocessing.get_context("spawn"),  # the caller may hold threads (jax's): no fork
+                initializer=_start_worker,
+                initargs=(self.cluster, self.model, self.table, self.opts, self.mixed_opts),
+            )
+            weakref.finalize(self, self._pool.shutdown, cancel_futures=True)
+        # the chip types with the most searches first, so the last task to start is a short one
+        groups = sorted(todo, key=lambda g: -len(todo[g]))
+        for group, results in zip(groups, self._pool.map(_search_all, groups, [todo[g] for g in groups])):
+            for b, r in zip(todo[group], results):
+                self._done[(group, b)] = r
+
+    def close(self) -> None:
+        """Stop the worker processes (a later :meth:`prefetch` starts new ones)."""
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
 
     def opts_of(self, group: tuple[str, ...]) -> SearchOptions:
         """The options a group of chip types is searched (and bounded) under: one type its own
@@ -174,6 +244,7 @@ class Searcher:
 def same_batch(searcher: Searcher, global_batch: int) -> Baseline:
     """Every chip type alone at the whole `global_batch` (module docstring)."""
     names = list(searcher.cluster.names)
+    searcher.prefetch(((n,), global_batch) for n in names)
     return Baseline(
         "same batch",
         global_batch,
@@ -223,6 +294,7 @@ def _matched_on(searcher: Searcher, global_batch: int, grid: int) -> Baseline:
     names = list(searcher.cluster.names)
     unit = share_unit(global_batch, grid)
     g = global_batch // unit
+    searcher.prefetch(((n,), j * unit) for n in names for j in range(1, g + 1))
     # best[j] = (tokens/s, shares) over the chip types so far with j units given out
     best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
     for n in names:

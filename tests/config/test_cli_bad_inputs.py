@@ -284,6 +284,7 @@ CASES: dict[str, tuple[str, list[str], list[str]]] = {
     ),
     "plan_prove_negative": ("plan", ["sim_mix", "--prove", "-1"], ["--prove: expected seconds >= 0", "got -1"]),
     "plan_no_pipelines": ("plan", ["sim_mix", "--max-pipelines", "0"], ["--max-pipelines: expected 1 or more, got 0"]),
+    "plan_no_workers": ("plan", ["sim_mix", "--workers", "0"], ["--workers: expected 1 or more, got 0"]),
     "profile_measure_without_the_chip": (
         "profile",
         ["--chip", "h100_sxm", "--model", "@model.yaml", "--measure"],

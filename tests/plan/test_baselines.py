@@ -26,6 +26,9 @@ class TableSearcher:
     def tokens_per_s(self, chip: str, b: int) -> float | None:
         return 0.0 if b == 0 else self.table[chip][b]
 
+    def prefetch(self, requests) -> None:
+        """Nothing to run ahead: the table is every search's result."""
+
     def __call__(self, chip: str, b: int):
         tps = self.table[chip][b]
         return SimpleNamespace(plan=None if tps is None else object(), cost=SimpleNamespace(tokens_per_s=tps))
@@ -147,3 +150,23 @@ def test_idle_chips_are_named_with_the_reason():
     n, why = idle[a]
     assert n == cluster.devices(a) - 2
     assert "data x tensor 2 x 1" in why and "the whole microbatch (2 sequences)" in why
+
+
+def test_worker_processes_find_the_plans_this_process_finds():
+    """Searcher(workers=2) runs each chip type's baseline searches in a process of its own
+    (spawned, kept for the Searcher's life); the plans are those of the searches run here."""
+    import yaml
+
+    path = ROOT / "configs" / "clusters" / "sim_mix.yaml"
+    cluster, model = Cluster.load(path), ModelShape.from_config(yaml.safe_load(path.read_text())["model"])
+    here, there = Searcher(cluster, model, workers=1), Searcher(cluster, model, workers=2)
+    try:
+        got = [(same_batch(s, 8), matched_total(s, 8)) for s in (here, there)]
+        assert there._pool is not None  # the searches ran in the workers
+    finally:
+        there.close()
+    assert there._pool is None
+    assert set(there._done) == set(here._done) and len(here._done) >= 8
+    for key, r in here._done.items():
+        assert (there._done[key].plan, there._done[key].iteration_s) == (r.plan, r.iteration_s), key
+    assert got[0][1].shares == got[1][1].shares and got[0][1].tokens_per_s == got[1][1].tokens_per_s
