@@ -46,7 +46,8 @@ plan, one pipeline per chip type, partitions priced; per cluster, by chip count)
 (per cluster below 100 %: one_pipeline_max_ratio, one_pipeline_exact, space_below, space_max_ratio,
 space_bound), pipelines_bound (per cluster: h2jax.plan.pipelines_bound over every partition, no
 budget -- bound_s, where it is reached, its seconds, max_ratio_matched_total), baselines_s (the
-same-batch and matched-total baselines' searches, the matched total's grid refined),
+same-batch and matched-total baselines' searches, the matched total's grid refined, on the
+worker processes `h2jax plan` starts by default: h2jax.plan.default_workers),
 ratio_same_batch_512, the study's max_default_over_optimum and optimum_gap_to_bound (min,
 median, max), and reference_ms (the reference before and after the whole run, and timed in
 each search's process right before it: per cluster, the median).
@@ -78,6 +79,7 @@ from h2jax.plan import (  # noqa: E402
     ModelShape,
     Searcher,
     SearchOptions,
+    default_workers,
     matched_total,
     pipelines_bound,
     prove,
@@ -189,9 +191,10 @@ def main() -> None:
         chips_used, chosen = mid["chips_used"], "one pipeline"
         if mid["stages"]:  # each chip type alone, searched as `h2jax plan` does (h2jax.plan._baselines)
             opts = search_options(cluster)
-            searcher = Searcher(cluster, model, opts=opts)
+            searcher = Searcher(cluster, model, opts=opts, workers=default_workers(len(cluster.names)))
             t_base = time.perf_counter()
             same, base = same_batch(searcher, gb), matched_total(searcher, gb)
+            searcher.close()  # as `h2jax plan` does: the search over several pipelines runs in this process
             result["baselines_s"][str(cluster.num_devices)] = round(time.perf_counter() - t_base, 1)
             split = f"{base.describe()}; both baselines searched in {time.perf_counter() - t_base:.1f} s"
             tps = one_matched_tps = mid["tokens_per_s"]

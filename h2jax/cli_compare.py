@@ -77,7 +77,16 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     """The second half of ``h2jax plan`` (module docstring). The chosen plan: ``plan``,
     ``tokens_per_s``, ``devices_by_chip``, ``idle`` ({chip type: (chips, why)}) and ``report``
     (comparison.json's ``heterospeedup``; None with one chip type). `idle`: the one pipeline's."""
-    from h2jax.plan import Searcher, matched_total, pipelines_bound, prove, same_batch, search, search_pipelines
+    from h2jax.plan import (
+        Searcher,
+        default_workers,
+        matched_total,
+        pipelines_bound,
+        prove,
+        same_batch,
+        search,
+        search_pipelines,
+    )
 
     cost = res.cost
     chosen = SimpleNamespace(
@@ -85,7 +94,8 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     )
     if len(cluster.names) == 1:
         return chosen
-    searcher = Searcher(cluster, model, table=table, opts=opts, workers=args.workers)
+    workers = args.workers or default_workers(len(cluster.names))
+    searcher = Searcher(cluster, model, table=table, opts=opts, workers=workers)
     same, matched = same_batch(searcher, gb), matched_total(searcher, gb)
     searcher.close()  # the baselines are the workers' searches; what follows runs here
     for name, r in same.results.items():

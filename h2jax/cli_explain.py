@@ -61,7 +61,8 @@ def explanation(res, cluster, gb: int, *, measured: bool, several: bool, other: 
     if several:
         lines += [
             f"homogeneous <chip>: the best plan of that chip type's chips alone at global batch {gb}, searched "
-            "the same way; `exact` where that search was exhaustive.",
+            "the same way; `exact` where that search was exhaustive (each chip type's searches run in a worker "
+            "process of their own, --workers: exact searches find the same plans wherever they run).",
             "HeteroSpeedupRatio: the heterogeneous plan's tokens/s / the sum of the homogeneous plans' tokens/s. "
             "Over 100 % the chip types train faster together than apart (more than the sum of their "
             "parts); under 100 %, slower than running them as separate jobs would add up to.",

@@ -84,7 +84,14 @@ __all__ = [
 ]
 
 # -- HeteroAuto: profiles, cost model, search, simulator (pure as the rest) --------------------
-from h2jax.plan._baselines import Baseline, Searcher, idle_chips, matched_total, same_batch  # noqa: E402
+from h2jax.plan._baselines import (  # noqa: E402
+    Baseline,
+    Searcher,
+    default_workers,
+    idle_chips,
+    matched_total,
+    same_batch,
+)
 from h2jax.plan._cost import (  # noqa: E402
     CostOptions,
     PlanCost,
@@ -131,6 +138,7 @@ __all__ += [
     "Baseline",
     "PipelinesCost",
     "Searcher",
+    "default_workers",
     "estimate_pipelines",
     "search_pipelines",
     "pipelines_bound",

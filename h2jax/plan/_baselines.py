@@ -32,8 +32,9 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +123,18 @@ def _search_all(group: tuple[str, ...], batches: list[int]) -> list[SearchResult
     return [_WORKER(group, b) for b in batches]
 
 
+def _bounds_at(batch: int, groups: list[tuple[str, ...]]) -> list[float]:
+    """The search's lower bound of each group at `batch`, the groups sharing one SearchCache that
+    keeps the chip types' choices (of this batch alone: it bounds the memory)."""
+    w = _WORKER
+    assert w is not None
+    scope = SearchCache(w.model, w.table, keep_choices=True)
+    return [
+        lower_bound(w.cluster.only(*g), w.model, global_batch=batch, table=w.table, opts=w.opts_of(g), cache=scope)
+        for g in groups
+    ]
+
+
 class Searcher:
     """Each chip type's best homogeneous plan at a global batch, searched once per (chip type,
     batch) and kept: the same-batch and matched-total baselines share their searches (and the
@@ -129,9 +142,12 @@ class Searcher:
     heterogeneous search's own options, grouping and beam included).
 
     `workers`: processes that run the baselines' searches (:meth:`prefetch`), each chip type's
-    on one of them, kept for the Searcher's life (None: :func:`default_workers`; 1: every search
-    in this process). The searches of one chip type are exhaustive (h2jax.plan.search: a space
-    that small runs on to its exact round), so their plans are the same wherever they run."""
+    on one of them, and the bounds of :func:`h2jax.plan.pipelines_bound` (:meth:`bound_batches`),
+    kept until :meth:`close` (1, the default: everything in this process; ``h2jax plan`` takes
+    :func:`default_workers`). They are spawned, so a script that asks for them starts its work
+    under ``if __name__ == "__main__":``. The searches of one chip type are exhaustive
+    (h2jax.plan.search: a space that small runs on to its exact round), so their plans are the
+    same wherever they run."""
 
     def __init__(
         self,
@@ -140,7 +156,7 @@ class Searcher:
         *,
         table: Any = None,
         opts: SearchOptions | None = None,
-        workers: int | None = None,
+        workers: int = 1,
     ):
         self.cluster, self.model, self.table = cluster, model, table
         base = opts if opts is not None else SearchOptions()
@@ -149,7 +165,7 @@ class Searcher:
         self._done: dict[tuple[tuple[str, ...], int], SearchResult] = {}
         self._bounds: dict[tuple[tuple[str, ...], int], float] = {}
         self.cache = SearchCache(model, table)  # memory caps and stage pricings, shared by its searches
-        self.workers = workers if workers is not None else default_workers(len(cluster.names))
+        self.workers = workers
         self._pool: ProcessPoolExecutor | None = None
 
     def prefetch(self, requests: Iterable[tuple[tuple[str, ...], int]]) -> None:
@@ -162,6 +178,53 @@ class Searcher:
                 todo.setdefault(group, []).append(b)
         if self.workers < 2 or len(todo) < 2:
             return
+        # the chip types with the most searches first, so the last task to start is a short one
+        groups = sorted(todo, key=lambda g: -len(todo[g]))
+        for group, results in zip(groups, self._workers().map(_search_all, groups, [todo[g] for g in groups])):
+            for b, r in zip(todo[group], results):
+                self._done[(group, b)] = r
+
+    def bound_batches(
+        self, groups: Sequence[tuple[str, ...]], batches: Sequence[int], *, deadline: float | None = None
+    ) -> bool:
+        """:meth:`lower_bound` of every group at every batch, kept. Each batch's groups are bounded
+        together, sharing a SearchCache that keeps their chip types' choices (of that batch alone:
+        it bounds the memory); each batch is a task on the workers (in this process with one), in
+        order while `deadline` (a ``time.perf_counter`` time; None: no limit) is not passed; the
+        bounds kept already, and the exhaustive searches' optima, are not computed again. Whether
+        every batch was bounded (past the deadline the batches in progress on workers run to their
+        end)."""
+        todo = [(b, [g for g in groups if not self._bounded(g, b)]) for b in batches]
+        if self.workers < 2:
+            for b, gs in todo:
+                scope = SearchCache(self.model, self.table, keep_choices=True)
+                for g in gs:
+                    if deadline is not None and time.perf_counter() > deadline:
+                        return False
+                    self.lower_bound(g, b, cache=scope)
+            return True
+        futures = [(b, gs, self._workers().submit(_bounds_at, b, gs)) for b, gs in todo if gs]
+        try:
+            for b, gs, f in futures:
+                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                try:
+                    values = f.result(timeout=left)
+                except TimeoutError:
+                    return False
+                for g, v in zip(gs, values):
+                    self._bounds[(g, b)] = v
+        finally:
+            for *_, f in futures:
+                f.cancel()
+        return True
+
+    def _bounded(self, group: tuple[str, ...], batch: int) -> bool:
+        """Whether :meth:`lower_bound` of `group` at `batch` needs no computing."""
+        done = self._done.get((group, batch))
+        return (done is not None and done.exhaustive) or (group, batch) in self._bounds
+
+    def _workers(self) -> ProcessPoolExecutor:
+        """The worker processes, started on first use."""
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 max_workers=self.workers,
@@ -170,11 +233,7 @@ class Searcher:
                 initargs=(self.cluster, self.model, self.table, self.opts, self.mixed_opts),
             )
             weakref.finalize(self, self._pool.shutdown, cancel_futures=True)
-        # the chip types with the most searches first, so the last task to start is a short one
-        groups = sorted(todo, key=lambda g: -len(todo[g]))
-        for group, results in zip(groups, self._pool.map(_search_all, groups, [todo[g] for g in groups])):
-            for b, r in zip(todo[group], results):
-                self._done[(group, b)] = r
+        return self._pool
 
     def close(self) -> None:
         """Stop the worker processes (a later :meth:`prefetch` starts new ones)."""

@@ -453,13 +453,11 @@ def pipelines_bound(
     as the one-pipeline bounds it is made of (h2jax.plan._search: on mid-size instances the
     one-pipeline optimum lies 20-80 % above its bound).
 
-    `budget_s`: the one pipeline first, then every group at each share in turn (the groups at
-    one share share their chip types' choices: a SearchCache of that share alone, which bounds
-    the memory) while it lasts (None or 0: no limit); where it ends first, the bound holds for
-    the one pipeline only (``complete`` says so).
+    `budget_s`: the one pipeline first, then every group at each share in turn
+    (:meth:`h2jax.plan.Searcher.bound_batches`: one share a task on the Searcher's workers) while
+    it lasts (None or 0: no limit); where it ends first, the bound holds for the one pipeline only
+    (``complete`` says so).
     """
-    from h2jax.plan._search import SearchCache
-
     t0 = time.perf_counter()
     names = list(searcher.cluster.names)
     unit = share_unit(global_batch, grid)
@@ -468,18 +466,12 @@ def pipelines_bound(
     whole = tuple(names)
     best = (searcher.lower_bound(whole, global_batch), (whole,), (global_batch,))
     groups = list(dict.fromkeys(grp for part in parts for grp in part))
-    tables: dict[tuple[str, ...], list[tuple[float, None] | None]] = {grp: [None] * (g + 1) for grp in groups}
-    complete = True
-    for j in range(1, g + 1):
-        scope = SearchCache(searcher.model, searcher.table, keep_choices=True)
-        for grp in groups:
-            if budget_s and time.perf_counter() - t0 > budget_s:
-                complete = False
-                break
-            b = searcher.lower_bound(grp, j * unit, cache=scope)
-            tables[grp][j] = (b, None) if b < float("inf") else None
-        if not complete:
-            break
+    shares = [j * unit for j in range(1, g + 1)]
+    complete = searcher.bound_batches(groups, shares, deadline=t0 + budget_s if budget_s else None)
+    tables: dict[tuple[str, ...], list[tuple[float, None] | None]] = {}
+    for grp in groups if complete else ():
+        bounds = [searcher.lower_bound(grp, b) for b in shares]
+        tables[grp] = [None] + [(b, None) if b < float("inf") else None for b in bounds]
     for part in parts if complete else ():
         times = [tables[grp] for grp in part]
         js = best_shares(times, g)

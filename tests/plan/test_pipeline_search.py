@@ -184,7 +184,8 @@ def test_the_bound_over_the_space_is_its_parts_least_and_below_its_optimum(gb, s
                 expect, at = worst, (part, js)
     assert got.bound_s == expect and (got.groups, got.shares) == at
     assert 0 < got.bound_s <= min(several.iteration_s, one.iteration_s)
-    short = pipelines_bound(searcher, gb, budget_s=1e-9)  # the one pipeline, then the budget is spent
+    fresh = Searcher(cluster, model, workers=1)  # nothing bounded yet: the one pipeline, then the budget is spent
+    short = pipelines_bound(fresh, gb, budget_s=1e-9)
     assert not short.complete and short.bounded == 1 and short.bound_s == searcher.lower_bound(names, gb)
 
 
@@ -206,7 +207,7 @@ def test_the_ratio_lines_say_what_the_space_bound_proves_and_when_it_did_not_end
     assert got["space_max_ratio"] == round(ratio, 4) and got["space_bound"]["partitions_bounded"] == BELL[3]
     assert got["space_below"] == (ratio < 1.0 or got["one_pipeline_exact"] and len(cluster.names) == 2)
     assert any(line.startswith("no plan of the space (4 partitions into several pipelines") for line in got["lines"])
-    short = pipelines_bound(searcher, 8, budget_s=1e-9)
+    short = pipelines_bound(Searcher(cluster, model, workers=1), 8, budget_s=1e-9)  # nothing bounded yet
     cut = bounds(res, None, several, matched, cluster, 8, model, tps, short, 1e-9)
     assert cut["space_max_ratio"] is None and not cut["space_below"]
     assert any("did not end within 1e-09 s" in line for line in cut["lines"])
@@ -355,3 +356,16 @@ def test_a_search_finds_the_same_plan_whatever_its_cache_holds():
     after = search(a100, model, global_batch=32, opts=opts, cache=cache)
     assert alone.exhaustive and after.exhaustive
     assert (after.plan, after.iteration_s) == (alone.plan, alone.iteration_s)
+
+
+def test_the_bound_is_the_same_on_worker_processes():
+    """pipelines_bound with the Searcher's workers (a share per task) equals the bound computed
+    in this process, group by group and share by share."""
+    here, there = (Searcher(*_three_types(8), workers=w) for w in (1, 2))
+    try:
+        got = [pipelines_bound(s, 8) for s in (here, there)]
+    finally:
+        there.close()
+    assert got[0].complete and got[1].complete
+    assert (got[0].bound_s, got[0].groups, got[0].shares) == (got[1].bound_s, got[1].groups, got[1].shares)
+    assert here._bounds == there._bounds and len(here._bounds) >= 6 * 8
