@@ -414,6 +414,9 @@ def entry() -> int:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C where a command does not stop on it itself (train saves, then exits 0)
+        print("h2jax: interrupted", file=sys.stderr)
+        code = 130
     # Every file is written and closed by now (metrics, TensorBoard, checkpoints, run outputs).
     # Leave without the interpreter's teardown: XLA's and orbax's worker threads can still be
     # inside C++ when Python finalizes, and a thread unwound there aborts the process

@@ -29,12 +29,15 @@ plans one chip type alone needs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
+import signal
+import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +113,22 @@ def default_workers(chip_types: int) -> int:
 
 
 _WORKER: Searcher | None = None  # in a worker process: the Searcher its tasks run on
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored() -> Iterator[None]:
+    """SIGINT ignored while the workers are spawned: a spawned process keeps an ignored signal
+    ignored for life, so Ctrl-C, sent to the whole foreground group, reaches the CLI alone (it
+    stops; the workers end with its pipes), not workers still importing. A Ctrl-C pressed
+    within these milliseconds is lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def _start_worker(cluster: Any, model: Any, table: Any, opts: SearchOptions, mixed_opts: SearchOptions) -> None:
@@ -224,15 +243,19 @@ class Searcher:
         return (done is not None and done.exhaustive) or (group, batch) in self._bounds
 
     def _workers(self) -> ProcessPoolExecutor:
-        """The worker processes, started on first use."""
+        """The worker processes, started on first use, all at once (a task each with none idle)."""
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(
+            pool = ProcessPoolExecutor(
                 max_workers=self.workers,
                 mp_context=multiprocessing.get_context("spawn"),  # the caller may hold threads (jax's): no fork
                 initializer=_start_worker,
                 initargs=(self.cluster, self.model, self.table, self.opts, self.mixed_opts),
             )
-            weakref.finalize(self, self._pool.shutdown, cancel_futures=True)
+            with _ctrl_c_ignored():
+                for _ in range(self.workers):
+                    pool.submit(os.getpid)
+            weakref.finalize(self, pool.shutdown, cancel_futures=True)
+            self._pool = pool
         return self._pool
 
     def close(self) -> None:

@@ -170,3 +170,52 @@ def test_worker_processes_find_the_plans_this_process_finds():
     for key, r in here._done.items():
         assert (there._done[key].plan, there._done[key].iteration_s) == (r.plan, r.iteration_s), key
     assert got[0][1].shares == got[1][1].shares and got[0][1].tokens_per_s == got[1][1].tokens_per_s
+
+
+def test_ctrl_c_while_the_workers_search_ends_h2jax_plan_with_one_line():
+    """SIGINT to `h2jax plan`'s process group (what Ctrl-C sends) while its workers search the
+    baselines: one line, exit 130, and no process of the job left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests._harness import cli_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "h2jax.cli", "plan", "configs/clusters/hetero_2432.yaml", "--workers", "2"],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a shell's foreground job has it
+    )
+    try:
+        for line in proc.stdout:  # the one-pipeline plan is printed; the baselines' searches follow
+            if line.lstrip().startswith("TGS"):
+                break
+        for _ in range(100):  # the workers started: the job's process group holds more than the CLI
+            group = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            if len(group) >= 4:  # the CLI, spawn's resource tracker, two workers
+                break
+            time.sleep(0.1)
+        time.sleep(0.2)  # past the milliseconds the CLI ignores Ctrl-C to start them (h2jax.plan._baselines)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "h2jax: interrupted" and "Traceback" not in err, err
+    assert "homogeneous" not in out  # it stopped inside the baselines' searches
+    for _ in range(50):  # the workers end with their parent
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("a process of the interrupted job is still running")
