@@ -97,7 +97,6 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
     workers = args.workers or default_workers(len(cluster.names))
     searcher = Searcher(cluster, model, table=table, opts=opts, workers=workers)
     same, matched = same_batch(searcher, gb), matched_total(searcher, gb)
-    searcher.close()  # the baselines are the workers' searches; what follows runs here
     for name, r in same.results.items():
         console.print(f"  homogeneous {name} ({cluster.devices(name)} chips) at global batch {gb}: {_job_text(r)}")
     for name, r in matched.results.items():
@@ -214,6 +213,7 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
                 ratio_line(same_batch(searcher, ogb), other.cost.tokens_per_s, f"at the same global batch ({ogb} both)")
             )
     chosen.report = report
+    searcher.close()
     return chosen
 
 

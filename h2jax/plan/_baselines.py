@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +142,11 @@ def _search_all(group: tuple[str, ...], batches: list[int]) -> list[SearchResult
     return [_WORKER(group, b) for b in batches]
 
 
+def _search_one(group: tuple[str, ...], batch: int, budget_s: float | None) -> SearchResult:
+    assert _WORKER is not None
+    return _WORKER(group, batch, time_budget_s=budget_s)
+
+
 def _bounds_at(batch: int, groups: list[tuple[str, ...]]) -> list[float]:
     """The search's lower bound of each group at `batch`, the groups sharing one SearchCache that
     keeps the chip types' choices (of this batch alone: it bounds the memory)."""
@@ -186,6 +191,7 @@ class Searcher:
         self.cache = SearchCache(model, table)  # memory caps and stage pricings, shared by its searches
         self.workers = workers
         self._pool: ProcessPoolExecutor | None = None
+        self._started: dict[tuple[tuple[str, ...], int], Future] = {}  # searches begun on the workers
 
     def prefetch(self, requests: Iterable[tuple[tuple[str, ...], int]]) -> None:
         """Run the searches of `requests` ((chip types, global batch) pairs) not yet kept on the
@@ -258,8 +264,27 @@ class Searcher:
             self._pool = pool
         return self._pool
 
+    def start(self, chips: str | tuple[str, ...], global_batch: int, *, time_budget_s: float | None = None) -> None:
+        """Begin :meth:`__call__`'s search on a worker, which then returns its result (nothing with
+        one worker, or where that search is kept or begun already)."""
+        group = (chips,) if isinstance(chips, str) else tuple(chips)
+        key = (group, global_batch)
+        if self.workers >= 2 and key not in self._done and key not in self._started:
+            self._started[key] = self._workers().submit(_search_one, group, global_batch, time_budget_s)
+
+    def running(self) -> int:
+        """Searches begun on the workers and not yet ended."""
+        return sum(not f.done() for f in self._started.values())
+
+    def cancel_started(self) -> None:
+        """Drop the searches begun and not taken (those running end on their own budget)."""
+        for f in self._started.values():
+            f.cancel()
+        self._started.clear()
+
     def close(self) -> None:
         """Stop the worker processes (a later :meth:`prefetch` starts new ones)."""
+        self.cancel_started()
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
@@ -277,6 +302,9 @@ class Searcher:
         this search than the options' (its result is kept all the same)."""
         group = (chips,) if isinstance(chips, str) else tuple(chips)
         key = (group, global_batch)
+        begun = self._started.pop(key, None)
+        if key not in self._done and begun is not None and not begun.cancelled():
+            self._done[key] = begun.result()  # :meth:`start`'s, with the budget it was begun with
         if key not in self._done:
             opts = self.opts_of(group)
             if time_budget_s is not None and (opts.time_budget_s is None or time_budget_s < opts.time_budget_s):

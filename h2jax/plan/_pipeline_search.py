@@ -39,15 +39,17 @@ so partitions of small groups share their searches and cover the most of the spa
 (at 10,000 chips the plan the whole space's search finds is of groups of two and four types).
 Each search of a group of several chip types gets at most a quarter of the budget, at least
 :data:`MIN_GROUP_SEARCH_S`, and returns its best plan so far; every search shares the memory caps
-and stage pricings of the others (the Searcher's :class:`h2jax.plan.SearchCache`). The result says
-how many of the space's partitions were priced.
+and stage pricings of the others (the Searcher's :class:`h2jax.plan.SearchCache`). Where the
+Searcher has worker processes (``h2jax plan``: one per core), the groups' searches at their first
+share are begun on them ahead of the partitions that need them, one per free worker, and each
+partition's re-searches at once. The result says how many of the space's partitions were priced.
 
 :func:`pipelines_bound` bounds the whole space from below, the plans of one pipeline included:
 each pipeline of a plan takes at least the one-pipeline search's lower bound of its group at its
 share, so a partition's plans at least the least, over its splits, of its trained groups' largest
-bound. It costs a bound per group and share (3 s at 1,024 chips in 8 steps of the batch, 33 s
-at 2,432 in 32, 222 s at 10,000 in 32), so ``h2jax plan`` computes it under ``--prove``, within
-its budget.
+bound. It costs a bound per group and share (in one process: 7 s at 1,024 chips in 8 steps of
+the batch, 33 s at 2,432 in 32, 285 s at 10,000 in 32; a share per task on the Searcher's
+workers), so ``h2jax plan`` computes it under ``--prove``, within its budget.
 """
 
 from __future__ import annotations
@@ -222,6 +224,18 @@ class _Groups:
                 self.search(group, j)
         return self._times[group]
 
+    def budget(self, group: tuple[str, ...]) -> float | None:
+        """The seconds a search of `group` may take now (module docstring; None: its options')."""
+        if self.deadline is None or len(group) < 2:
+            return None
+        left = self.deadline - time.perf_counter()
+        return max(MIN_GROUP_SEARCH_S, min(left, self.budget_s / GROUP_SEARCHES_PER_BUDGET))
+
+    def start(self, group: tuple[str, ...], j: int) -> None:
+        """Begin the search of `group` at j steps on the Searcher's workers (:meth:`search` takes it)."""
+        if j not in self.searched.get(group, ()):
+            self.searcher.start(group, j * self.unit, time_budget_s=self.budget(group))
+
     def search(self, group: tuple[str, ...], j: int) -> None:
         """Search the group at j steps (once) and price its plan at every share."""
         from h2jax.plan._cost import estimate
@@ -231,11 +245,7 @@ class _Groups:
             return
         done.add(j)
         s = self.searcher
-        budget = None
-        if self.deadline is not None and len(group) > 1:
-            left = self.deadline - time.perf_counter()
-            budget = max(MIN_GROUP_SEARCH_S, min(left, self.budget_s / GROUP_SEARCHES_PER_BUDGET))
-        r = s(group, j * self.unit, time_budget_s=budget)
+        r = s(group, j * self.unit, time_budget_s=self.budget(group))
         if r.plan is None:
             return
         times = self._times[group]
@@ -349,11 +359,17 @@ def search_pipelines(
     exact = exact_space(parts, g)
     deadline = t0 + time_budget_s if time_budget_s else None
     groups = _Groups(searcher, global_batch, unit, exact=exact, deadline=deadline, budget_s=time_budget_s or 0.0)
+    # the groups of several types at their first share, in the order the partitions need them:
+    # begun on the Searcher's workers (if any) while one is free
+    ahead = [] if exact else list(dict.fromkeys(grp for part in parts for grp in part if len(grp) > 1))
     best = per_chip = None
     priced = 0
     for part in parts:
         if time_budget_s and priced and time.perf_counter() - t0 > time_budget_s:
             break
+        while ahead and searcher.running() < searcher.workers:
+            grp = ahead.pop(0)
+            groups.start(grp, groups.nominal(grp))
         priced += 1
         times = [groups(grp) for grp in part]
         if exact:  # every split priced whole
@@ -364,6 +380,8 @@ def search_pipelines(
                 todo = [(grp, j) for grp, j in zip(part, js or ()) if j and j not in groups.searched[grp]]
                 if not todo:
                     break
+                for grp, j in todo:  # at once, where the Searcher has workers
+                    groups.start(grp, j)
                 for grp, j in todo:
                     groups.search(grp, j)
                 js = best_shares(times, g)
@@ -373,6 +391,7 @@ def search_pipelines(
             best = _better(best, found)
             if part == singles:
                 per_chip = _better(per_chip, found)
+    searcher.cancel_started()
     slowest = min(names, key=lambda c: cluster.profile(c).inter_node_gbps)
     return PipelinesResult(
         plan=best[0].plan if best else None,

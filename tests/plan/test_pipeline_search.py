@@ -369,3 +369,24 @@ def test_the_bound_is_the_same_on_worker_processes():
     assert got[0].complete and got[1].complete
     assert (got[0].bound_s, got[0].groups, got[0].shares) == (got[1].bound_s, got[1].groups, got[1].shares)
     assert here._bounds == there._bounds and len(here._bounds) >= 6 * 8
+
+
+def test_the_search_over_pipelines_on_worker_processes_finds_the_same_plan():
+    """Beyond the exact space (three chip types at 16 sequences in 16 shares: 6 groups x 16) the groups
+    of several types are searched on the Searcher's workers, begun ahead of the partitions
+    that need them; with no time budget pressing, the plan is the one found in this process."""
+    here, there = (Searcher(*_three_types(16), workers=w) for w in (1, 2))
+    try:
+        got = [search_pipelines(s, 16, grid=16) for s in (here, there)]
+        assert there._pool is not None and here._pool is None  # the workers searched
+    finally:
+        there.close()
+    assert not exact_space(space(list(here.cluster.names), list(here.cluster.names))[0], 16 // got[0].unit)
+    assert got[1].priced == got[1].partitions and got[0].priced == got[0].partitions
+    assert (got[1].groups, got[1].shares) == (got[0].groups, got[0].shares)
+    assert got[1].iteration_s == got[0].iteration_s
+    mixed = [k for k in there._done if len(k[0]) > 1]
+    assert mixed and all(
+        (there._done[k].plan, there._done[k].iteration_s) == (here._done[k].plan, here._done[k].iteration_s)
+        for k in mixed
+    )
