@@ -95,9 +95,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "--workers",
         type=int,
         default=None,
-        help="processes that search the homogeneous baselines, each chip type's on one (default: one per core, "
-        "at most one per chip type; 1: all in this process); each ends exhaustive, marked (exact), so the plans "
-        "do not depend on the count",
+        help="worker processes for the searches after the one pipeline's: the homogeneous baselines (each chip "
+        "type's on one; they end exhaustive, marked (exact), so they do not depend on the count), the groups of "
+        "the search over several pipelines and --prove's bounds (default: one per core, at most one per chip "
+        "type; 1: all in this process)",
     )
     p.add_argument(
         "--prove",
