@@ -113,6 +113,7 @@ def default_workers(chip_types: int) -> int:
 
 
 _WORKER: Searcher | None = None  # in a worker process: the Searcher its tasks run on
+WORTH_S = 1.0  # the workers start only for more seconds of searches than this (spawning two takes ~0.4 s)
 
 
 @contextlib.contextmanager
@@ -166,8 +167,9 @@ class Searcher:
     heterogeneous search's own options, grouping and beam included).
 
     `workers`: processes that run the baselines' searches (:meth:`prefetch`), each chip type's
-    on one of them, and the bounds of :func:`h2jax.plan.pipelines_bound` (:meth:`bound_batches`),
-    kept until :meth:`close` (1, the default: everything in this process; ``h2jax plan`` takes
+    on one of them, the bounds of :func:`h2jax.plan.pipelines_bound` (:meth:`bound_batches`) and
+    the searches begun ahead (:meth:`start`), started where the searches would take longer than
+    :data:`WORTH_S` here (timed on the first) and kept until :meth:`close` (1, the default: everything in this process; ``h2jax plan`` takes
     :func:`default_workers`). They are spawned, so a script that asks for them starts its work
     under ``if __name__ == "__main__":``. The searches of one chip type are exhaustive
     (h2jax.plan.search: a space that small runs on to its exact round), so their plans are the
@@ -203,6 +205,12 @@ class Searcher:
                 todo.setdefault(group, []).append(b)
         if self.workers < 2 or len(todo) < 2:
             return
+        if self._pool is None and not self._done:  # one search here, to tell what the rest would take
+            group = next(iter(todo))
+            self(group, todo[group].pop(0))
+            todo = {g: bs for g, bs in todo.items() if bs}
+        if len(todo) < 2 or not self._pays(sum(map(len, todo.values()))):
+            return
         # the chip types with the most searches first, so the last task to start is a short one
         groups = sorted(todo, key=lambda g: -len(todo[g]))
         for group, results in zip(groups, self._workers().map(_search_all, groups, [todo[g] for g in groups])):
@@ -220,7 +228,7 @@ class Searcher:
         every batch was bounded (past the deadline the batches in progress on workers run to their
         end)."""
         todo = [(b, [g for g in groups if not self._bounded(g, b)]) for b in batches]
-        if self.workers < 2:
+        if not self._pays(sum(len(gs) for _, gs in todo)):  # a bound takes about what a search does
             for b, gs in todo:
                 scope = SearchCache(self.model, self.table, keep_choices=True)
                 for g in gs:
@@ -242,6 +250,16 @@ class Searcher:
             for *_, f in futures:
                 f.cancel()
         return True
+
+    def _pays(self, searches: int) -> bool:
+        """Whether `searches` searches go to the workers: they are running, or that many searches,
+        at the mean time of those run so far, take more than :data:`WORTH_S`."""
+        if self.workers < 2:
+            return False
+        if self._pool is not None:
+            return True
+        times = [r.search_s for r in self._done.values()]
+        return bool(times) and searches * sum(times) / len(times) > WORTH_S
 
     def _bounded(self, group: tuple[str, ...], batch: int) -> bool:
         """Whether :meth:`lower_bound` of `group` at `batch` needs no computing."""
@@ -269,7 +287,7 @@ class Searcher:
         one worker, or where that search is kept or begun already)."""
         group = (chips,) if isinstance(chips, str) else tuple(chips)
         key = (group, global_batch)
-        if self.workers >= 2 and key not in self._done and key not in self._started:
+        if self._pays(1) and key not in self._done and key not in self._started:
             self._started[key] = self._workers().submit(_search_one, group, global_batch, time_budget_s)
 
     def running(self) -> int:

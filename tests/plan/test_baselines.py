@@ -152,13 +152,20 @@ def test_idle_chips_are_named_with_the_reason():
     assert "data x tensor 2 x 1" in why and "the whole microbatch (2 sequences)" in why
 
 
-def test_worker_processes_find_the_plans_this_process_finds():
+def test_worker_processes_find_the_plans_this_process_finds(monkeypatch):
     """Searcher(workers=2) runs each chip type's baseline searches in a process of its own
-    (spawned, kept for the Searcher's life); the plans are those of the searches run here."""
+    (spawned, kept until closed) where they would take more than WORTH_S here, and not below it;
+    the plans are those of the searches run here."""
     import yaml
+
+    from h2jax.plan import _baselines
 
     path = ROOT / "configs" / "clusters" / "sim_mix.yaml"
     cluster, model = Cluster.load(path), ModelShape.from_config(yaml.safe_load(path.read_text())["model"])
+    small = Searcher(cluster, model, workers=2)
+    same_batch(small, 8), matched_total(small, 8)  # tens of milliseconds each: not worth spawning for
+    assert small._pool is None and sum(r.search_s for r in small._done.values()) < _baselines.WORTH_S
+    monkeypatch.setattr(_baselines, "WORTH_S", 0.0)
     here, there = Searcher(cluster, model, workers=1), Searcher(cluster, model, workers=2)
     try:
         got = [(same_batch(s, 8), matched_total(s, 8)) for s in (here, there)]
