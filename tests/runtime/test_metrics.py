@@ -54,6 +54,29 @@ def test_tensorboard_event_file(tmp_path) -> None:
     assert b"note" not in data
 
 
+def test_tensorboard_is_written_without_importing_torch(tmp_path) -> None:
+    """tensorboardX imports torch where it is installed (2 s a training process); the logger
+    keeps it out, and leaves `import torch` working afterwards."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from h2jax.runtime._metrics import MetricsLogger\n"
+        f"with MetricsLogger({str(tmp_path)!r}, total_steps=1, progress=False) as logger:\n"
+        "    logger.log(0, {'loss': 3.0})\n"
+        "print('torch' in sys.modules)\n"
+        "import importlib.util\n"
+        "print(importlib.util.find_spec('torch') is not None)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["False", str(importlib.util.find_spec("torch") is not None)]
+    (events,) = _tb_event_files(tmp_path)
+    assert b"loss" in events.read_bytes()
+
+
 def test_tensorboard_off(tmp_path) -> None:
     with MetricsLogger(tmp_path, total_steps=1, progress=False, tensorboard=False) as logger:
         logger.log(0, {"loss": 1.0})
