@@ -169,11 +169,11 @@ class Searcher:
     `workers`: processes that run the baselines' searches (:meth:`prefetch`), each chip type's
     on one of them, the bounds of :func:`h2jax.plan.pipelines_bound` (:meth:`bound_batches`) and
     the searches begun ahead (:meth:`start`), started where the searches would take longer than
-    :data:`WORTH_S` here (timed on the first) and kept until :meth:`close` (1, the default: everything in this process; ``h2jax plan`` takes
-    :func:`default_workers`). They are spawned, so a script that asks for them starts its work
-    under ``if __name__ == "__main__":``. The searches of one chip type are exhaustive
-    (h2jax.plan.search: a space that small runs on to its exact round), so their plans are the
-    same wherever they run."""
+    :data:`WORTH_S` here (timed on the first) and kept until :meth:`close` (1, the default:
+    everything in this process; ``h2jax plan`` takes :func:`default_workers`). They are spawned,
+    so a script that asks for them starts its work under ``if __name__ == "__main__":``. The
+    searches of one chip type are exhaustive (h2jax.plan.search: a space that small runs on to
+    its exact round), so their plans are the same wherever they run."""
 
     def __init__(
         self,
