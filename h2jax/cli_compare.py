@@ -115,9 +115,10 @@ def compare(console, args, res, cluster, model, gb: int, table, opts, idle: dict
             grid=gb // matched.unit,
         )
         space = "every partition" if several.every_partition else "partitions into runs of the stage order's chip types"
+        step = f"shares in steps of {several.unit}" + (", then balanced to the sequence" if several.balanced else "")
         console.print(
             f"several pipelines: searched {several.priced} of {several.partitions} partitions of the chip types "
-            f"({space}; shares in steps of {several.unit}) in {several.search_s:.3f} s"
+            f"({space}; {step}) in {several.search_s:.3f} s"
         )
         if several.plan is None:
             console.print("  no plan of several pipelines fits")
@@ -262,10 +263,13 @@ def bounds(
         lines.append(
             f"one pipeline per chip type: {100 * matched.ratio(pc.tokens_per_s):.1f} % "
             f"({_fmt_s(pc.iteration_s)}, {pc.exchange_words(_fmt_s)} over {several.per_chip_link}); "
-            "on the baseline's share grid it cannot exceed 100 %: alone each chip type runs at its own pace, "
+            "at a split the baseline tried it cannot exceed 100 %: alone each chip type runs at its own pace, "
             "together every pipeline waits for the slowest, then exchanges"
         )
-    below = exact and ratio < 1.0 and len(cluster.names) == 2
+    # splits balanced to the sequence (h2jax.plan._balance) lie off the baseline's and the bound's grid:
+    # neither argument below covers them
+    off_grid = several is not None and several.balanced
+    below = exact and ratio < 1.0 and len(cluster.names) == 2 and not off_grid
     if below:
         lines.append(
             "so no plan of the space reaches 100 %: with two chip types its plans of several pipelines are one "
@@ -280,12 +284,19 @@ def bounds(
     elif space is not None and math.isfinite(space.bound_s):
         space_ratio = matched.ratio(gb * model.seq_len / space.bound_s)
         n = space.partitions - 1
+        grid = " on its share grid" if off_grid else ""
         lines.append(
-            f"no plan of the space ({n} partition{'s' if n > 1 else ''} into several pipelines, and one pipeline) "
-            f"exceeds {100 * space_ratio:.1f} % (at least {_fmt_s(space.bound_s)}: the least of each pipeline's "
-            f"lower bound at its share, reached at {space.describe()}; the exchange left out; {space.seconds:.1f} s)"
+            f"no plan of the space{grid} ({n} partition{'s' if n > 1 else ''} into several pipelines, and one "
+            f"pipeline) exceeds {100 * space_ratio:.1f} % (at least {_fmt_s(space.bound_s)}: the least of each "
+            f"pipeline's lower bound at its share, reached at {space.describe()}; the exchange left out; "
+            f"{space.seconds:.1f} s)"
         )
-        if space_ratio < 1.0 and not below:
+        if space_ratio < 1.0 and off_grid:
+            lines.append(
+                "so no plan on the share grid reaches 100 %; the splits balanced to the sequence lie off it, "
+                "where the bound does not reach"
+            )
+        elif space_ratio < 1.0 and not below:
             below = True
             lines.append("so no plan of the space reaches 100 %")
         elif not below:

@@ -16,7 +16,10 @@ the ratio means, so two are computed and always named:
   grid starts at :data:`GRID` steps and is doubled while the best split gains at least
   :data:`REFINE_GAIN`, up to :data:`MAX_GRID` steps, and the grids tried are printed with their
   best splits' tokens/s (at 10,000 chips each doubling still gains ~1 %, to 64 steps: the
-  printed gain says so).
+  printed gain says so). Then the split is balanced to the sequence near it
+  (h2jax.plan._balance), each chip type searched at its new share, and kept where its jobs add
+  up to more, as the search over several pipelines balances its pipelines: both sides of the
+  ratio get the same granularity.
 - **same batch** (:func:`same_batch`): every homogeneous job at the whole global batch. Each
   job then takes as many sequences per step as the whole mixed cluster, with a smaller
   bubble than its share would give it, so this baseline is the larger and the ratio the lower;
@@ -42,6 +45,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from h2jax.plan._balance import candidates, fine_split, window
 from h2jax.plan._search import SearchCache, SearchOptions, SearchResult, lower_bound, search
 
 GRID = 8  # matched total: shares in multiples of global_batch / GRID (or the largest divisor below it) ...
@@ -60,6 +64,7 @@ class Baseline:
     results: dict[str, SearchResult | None]  # None where the share is 0
     unit: int = 0  # matched total: the shares' step (global_batch / the grid)
     coarser: tuple[tuple[int, float], ...] = ()  # matched total: (step, best tokens/s) of the grids before it
+    grid_tokens_per_s: float = 0.0  # matched total balanced to the sequence: the grid's best split's (else 0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +94,8 @@ class Baseline:
                 )
                 + ")"
             )
+        if self.grid_tokens_per_s:
+            step += f", then balanced to the sequence ({100 * (self.tokens_per_s / self.grid_tokens_per_s - 1):+.1f} %)"
         return f"{', '.join(parts)} (of {self.global_batch}{step})"
 
     def to_dict(self, hetero_tokens_per_s: float) -> dict[str, Any]:
@@ -98,6 +105,7 @@ class Baseline:
             "shares": dict(self.shares),
             "share_step": self.unit or None,
             "coarser_steps": {str(u): round(t, 1) for u, t in self.coarser} or None,
+            "grid_tokens_per_s": round(self.grid_tokens_per_s, 1) or None,
             "tokens_per_s": {
                 n: (round(r.cost.tokens_per_s, 1) if r is not None and r.plan is not None else None)
                 for n, r in self.results.items()
@@ -388,7 +396,9 @@ def share_unit(global_batch: int, grid: int = GRID) -> int:
     return global_batch // g
 
 
-def matched_total(searcher: Searcher, global_batch: int, *, grid: int = GRID, refine: bool = True) -> Baseline:
+def matched_total(
+    searcher: Searcher, global_batch: int, *, grid: int = GRID, refine: bool = True, balance: bool = True
+) -> Baseline:
     """The chip types alone on shares of `global_batch` that sum to it, the split searched
     (module docstring): the split with the most tokens/s added up over the jobs that have a
     plan at their share. Where no split gives every share a plan, each chip type without one
@@ -396,7 +406,8 @@ def matched_total(searcher: Searcher, global_batch: int, *, grid: int = GRID, re
     share. `refine`: the grid doubled from `grid` steps while the best split gains at least
     :data:`REFINE_GAIN`, up to :data:`MAX_GRID` steps or the finest the batch allows (each
     grid's searches kept: a finer one searches only its new shares); the best split of every
-    grid tried is returned, the coarser grids' with it."""
+    grid tried is returned, the coarser grids' with it. `balance`: then the split balanced to the
+    sequence (:func:`_to_the_sequence`)."""
     best = _matched_on(searcher, global_batch, grid)
     tried: list[tuple[int, float]] = []
     while refine and grid < MAX_GRID:
@@ -413,7 +424,41 @@ def matched_total(searcher: Searcher, global_batch: int, *, grid: int = GRID, re
             tried.append((finer.unit, finer.tokens_per_s))
         if gain < REFINE_GAIN:
             break
-    return dataclasses.replace(best, coarser=tuple(tried))
+    best = dataclasses.replace(best, coarser=tuple(tried))
+    return _to_the_sequence(searcher, best) if balance else best
+
+
+def _to_the_sequence(searcher: Searcher, base: Baseline) -> Baseline:
+    """`base`'s split balanced to the sequence (h2jax.plan._balance): each chip type's plans at
+    the grid shares near its share, taken at every share near it, the split with the most tokens/s
+    chosen; then each chip type searched at its new share (the Baseline's jobs are searched plans)
+    and the split kept where those jobs add up to more than the grid's."""
+    from h2jax.plan._cost import estimate
+
+    gb, unit, n_layers = base.global_batch, base.unit, searcher.model.n_layers
+    if not unit or unit == 1 or base.tokens_per_s <= 0:
+        return base
+    cands = []
+    for n, share in base.shares.items():
+        near = window(share, unit, gb)
+        plans = [r.plan for b in range(unit, gb + 1, unit) if b in near and (r := searcher(n, b)).plan is not None]
+        cluster = searcher.cluster.only(n)
+
+        def price(p: Any, cluster: Any = cluster) -> tuple[float, None] | None:
+            c = estimate(p, searcher.model, cluster, table=searcher.table, opts=searcher.opts.cost)
+            return (-c.tokens_per_s, None) if c.fits else None
+
+        cands.append({s: -v for s, (v, _) in candidates(plans, near, price, n_layers).items()})
+    split = fine_split(cands, gb, most_sum=True)
+    if split is None or split == tuple(base.shares.values()):
+        return base
+    shares = dict(zip(base.shares, split))
+    searcher.prefetch(((n,), b) for n, b in shares.items() if b)
+    results = {n: (searcher(n, b) if b else None) for n, b in shares.items()}
+    if any(r is not None and r.plan is None for r in results.values()):
+        return base
+    fine = dataclasses.replace(base, shares=shares, results=results, grid_tokens_per_s=base.tokens_per_s)
+    return fine if fine.tokens_per_s > base.tokens_per_s else base
 
 
 def _matched_on(searcher: Searcher, global_batch: int, grid: int) -> Baseline:

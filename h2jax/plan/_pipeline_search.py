@@ -13,7 +13,10 @@ the layers' copies (h2jax.plan._pipelines). The space searched here:
 - **shares**: each group's global batch a multiple of ``global_batch / GRID`` (the matched-total
   baseline's step, so the comparison with the chip types trained alone is on the same grid); a
   group given 0 does not train (its chips are left idle, as the baseline leaves a chip type
-  whose job would add nothing).
+  whose job would add nothing). Then the splits of the :data:`BALANCE_TOP` fastest partitions (and
+  one pipeline per chip type's) are balanced to the sequence near the grid's (h2jax.plan._balance:
+  the same pipelines with more or fewer microbatches; the step waits for the slowest pipeline,
+  and a grid step is coarse for that), priced whole and kept where faster.
 - **each pipeline**: its stages, meshes and schedule are the one-pipeline search's best plan of
   the group's chips at its share.
 
@@ -59,14 +62,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from h2jax.plan._balance import candidates, fine_split, rebatch, window
 from h2jax.plan._baselines import GRID, Searcher, share_unit
 from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines
-from h2jax.plan._plan import Plan, PlanError, check_plan
+from h2jax.plan._plan import Plan
 
 REFINE_ROUNDS = 2  # a partition's shares re-chosen after searching its groups at them
 GROUP_SEARCHES_PER_BUDGET = 4  # under a time budget a group of several types is searched for at most 1/4 of it
 MIN_GROUP_SEARCH_S = 0.2  # ... and at least this long, also past the budget (its best plan so far)
 ALL_PARTITIONS_UP_TO = 4  # chip types: every partition up to this many; beyond, runs of consecutive types
+BALANCE_TOP = 3  # the fastest partitions whose splits are balanced to the sequence (h2jax.plan._balance)
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class PipelinesResult:
     per_chip: PipelinesCost | None = None  # one pipeline per chip type, the best shares (priced first)
     per_chip_link: str = ""  # the slowest link its exchange crosses, in words
     untrained: tuple[str, ...] = ()  # chip types the best plan gives no share (their chips idle)
+    balanced: bool = False  # the fastest splits were balanced to the sequence (not in an exact space)
 
     @property
     def iteration_s(self) -> float:
@@ -99,6 +105,7 @@ class PipelinesResult:
             "partitions": self.partitions,
             "every_partition": self.every_partition,
             "share_step": self.unit,
+            "balanced_to_the_sequence": self.balanced,
             "search_s": round(self.search_s, 3),
             "best": None,
             "per_chip": None,
@@ -168,22 +175,6 @@ def space(names: Sequence[str], order: Sequence[str]) -> tuple[list[tuple[tuple[
     parts = [p for p in parts if len(p) > 1]
     parts.sort(key=lambda p: (max(map(len, p)), len(p)))
     return parts, every
-
-
-def rebatch(plan: Plan, global_batch: int, num_layers: int) -> Plan | None:
-    """`plan` with the same stages, schedule and microbatch size at `global_batch` (more or fewer
-    microbatches); None where the size does not divide it or the schedule refuses the count."""
-    mb = plan.microbatch_size
-    if global_batch % mb:
-        return None
-    if global_batch == plan.global_batch:
-        return plan
-    try:
-        p = Plan(plan.stages, global_batch=global_batch, num_microbatches=global_batch // mb, schedule=plan.schedule)
-        check_plan(p, num_layers=num_layers)
-    except (PlanError, ValueError):
-        return None
-    return p
 
 
 class _Groups:
@@ -301,14 +292,45 @@ def exact_space(parts: Sequence[tuple[tuple[str, ...], ...]], g: int) -> bool:
 
 
 def _price(searcher: Searcher, part: tuple, times: list, js: Sequence[int], unit: int) -> tuple | None:
-    """(cost, groups, shares) of one split of one partition, priced whole; the largest share's
-    pipeline first (it owns every layer: the exchange's hub; ties in the partition's order)."""
-    ranked = sorted(((j, grp, t) for j, grp, t in zip(js, part, times) if j), key=lambda x: -x[0])
-    plan = Plan(pipelines=tuple(t[j][1] for j, _, t in ranked))
+    """(cost, groups, shares) of one split of one partition (`js` grid steps), priced whole."""
+    return _price_plans(searcher, [(j * unit, grp, t[j][1]) for j, grp, t in zip(js, part, times) if j])
+
+
+def _price_plans(searcher: Searcher, pipes: Sequence[tuple[int, tuple[str, ...], Plan]]) -> tuple | None:
+    """(cost, groups, shares) of the pipelines `pipes` ((share, group, plan), the untrained left
+    out), priced whole; the largest share's pipeline first (it owns every layer: the exchange's
+    hub; ties in the partition's order)."""
+    ranked = sorted(pipes, key=lambda x: -x[0])
+    plan = Plan(pipelines=tuple(p for _, _, p in ranked))
     cost = estimate_pipelines(plan, searcher.model, searcher.cluster, table=searcher.table, opts=searcher.opts.cost)
     if not cost.fits:
         return None
-    return cost, tuple(grp for _, grp, _ in ranked), tuple(j * unit for j, _, _ in ranked)
+    return cost, tuple(grp for _, grp, _ in ranked), tuple(b for b, _, _ in ranked)
+
+
+def _balance(searcher: Searcher, part: tuple, times: list, found: tuple, unit: int, global_batch: int) -> tuple | None:
+    """`found` (cost, groups, shares: one split of `part`, whose groups' tables are `times`) with
+    its shares balanced to the sequence (h2jax.plan._balance): each group's plans at the grid
+    shares near its share, taken at every share near it, the split whose slowest pipeline is
+    fastest, priced whole (the exchange included); the faster of it and `found`."""
+    from h2jax.plan._cost import estimate
+
+    s = searcher
+    given = dict(zip(found[1], found[2]))
+    cands = []
+    for grp, t in zip(part, times):
+        near = window(given.get(grp, 0), unit, global_batch)
+        plans = [t[k][1] for k in range(1, len(t)) if t[k] is not None and k * unit in near]
+
+        def price(p: Plan) -> tuple[float, Plan] | None:
+            c = estimate(p, s.model, s.cluster, table=s.table, opts=s.opts.cost)
+            return (c.iteration_s, p) if c.fits else None
+
+        cands.append(candidates(plans, near, price, s.model.n_layers))
+    split = fine_split([{b: v for b, (v, _) in c.items()} for c in cands], global_batch)
+    if split is None or all(given.get(grp, 0) == b for grp, b in zip(part, split)):
+        return found
+    return _better(found, _price_plans(s, [(b, grp, c[b][1]) for b, grp, c in zip(split, part, cands) if b]))
 
 
 def _better(a: tuple | None, b: tuple | None) -> tuple | None:
@@ -364,6 +386,7 @@ def search_pipelines(
     ahead = [] if exact else list(dict.fromkeys(grp for part in parts for grp in part if len(grp) > 1))
     best = per_chip = None
     priced = 0
+    tried: list[tuple] = []  # (cost, groups, shares) of each partition's split, the partition, its tables
     for part in parts:
         if time_budget_s and priced and time.perf_counter() - t0 > time_budget_s:
             break
@@ -391,7 +414,16 @@ def search_pipelines(
             best = _better(best, found)
             if part == singles:
                 per_chip = _better(per_chip, found)
+            if found is not None and not exact:
+                tried.append((found, part, times))
     searcher.cancel_started()
+    # the fastest few partitions' splits (and one pipeline per chip type's) balanced to the sequence
+    tried.sort(key=lambda x: x[0][0].iteration_s)
+    for found, part, times in tried[:BALANCE_TOP] + [x for x in tried[BALANCE_TOP:] if x[1] == singles]:
+        balanced = _balance(searcher, part, times, found, unit, global_batch)
+        best = _better(best, balanced)
+        if part == singles:
+            per_chip = _better(per_chip, balanced)
     slowest = min(names, key=lambda c: cluster.profile(c).inter_node_gbps)
     return PipelinesResult(
         plan=best[0].plan if best else None,
@@ -405,6 +437,7 @@ def search_pipelines(
         every_partition=every,
         per_chip=per_chip[0] if per_chip else None,
         untrained=tuple(c for c in names if best and not any(c in grp for grp in best[1])),
+        balanced=bool(tried) and unit > 1,
         per_chip_link=f"{slowest}'s inter-node link at most, {cluster.profile(slowest).inter_node_gbps:g} GB/s",
     )
 
@@ -468,7 +501,10 @@ def pipelines_bound(
     partition's plans take at least the least, over its splits of the batch, of the largest of
     its trained groups' bounds (:func:`best_shares`, the search's own program over the splits,
     on the bounds), and the space's at least the least over its partitions and the one pipeline
-    (the whole cluster's bound at the whole batch). It leaves out the exchange and is as loose
+    (the whole cluster's bound at the whole batch). It bounds the plans whose shares are on the
+    grid: the splits :func:`search_pipelines` balances to the sequence lie off it and are not
+    covered (a group's bound at every share would cost the grid's step times more). It leaves out
+    the exchange and is as loose
     as the one-pipeline bounds it is made of (h2jax.plan._search: on mid-size instances the
     one-pipeline optimum lies 20-80 % above its bound).
 

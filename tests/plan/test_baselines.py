@@ -60,7 +60,7 @@ def test_the_matched_total_split_is_the_best_split_on_its_grid(seed):
         n: {b: (None if rng.random() < 0.2 else rng.uniform(1, 100)) for b in range(unit, gb + 1, unit)} for n in names
     }
     s = TableSearcher(table)
-    got = matched_total(s, gb, refine=False)
+    got = matched_total(s, gb, refine=False, balance=False)
     assert sum(got.shares.values()) == gb or got.tokens_per_s == 0
     assert all(b % unit == 0 for b in got.shares.values())
     assert got.tokens_per_s == pytest.approx(_brute(s, gb, unit), rel=1e-12)
@@ -79,7 +79,7 @@ def test_the_grid_is_doubled_while_the_best_split_gains(seed):
     names = [f"c{i}" for i in range(rng.choice([2, 3]))]
     table = {n: {b: (None if rng.random() < 0.1 else rng.uniform(1, 100)) for b in range(1, gb + 1)} for n in names}
     s = TableSearcher(table)
-    got = matched_total(s, gb)
+    got = matched_total(s, gb, balance=False)
     grid, unit = GRID, share_unit(gb, GRID)
     best, tried = (_brute(s, gb, unit), unit), []
     while grid < MAX_GRID:
@@ -95,14 +95,14 @@ def test_the_grid_is_doubled_while_the_best_split_gains(seed):
     assert (got.tokens_per_s, got.unit) == (pytest.approx(best[0], rel=1e-12), best[1])
     assert [u for u, _ in got.coarser] == [u for _, u in tried] and len(tried) >= 1
     assert all(t == pytest.approx(b, rel=1e-12) for (_, t), (b, _) in zip(got.coarser, tried))
-    assert got.tokens_per_s >= matched_total(s, gb, refine=False).tokens_per_s
+    assert got.tokens_per_s >= matched_total(s, gb, refine=False, balance=False).tokens_per_s
     assert f"shares in steps of {got.unit} (steps of {got.coarser[0][0]}: " in got.describe()
 
 
 def test_a_split_that_gains_nothing_on_a_finer_grid_keeps_its_grid():
     # tokens/s proportional to the share: every split adds up to the same, no finer grid gains
     s = TableSearcher({n: {b: 10.0 * b for b in range(1, 65)} for n in ("a", "b")})
-    got = matched_total(s, 64)
+    got = matched_total(s, 64, balance=False)
     assert got.unit == share_unit(64, GRID) == 8 and got.coarser == ((4, pytest.approx(640.0)),)
 
 
