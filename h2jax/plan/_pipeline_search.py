@@ -63,7 +63,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from h2jax.plan._balance import candidates, fine_split, rebatch, window
+from h2jax.plan._balance import candidates, fine_split, window
 from h2jax.plan._baselines import GRID, Searcher, share_unit
 from h2jax.plan._pipelines import PipelinesCost, estimate_pipelines
 from h2jax.plan._plan import Plan
@@ -230,8 +230,6 @@ class _Groups:
 
     def search(self, group: tuple[str, ...], j: int) -> None:
         """Search the group at j steps (once) and price its plan at every share."""
-        from h2jax.plan._cost import estimate
-
         done = self.searched.setdefault(group, set())
         if j in done:
             return
@@ -246,13 +244,23 @@ class _Groups:
             # group of one type is searched at every share, so its plan is no share's but j's best)
             times[j] = (r.iteration_s, r.plan)
             return
-        for k in range(1, len(times)):
-            p = rebatch(r.plan, k * self.unit, s.model.n_layers)
-            if p is None:
-                continue
-            c = r.cost if p is r.plan else estimate(p, s.model, s.cluster, table=s.table, opts=s.opts.cost)
-            if c.fits and (times[k] is None or c.iteration_s < times[k][0]):
-                times[k] = (c.iteration_s, p)
+        shares = range(self.unit, self.gb + 1, self.unit)
+        for b, (t, p) in candidates([r.plan], shares, lambda p: _seconds(s, p, r), s.model.n_layers).items():
+            k = b // self.unit
+            if times[k] is None or t < times[k][0]:
+                times[k] = (t, p)
+
+
+def _seconds(searcher: Searcher, plan: Plan, found: Any = None) -> tuple[float, Plan] | None:
+    """(iteration seconds, plan) of one pipeline of a plan of several, None where it does not fit;
+    `found`: a search's result, whose own plan is priced already."""
+    from h2jax.plan._cost import estimate
+
+    s = searcher
+    c = found.cost if found is not None and plan is found.plan else None
+    if c is None:
+        c = estimate(plan, s.model, s.cluster, table=s.table, opts=s.opts.cost)
+    return (c.iteration_s, plan) if c.fits else None
 
 
 def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
@@ -314,20 +322,13 @@ def _balance(searcher: Searcher, part: tuple, times: list, found: tuple, unit: i
     its shares balanced to the sequence (h2jax.plan._balance): each group's plans at the grid
     shares near its share, taken at every share near it, the split whose slowest pipeline is
     fastest, priced whole (the exchange included); the faster of it and `found`."""
-    from h2jax.plan._cost import estimate
-
     s = searcher
     given = dict(zip(found[1], found[2]))
     cands = []
     for grp, t in zip(part, times):
         near = window(given.get(grp, 0), unit, global_batch)
         plans = [t[k][1] for k in range(1, len(t)) if t[k] is not None and k * unit in near]
-
-        def price(p: Plan) -> tuple[float, Plan] | None:
-            c = estimate(p, s.model, s.cluster, table=s.table, opts=s.opts.cost)
-            return (c.iteration_s, p) if c.fits else None
-
-        cands.append(candidates(plans, near, price, s.model.n_layers))
+        cands.append(candidates(plans, near, lambda p: _seconds(s, p), s.model.n_layers))
     split = fine_split([{b: v for b, (v, _) in c.items()} for c in cands], global_batch)
     if split is None or all(given.get(grp, 0) == b for grp, b in zip(part, split)):
         return found

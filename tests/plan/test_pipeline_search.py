@@ -24,7 +24,8 @@ from h2jax.plan import (
     search,
     search_pipelines,
 )
-from h2jax.plan._pipeline_search import best_shares, compositions, exact_space, rebatch, runs, set_partitions, space
+from h2jax.plan._balance import rebatch
+from h2jax.plan._pipeline_search import best_shares, compositions, exact_space, runs, set_partitions, space
 from h2jax.plan._search import SearchCache
 
 ROOT = Path(__file__).resolve().parents[2]
